@@ -1,0 +1,1 @@
+"""Benchmarks behind `clip-train bench …`; each runs its measurements in fresh subprocesses."""

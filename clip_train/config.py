@@ -1,0 +1,389 @@
+"""Typed run configuration: YAML files, dotted ``key=value`` overrides and start-up checks.
+
+Every option lives in a dataclass below, so the dataclasses are the single reference for what a
+run can set (the README's config table is generated from them). A YAML file may pull in other
+files with a top-level ``include:`` list (paths relative to that file); later files and then the
+command-line overrides win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from clip_train.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem, with a message that names the key and says what to change."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ImageTowerConfig:
+    """A timm image tower; ``timm_kwargs`` sizes small models (img_size, depth, embed_dim, …)."""
+
+    timm: str = "vit_base_patch16_224"
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)
+    pretrained: str = ""  # "" (random init), a local file or dir, or "hub" for timm's own lookup
+    lock: bool = False
+    unlocked_layers: int = 0
+    grad_checkpointing: bool = False
+
+
+@dataclass
+class TextTowerConfig:
+    """A transformers encoder; a non-empty ``hf_config`` builds a random-init model from it."""
+
+    hf: str = "bert-base-uncased"  # hub name or local directory (model and tokenizer)
+    hf_config: dict[str, Any] = field(default_factory=dict)  # BertConfig keyword arguments
+    tokenizer: str = ""  # hub name or local dir; "" means the same as `hf`
+    pooling: Literal["cls", "mean"] = "cls"
+    context_length: int = 64
+    lock: bool = False
+    unlocked_layers: int = 0
+    grad_checkpointing: bool = False
+
+
+@dataclass
+class ModelConfig:
+    embed_dim: int = 512
+    init_logit_scale: float = 2.6592600369262695  # ln(1/0.07), as in CLIP
+    image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
+    text: TextTowerConfig = field(default_factory=TextTowerConfig)
+
+
+@dataclass
+class DataConfig:
+    train: str = ""  # brace-expanded shard URLs or a directory; sources joined with "::"
+    val: str = ""
+    resampled: bool = True
+    num_samples: int = 0  # samples per epoch across all ranks; 0 = one pass over the shards
+    workers: int = 2
+    shuffle_buffer: int = 1000
+    max_skip_fraction: float = 0.1
+    rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])
+
+
+@dataclass
+class LossConfig:
+    impl: Literal["vanilla", "local", "inf", "auto"] = "auto"
+    tile_size: int = 0  # 0 picks a size for the device
+
+
+@dataclass
+class BatchConfig:
+    global_size: int = 256  # contrastive batch across all ranks
+    image_chunk: int = 0  # per-rank Gradient Cache sub-batch; 0 = the whole per-rank batch
+    text_chunk: int = 0
+    offload: bool = False  # keep the raw batch in pinned host memory, one chunk on device
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adafactor"] = "adamw"
+    lr: float = 5e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    warmup_steps: int = 0
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    seed: int = 0
+    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
+    out_dir: str = "runs/default"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dist_timeout_s: int = 600
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 1000
+    keep: int = 3
+    resume: str = ""  # "" (fresh run), "auto" (newest complete checkpoint) or a checkpoint path
+
+
+@dataclass
+class WandbConfig:
+    project: str = "clip_train"
+    name: str = ""
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # 0 = only at the end of training
+    zeroshot: str = ""  # class-name and template file (JSON) for zero-shot classification
+    zeroshot_data: str = ""  # labelled image shards; "" means data.val
+    retrieval: bool = True  # image<->text recall@k on data.val
+    batch_size: int = 256
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self, world_size: int | None = None) -> Config:
+        """Cross-field checks; ``world_size`` defaults to ``$WORLD_SIZE`` (1 without a launcher)."""
+        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        _check_batch(self.batch, world)
+        for name in ("image", "text"):
+            tower = getattr(self.model, name)
+            if tower.unlocked_layers < 0:
+                raise ConfigError(f"model.{name}.unlocked_layers={tower.unlocked_layers}: must be >= 0")
+            if tower.unlocked_layers and not tower.lock:
+                raise ConfigError(
+                    f"model.{name}.unlocked_layers={tower.unlocked_layers} has no effect without "
+                    f"model.{name}.lock=true; set the lock or drop unlocked_layers"
+                )
+        _check_positive(
+            ("model.embed_dim", self.model.embed_dim),
+            ("model.text.context_length", self.model.text.context_length),
+            ("train.max_steps", self.train.max_steps),
+            ("train.dist_timeout_s", self.train.dist_timeout_s),
+            ("train.max_bad_steps", self.train.max_bad_steps),
+            ("checkpoint.every_steps", self.checkpoint.every_steps),
+            ("checkpoint.keep", self.checkpoint.keep),
+            ("log.every_steps", self.log.every_steps),
+            ("eval.batch_size", self.eval.batch_size),
+            ("optim.lr", self.optim.lr),
+        )
+        if not 0.0 <= self.optim.min_lr <= self.optim.lr:
+            raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
+        if len(self.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.optim.betas):
+            raise ConfigError(f"optim.betas={self.optim.betas} must be two numbers in [0, 1)")
+        if not 0.0 <= self.data.max_skip_fraction <= 1.0:
+            raise ConfigError(f"data.max_skip_fraction={self.data.max_skip_fraction} must lie in [0, 1]")
+        if self.loss.tile_size < 0:
+            raise ConfigError(f"loss.tile_size={self.loss.tile_size} must be >= 0 (0 picks a size)")
+        return self
+
+
+def _check_positive(*items: tuple[str, float]) -> None:
+    for key, value in items:
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+
+
+def _check_batch(batch: BatchConfig, world: int) -> None:
+    if batch.global_size <= 0 or batch.global_size % world:
+        raise ConfigError(
+            f"batch.global_size={batch.global_size} must be a positive multiple of the world size "
+            f"({world}); try batch.global_size={max(world, batch.global_size // world * world)}"
+        )
+    per_rank = batch.global_size // world
+    for key in ("image_chunk", "text_chunk"):
+        chunk = getattr(batch, key)
+        if chunk < 0 or (chunk and per_rank % chunk):
+            raise ConfigError(
+                f"batch.{key}={chunk} must divide the per-rank batch {per_rank} "
+                f"(batch.global_size {batch.global_size} / world size {world}), i.e. batch.global_size "
+                f"must be divisible by world size x chunk; or set batch.{key}=0 for no chunking"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overriding, saving
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Load a YAML file (or the defaults when ``path`` is None), apply ``key=value`` overrides.
+
+    The result is type-checked but not cross-validated; call ``Config.validate`` at start-up,
+    once the world size is known.
+    """
+    raw: dict[str, Any] = _read_yaml_with_includes(Path(path)) if path is not None else {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"override {item!r} is not of the form key=value (e.g. batch.global_size=65536)"
+            )
+        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+    return _build(Config, raw, prefix="")
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config so a run directory records exactly what ran."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+
+
+def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Every leaf key as (dotted name, type annotation, default), in declaration order."""
+    rows: list[tuple[str, Any, Any]] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name, hint = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows += config_keys(hint, name + ".")
+        else:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            rows.append((name, hint, default))
+    return rows
+
+
+def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    includes = data.pop("include", [])
+    merged: dict[str, Any] = {}
+    for inc in [includes] if isinstance(includes, str) else includes:
+        _deep_merge(merged, _read_yaml_with_includes(path.parent / inc, (*seen, path)))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part} is a value, not a section")
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        key = unknown[0]
+        valid = list(
+            dict.fromkeys([prefix + n for n in names] + [prefix + k for k, _, _ in config_keys(cls)])
+        )
+        near = difflib.get_close_matches(prefix + str(key), valid, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(near)}?" if near else f"valid keys under {where}: {', '.join(names)}"
+        raise ConfigError(f"unknown config key {prefix}{key}: {hint}")
+    values = {}
+    for name in names:
+        if name in raw:
+            values[name] = _coerce(hints[name], raw[name], prefix + name)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    """Convert ``value`` to the annotated type or raise a ConfigError naming ``key``."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(map(str, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in args:
+            try:
+                return _coerce(arm, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r}: expected {hint}")
+    if origin is list:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[1,2]")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        return dict(value)
+    return _coerce_scalar(hint, value, key)
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
+    bad = ConfigError(f"{key}={value!r}: expected {hint.__name__}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise bad
+    if isinstance(value, bool):  # bool is an int subclass; never accept it as a number
+        raise bad
+    if hint is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is str:
+        if isinstance(value, (str, int, float)):
+            return str(value)
+        raise bad
+    if hint is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported config type {hint!r}")

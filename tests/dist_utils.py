@@ -1,0 +1,38 @@
+"""Run a function in several real gloo processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int, fn: Callable[..., Any], world_size: int, init_file: str, out_dir: str, args: tuple
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return their results.
+
+    ``fn`` must be a module-level function (it is pickled by name). Results travel through
+    ``torch.save`` files, so they may hold tensors.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_worker, args=(fn, world_size, init_file, tmp, args), nprocs=world_size, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,167 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from clip_train import load_config
+from clip_train.config import Config, ConfigError, config_keys, save_config
+
+
+def test_defaults_validate():
+    config = load_config()
+    assert isinstance(config, Config)
+    config.validate(world_size=1)
+
+
+def test_yaml_round_trip(tmp_path):
+    config = load_config(
+        None, ["batch.global_size=1024", "model.image.timm_kwargs={depth: 2}", "log.wandb.tags=[a,b]"]
+    )
+    path = tmp_path / "run" / "config.yaml"
+    save_config(config, path)
+    assert load_config(path) == config
+    assert yaml.safe_load(path.read_text())["batch"]["global_size"] == 1024
+
+
+@pytest.mark.parametrize(
+    ("override", "getter", "expected"),
+    [
+        ("batch.global_size=65536", lambda c: c.batch.global_size, 65536),
+        ("batch.global_size=65_536", lambda c: c.batch.global_size, 65536),
+        ("optim.lr=1e-3", lambda c: c.optim.lr, 1e-3),
+        ("optim.lr=2", lambda c: c.optim.lr, 2.0),
+        ("batch.offload=true", lambda c: c.batch.offload, True),
+        ("batch.offload=no", lambda c: c.batch.offload, False),
+        ("train.out_dir=runs/x", lambda c: c.train.out_dir, "runs/x"),
+        ("log.wandb.name=123", lambda c: c.log.wandb.name, "123"),
+        ("optim.betas=[0.9,0.95]", lambda c: c.optim.betas, [0.9, 0.95]),
+        ("data.rrc_scale=[1,1]", lambda c: c.data.rrc_scale, [1.0, 1.0]),
+        ("log.wandb.tags=[lit,256k]", lambda c: c.log.wandb.tags, ["lit", "256k"]),
+        ("model.image.timm_kwargs.depth=4", lambda c: c.model.image.timm_kwargs, {"depth": 4}),
+        ("model.text.hf_config={hidden_size: 64}", lambda c: c.model.text.hf_config, {"hidden_size": 64}),
+        ("loss.impl=inf", lambda c: c.loss.impl, "inf"),
+        ("model.image.lock=True", lambda c: c.model.image.lock, True),
+    ],
+)
+def test_override_types(override, getter, expected):
+    value = getter(load_config(None, [override]))
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_overrides_beat_file_and_includes(tmp_path):
+    (tmp_path / "base.yaml").write_text("model:\n  embed_dim: 32\n  text:\n    context_length: 16\n")
+    (tmp_path / "run.yaml").write_text(
+        "include: [base.yaml]\nmodel:\n  embed_dim: 48\nbatch:\n  global_size: 8\n"
+    )
+    config = load_config(tmp_path / "run.yaml", ["batch.global_size=16"])
+    assert (config.model.embed_dim, config.model.text.context_length, config.batch.global_size) == (
+        48,
+        16,
+        16,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("batch.global_sise=8", "batch.global_size"),
+        ("optim.warmup=10", "optim.warmup_steps"),
+        ("modle.embed_dim=8", "model"),
+    ],
+)
+def test_unknown_key_names_nearest(override, named):
+    with pytest.raises(ConfigError, match="unknown config key") as err:
+        load_config(None, [override])
+    assert named in str(err.value)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  max_step: 3\n")
+    with pytest.raises(ConfigError, match=r"train\.max_step\b.*train\.max_steps"):
+        load_config(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "batch.global_size=abc",
+        "batch.global_size=1.5",
+        "batch.global_size=true",
+        "optim.lr=fast",
+        "batch.offload=maybe",
+        "loss.impl=flash",
+        "train.precision=fp8",
+        "optim.betas=0.9",
+        "model.image.timm_kwargs=3",
+        "model.image=vit",
+    ],
+)
+def test_bad_type_names_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["batch.global_size"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["batch.global_size=10"], 4, r"batch\.global_size=10 must be a positive multiple of the world size"),
+        (
+            ["batch.global_size=64", "batch.image_chunk=24"],
+            2,
+            r"batch\.image_chunk=24 must divide the per-rank",
+        ),
+        (["batch.global_size=64", "batch.text_chunk=-1"], 1, r"batch\.text_chunk=-1"),
+        (["model.text.unlocked_layers=2"], 1, r"model\.text\.lock=true"),
+        (["optim.min_lr=1", "optim.lr=0.1"], 1, r"optim\.min_lr"),
+        (["optim.betas=[0.9]"], 1, r"optim\.betas"),
+        (["train.max_steps=0"], 1, r"train\.max_steps=0 must be > 0"),
+        (["data.max_skip_fraction=2"], 1, r"data\.max_skip_fraction"),
+    ],
+)
+def test_cross_field_validation(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides).validate(world_size=world)
+
+
+def test_chunks_that_divide_pass():
+    config = load_config(None, ["batch.global_size=64", "batch.image_chunk=16", "batch.text_chunk=32"])
+    config.validate(world_size=2)
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="world size"):
+        load_config(None, ["batch.global_size=64"]).validate()
+
+
+def test_config_keys_cover_every_field():
+    keys = {name for name, _, _ in config_keys()}
+    assert {
+        "batch.global_size",
+        "batch.image_chunk",
+        "batch.text_chunk",
+        "batch.offload",
+        "loss.impl",
+    } <= keys
+    assert {"train.max_steps", "train.seed", "train.precision", "train.out_dir"} <= keys
+    for tower in ("image", "text"):
+        assert {f"model.{tower}.lock", f"model.{tower}.unlocked_layers"} <= keys
+    assert len(keys) == sum(1 for _ in _leaves(Config()))
+
+
+def _leaves(obj):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        yield from _leaves(value) if dataclasses.is_dataclass(value) else [f.name]
