@@ -2,4 +2,5 @@
 
 
 class UserError(Exception):
-    """Bad input from the user (config, paths, data, weights): the message says what to change."""
+    """An expected failure (bad config, path, data or weights; a diverged run) whose message says
+    what to change."""

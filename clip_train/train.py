@@ -1,8 +1,15 @@
-"""Train a CLIP model: ``clip-train train CONFIG [key=value ...]`` (single process or torchrun)."""
+"""Train a CLIP model: ``clip-train train CONFIG [key=value ...]``, as one process or under torchrun.
+
+Under torchrun every rank runs this. A rank that fails prints its rank and error and exits
+non-zero, so torchrun stops (or restarts) the group; collectives time out after
+``train.dist_timeout_s`` instead of hanging.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import traceback
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -12,7 +19,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clip_train.config import load_config
+    from clip_train.distributed import init_distributed, shutdown_distributed
+    from clip_train.errors import UserError
+    from clip_train.trainer import Trainer
 
-    load_config(args.config, args.overrides).validate()
-    print("clip-train: the trainer is not available in this version yet")
-    return 2
+    cfg = load_config(args.config, args.overrides).validate()  # fails before any process group exists
+    env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    try:
+        Trainer(cfg, env).run()
+    except UserError as err:
+        print(f"clip-train: rank {env.rank}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception:
+        print(f"clip-train: rank {env.rank} of {env.world_size} failed:", file=sys.stderr)
+        traceback.print_exc()
+        return 1
+    finally:
+        shutdown_distributed()
+    return 0

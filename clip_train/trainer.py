@@ -1,0 +1,265 @@
+"""The training loop. It composes the model, the data pipeline and the Gradient Cache engine, and
+owns what a week-long run needs around them: the optimizer and schedule, the NaN guard, step
+checkpoints with exact resume, logging and periodic evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from clip_train.checkpoint import (
+    complete_checkpoints,
+    load_train_state,
+    load_weights,
+    resolve_resume,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from clip_train.config import Config, save_config
+from clip_train.data import build_train_loader
+from clip_train.distributed import DistEnv, all_ranks_true, barrier, gather_to_main
+from clip_train.engine import GradCache, StepStats, wrap_ddp
+from clip_train.errors import UserError
+from clip_train.model import build_model
+from clip_train.monitor import RunMonitor
+from clip_train.optim import build_optimizer, build_scheduler
+
+MAX_LOGIT_SCALE = math.log(100.0)
+
+
+class TrainingAborted(UserError):
+    """Too many consecutive non-finite steps: the run stops, keeping its last good checkpoint."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.run_dir = Path(cfg.train.out_dir)
+        self.step = 0
+        self.bad_in_a_row = 0
+        self.bad_total = 0
+
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+        model = build_model(cfg.model)
+        self.model = (model.double() if cfg.train.precision == "fp64" else model).to(env.device)
+        self.optimizer = build_optimizer(cfg.optim, self.model)
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.max_steps)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.train.precision == "fp16")
+
+        torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
+        resume_from = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+        if resume_from is not None:
+            self._restore(resume_from)
+
+        ddp = {}
+        if env.world_size > 1:
+            device_ids = [env.device.index] if env.device.type == "cuda" else None
+            ddp = {
+                "image_ddp": wrap_ddp(self.model.visual, device_ids=device_ids),
+                "text_ddp": wrap_ddp(self.model.text, device_ids=device_ids),
+            }
+        self.engine = GradCache(
+            self.model,
+            image_chunk=cfg.batch.image_chunk,
+            text_chunk=cfg.batch.text_chunk,
+            precision=cfg.train.precision,
+            offload=cfg.batch.offload,
+            loss_impl=cfg.loss.impl,
+            tile_size=cfg.loss.tile_size or None,
+            **ddp,
+        )
+        self.loader = build_train_loader(
+            cfg.data,
+            global_batch=cfg.batch.global_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.train.seed,
+            image_size=self.model.image_size,
+            tokenizer=self.model.tokenizer,
+            start_step=self.step,
+            pin_memory=env.device.type == "cuda",
+        )
+        self.resumed_from = resume_from
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval)."""
+        cfg, env = self.cfg, self.env
+        monitor = None
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+            monitor = RunMonitor(cfg, self.run_dir, self.step)
+            if self.resumed_from is not None:
+                monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
+        final_metrics: dict[str, float] = {}
+        try:
+            batches = iter(self.loader)
+            while self.step < cfg.train.max_steps:
+                started = time.perf_counter()
+                batch = next(batches)
+                fetched = time.perf_counter()
+                self.optimizer.zero_grad(set_to_none=True)
+                stats = self.engine.step(
+                    batch.images,
+                    batch.input_ids,
+                    batch.attention_mask,
+                    self.scaler if self.scaler.is_enabled() else None,
+                )
+                grad_norm = self._apply_update(stats.loss)
+                self.scheduler.step()
+                self.step += 1
+                finished = time.perf_counter()
+                if monitor is not None:
+                    self._report(monitor, stats, grad_norm, fetched - started, finished - started)
+                if self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps:
+                    self.save()
+                if (
+                    cfg.eval.every_steps
+                    and self.step % cfg.eval.every_steps == 0
+                    and self.step < cfg.train.max_steps
+                ):
+                    self._evaluate(monitor)
+            final_metrics = self._evaluate(monitor)
+        finally:
+            if monitor is not None:
+                monitor.close()
+        return final_metrics
+
+    def _apply_update(self, loss: float) -> float:
+        """Clip and step, unless the loss or gradient norm is not finite on some rank (then skip)."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        loss_ok = all_ranks_true(math.isfinite(loss), self.env.device)
+        grads_ok = math.isfinite(grad_norm)
+        if loss_ok and grads_ok:
+            if self.scaler.is_enabled():
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            with torch.no_grad():
+                self.model.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
+            self.bad_in_a_row = 0
+        elif loss_ok and self.scaler.is_enabled():
+            pass  # an fp16 overflow: the scaler lowers its scale and the step is retried next time
+        else:
+            self._count_bad_step(loss, grad_norm)
+        if self.scaler.is_enabled():
+            self.scaler.update()
+        return grad_norm
+
+    def _count_bad_step(self, loss: float, grad_norm: float) -> None:
+        self.bad_in_a_row += 1
+        self.bad_total += 1
+        print(
+            f"clip-train: rank {self.env.rank}: step {self.step} skipped, non-finite "
+            f"(loss {loss}, grad norm {grad_norm}); {self.bad_in_a_row} in a row",
+            file=sys.stderr,
+        )
+        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            kept = complete_checkpoints(self.run_dir)
+            raise TrainingAborted(
+                f"{self.bad_in_a_row} consecutive steps had a non-finite loss or gradient norm "
+                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); stopped at step {self.step}. "
+                f"Last good checkpoint: {kept[-1] if kept else 'none'}. Lower optim.lr or use fp32/bf16."
+            )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Every rank contributes its RNG and data position; rank 0 writes."""
+        rngs = gather_to_main(rng_state())
+        data = gather_to_main(self.loader.state_dict(self.step))
+        if self.env.is_main:
+            state = {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "bad_total": self.bad_total,
+                "world_size": self.env.world_size,
+                "rng": rngs,
+                "data": data,
+            }
+            save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.checkpoint.keep)
+        barrier()
+
+    def _restore(self, path: Path) -> None:
+        load_weights(path, self.model)
+        state = load_train_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step, self.bad_total = state["step"], state["bad_total"]
+        if state["world_size"] == self.env.world_size:
+            set_rng_state(state["rng"][self.env.rank])
+        elif self.env.is_main:
+            print(
+                f"clip-train: resuming on {self.env.world_size} ranks from a {state['world_size']}-rank "
+                "checkpoint: weights and optimizer are exact, dropout streams are reseeded",
+                file=sys.stderr,
+            )
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def _report(
+        self, monitor: RunMonitor, stats: StepStats, grad_norm: float, data_s: float, step_s: float
+    ) -> None:
+        samples_per_s = self.cfg.batch.global_size / step_s
+        scale = float(self.model.logit_scale.detach().exp())
+        lr = self.optimizer.param_groups[0]["lr"]
+        monitor.advance(
+            self.step, {"loss": stats.loss, "samples/s": round(samples_per_s), "lr": lr, "scale": scale}
+        )
+        if self.step % self.cfg.log.every_steps and self.step != self.cfg.train.max_steps:
+            return
+        metrics = {
+            "train/loss": stats.loss,
+            "train/lr": lr,
+            "train/logit_scale": scale,
+            "train/grad_norm": grad_norm,
+            "train/samples_per_s": samples_per_s,
+            "time/step_s": step_s,
+            "time/data_s": data_s,
+            "time/encode_s": stats.encode_s,
+            "time/loss_s": stats.loss_s,
+            "time/replay_s": stats.replay_s,
+            "time/optimizer_s": step_s - data_s - stats.encode_s - stats.loss_s - stats.replay_s,
+            "memory/peak_bytes": stats.peak_mem or _peak_rss_bytes(),
+            "memory/cache_bytes": stats.cache_bytes,
+            "train/skipped_steps": self.bad_total,
+        }
+        metrics.update({f"data/skipped_{reason}": n for reason, n in self.loader.skip_counts().items()})
+        monitor.log(self.step, metrics)
+
+    def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:
+        if not (self.cfg.data.val or self.cfg.eval.zeroshot):
+            return {}
+        from clip_train.evaluate import evaluate
+
+        metrics = evaluate(
+            self.model,
+            self.cfg.eval,
+            self.cfg.data,
+            device=self.env.device,
+            precision=self.cfg.train.precision,
+        )
+        if monitor is not None:
+            monitor.log(self.step, metrics)
+            monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

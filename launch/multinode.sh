@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Multi-node training with torchrun's c10d rendezvous. Run the same command on every node:
+#
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<hostname of node 0> launch/multinode.sh CONFIG [key=value ...]
+#
+# Set on each node:
+#   NNODES          number of nodes (required)
+#   NODE_RANK       this node's index, 0 on the node at MASTER_ADDR (required)
+#   MASTER_ADDR     host that serves the rendezvous, reachable from every node (required)
+#   MASTER_PORT     its TCP port (default 29500)
+#   NPROC_PER_NODE  processes per node (default: number of GPUs, or 1 without GPUs)
+#   RDZV_ID         a job id shared by all nodes (default: clip_train)
+#   MAX_RESTARTS    group restarts torchrun may do after a failure (default 0)
+#   PYTHON          interpreter (default python3)
+set -euo pipefail
+
+: "${NNODES:?set NNODES to the number of nodes}"
+: "${NODE_RANK:?set NODE_RANK to the index of this node, 0 on MASTER_ADDR}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the hostname of node 0}"
+if [ $# -lt 1 ]; then
+  echo "usage: $0 CONFIG [key=value ...]" >&2
+  exit 2
+fi
+config=$1
+shift
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+fi
+nproc=${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}
+
+exec "${PYTHON:-python3}" -m torch.distributed.run \
+  --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$nproc" \
+  --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
+  --rdzv_id "${RDZV_ID:-clip_train}" --max-restarts "${MAX_RESTARTS:-0}" \
+  -m clip_train train "$config" "$@"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Single-node training: one process per GPU, or NPROC_PER_NODE processes on CPU.
+#
+#   launch/train.sh CONFIG [key=value ...]
+#   NPROC_PER_NODE=2 launch/train.sh configs/demo-digits.yaml train.max_steps=10
+#
+# PYTHON picks the interpreter (default: python3); MAX_RESTARTS lets torchrun restart a failed
+# group, which resumes from the last checkpoint.
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+  echo "usage: $0 CONFIG [key=value ...]" >&2
+  exit 2
+fi
+config=$1
+shift
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+fi
+nproc=${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}
+
+exec "${PYTHON:-python3}" -m torch.distributed.run \
+  --standalone --nproc_per_node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
+  -m clip_train train "$config" "$@"

@@ -1,0 +1,67 @@
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from clip_train.config import OptimConfig
+from clip_train.optim import build_optimizer, build_scheduler, lr_factor, parameter_groups
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.pos = nn.Parameter(torch.zeros(3, 4))
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+
+def test_only_layer_weights_decay_and_frozen_are_left_out():
+    model = Toy()
+    decayed, plain = parameter_groups(model, weight_decay=0.1)
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert {id(p) for p in decayed["params"]} == {id(model.proj.weight)}
+    expected_plain = [model.embed.weight, model.pos, model.proj.bias, model.norm.weight, model.norm.bias]
+    assert {id(p) for p in plain["params"]} == {id(p) for p in [*expected_plain, model.logit_scale]}
+    everything = {id(p) for g in (decayed, plain) for p in g["params"]}
+    assert id(model.frozen.weight) not in everything and id(model.frozen.bias) not in everything
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_optimizers_step_and_skip_frozen(name):
+    model = Toy()
+    optimizer = build_optimizer(OptimConfig(name=name, lr=1e-2, weight_decay=0.1), model)
+    before = model.frozen.weight.clone()
+    model.proj(model.embed(torch.tensor([1, 2]))).sum().backward()
+    proj = model.proj.weight.clone()
+    optimizer.step()
+    assert torch.equal(model.frozen.weight, before)
+    assert not torch.equal(model.proj.weight, proj)
+
+
+def test_warmup_then_cosine_to_min_lr():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
+    factors = [lr_factor(s, cfg, max_steps=14) for s in range(16)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == pytest.approx(1.0)
+    assert factors[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert factors[14] == pytest.approx(0.1) and factors[15] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
+
+
+def test_scheduler_drives_optimizer_lr():
+    model = Toy()
+    cfg = OptimConfig(lr=0.5, min_lr=0.0, warmup_steps=2)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, max_steps=10)
+    seen = []
+    for _ in range(3):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.25, 0.5, 0.5])

@@ -1,0 +1,44 @@
+"""Every shipped config loads and validates at the world sizes it is written for; nothing is built."""
+
+from pathlib import Path
+
+import pytest
+
+from clip_train import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPES = {
+    "laion400m-lit-vitb16-bert-256k.yaml": (8, 32),
+    "laion400m-vitl14-1m.yaml": (8, 32),
+    "cc12m-vitb32-32k.yaml": (8,),
+    "demo-digits.yaml": (1, 2),
+}
+
+
+def test_every_config_is_covered():
+    shipped = {p.name for p in CONFIGS.glob("*.yaml")}
+    assert shipped == set(RECIPES)
+
+
+@pytest.mark.parametrize(("name", "worlds"), RECIPES.items())
+def test_recipe_validates(name, worlds):
+    config = load_config(CONFIGS / name)
+    for world in worlds:
+        config.validate(world_size=world)
+
+
+def test_lit_recipe_matches_inf_cl():
+    config = load_config(CONFIGS / "laion400m-lit-vitb16-bert-256k.yaml")
+    assert config.model.image.lock and config.model.image.timm.startswith("vit_base_patch16_224")
+    assert config.model.text.hf == "bert-base-uncased" and not config.model.text.lock
+    assert config.batch.global_size == 256 * 1024 and config.batch.offload and config.loss.impl == "inf"
+    assert (config.optim.name, config.optim.lr, config.optim.weight_decay) == ("adafactor", 1e-3, 1e-4)
+    steps_per_epoch = config.data.num_samples // config.batch.global_size
+    assert config.train.max_steps == 8 * steps_per_epoch
+    assert config.optim.warmup_steps == steps_per_epoch // 2
+    assert config.train.precision == "bf16"
+
+
+def test_million_batch_recipe():
+    config = load_config(CONFIGS / "laion400m-vitl14-1m.yaml")
+    assert config.batch.global_size == 2**20 and config.model.image.timm.startswith("vit_large_patch14")
