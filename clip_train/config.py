@@ -40,6 +40,7 @@ class ImageTowerConfig:
     pretrained: str = ""  # "" (random init), a local file or dir, or "hub" for timm's own lookup
     lock: bool = False
     unlocked_layers: int = 0
+    lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
     grad_checkpointing: bool = False
 
 
@@ -54,6 +55,7 @@ class TextTowerConfig:
     context_length: int = 64
     lock: bool = False
     unlocked_layers: int = 0
+    lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
     grad_checkpointing: bool = False
 
 

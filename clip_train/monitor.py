@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def _start_wandb(cfg: Config, run_dir: Path):
     import wandb
 
     id_file = run_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
     return wandb.init(
         project=cfg.log.wandb.project,

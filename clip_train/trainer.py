@@ -26,6 +26,7 @@ from clip_train.config import Config, save_config
 from clip_train.data import build_train_loader
 from clip_train.distributed import DistEnv, all_ranks_true, barrier, gather_to_main
 from clip_train.engine import GradCache, StepStats, wrap_ddp
+from clip_train.engine.rng import preserved_rng
 from clip_train.errors import UserError
 from clip_train.model import build_model
 from clip_train.monitor import RunMonitor
@@ -55,8 +56,7 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         resume_from = resolve_resume(cfg.checkpoint.resume, self.run_dir)
-        if resume_from is not None:
-            self._restore(resume_from)
+        data_state = self._restore(resume_from) if resume_from is not None else None
 
         ddp = {}
         if env.world_size > 1:
@@ -85,6 +85,7 @@ class Trainer:
             tokenizer=self.model.tokenizer,
             start_step=self.step,
             pin_memory=env.device.type == "cuda",
+            state=data_state,
         )
         self.resumed_from = resume_from
 
@@ -120,7 +121,10 @@ class Trainer:
                 finished = time.perf_counter()
                 if monitor is not None:
                     self._report(monitor, stats, grad_norm, fetched - started, finished - started)
-                if self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps:
+                at_checkpoint = (
+                    self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
+                )
+                if at_checkpoint and not self.bad_in_a_row:  # only good steps make checkpoints
                     self.save()
                 if (
                     cfg.eval.every_steps
@@ -195,7 +199,8 @@ class Trainer:
             save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.checkpoint.keep)
         barrier()
 
-    def _restore(self, path: Path) -> None:
+    def _restore(self, path: Path) -> dict | None:
+        """Load a checkpoint into the model, optimizer and RNG; returns this rank's data position."""
         load_weights(path, self.model)
         state = load_train_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -204,12 +209,14 @@ class Trainer:
         self.step, self.bad_total = state["step"], state["bad_total"]
         if state["world_size"] == self.env.world_size:
             set_rng_state(state["rng"][self.env.rank])
-        elif self.env.is_main:
+            return state["data"][self.env.rank]
+        if self.env.is_main:
             print(
                 f"clip-train: resuming on {self.env.world_size} ranks from a {state['world_size']}-rank "
-                "checkpoint: weights and optimizer are exact, dropout streams are reseeded",
+                "checkpoint: weights and optimizer are exact; dropout and data streams restart at the step",
                 file=sys.stderr,
             )
+        return None
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -248,13 +255,14 @@ class Trainer:
             return {}
         from clip_train.evaluate import evaluate
 
-        metrics = evaluate(
-            self.model,
-            self.cfg.eval,
-            self.cfg.data,
-            device=self.env.device,
-            precision=self.cfg.train.precision,
-        )
+        with preserved_rng(self.env.device):  # eval must not shift the training RNG streams
+            metrics = evaluate(
+                self.model,
+                self.cfg.eval,
+                self.cfg.data,
+                device=self.env.device,
+                precision=self.cfg.train.precision,
+            )
         if monitor is not None:
             monitor.log(self.step, metrics)
             monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

@@ -1,0 +1,16 @@
+"""The data layer: WebDataset shards in, per-rank uint8 batches out (see ``pipeline`` for the design)."""
+
+from clip_train.data.pipeline import Batch, TrainLoader, build_eval_loader, build_train_loader
+from clip_train.data.samples import SKIP_REASONS, DataError
+from clip_train.data.sources import dataset_size, expand_urls
+
+__all__ = [
+    "SKIP_REASONS",
+    "Batch",
+    "DataError",
+    "TrainLoader",
+    "build_eval_loader",
+    "build_train_loader",
+    "dataset_size",
+    "expand_urls",
+]

@@ -1,0 +1,499 @@
+"""Training and eval loaders: shards -> checked samples -> uint8 batches, built in DataLoader workers.
+
+How the training stream is laid out (this is what makes ranks agree and resume exact):
+
+* S = steps per epoch (``data.num_samples // batch.global_size``), W = loader workers. Step i of a
+  rank comes from worker *role* ``i % W``: the DataLoader hands batches out round-robin, so its
+  worker d plays role ``(d + start_step) % W``. Role r's k-th batch is step ``r + k*W``, of epoch
+  ``(r + k*W) // S``; every role knows the epoch of each batch it makes, with nothing shared.
+* Per epoch a role reads a stream that depends only on (seed, epoch, rank, role): shards drawn
+  with replacement (``data.resampled``), or the seed+epoch shuffle of all shards that every rank
+  computes alike, split by rank, then by role, and cycled; then a seeded sample shuffle buffer.
+  The role makes exactly its share of the epoch's S batches and moves on, so every rank yields S
+  batches per epoch however uneven its shards are (what webdataset's ``with_epoch`` is for).
+* Each batch carries its role's position: (epoch, batches done in the epoch, raw items consumed
+  from the epoch's shuffled stream). ``TrainLoader.state_dict(step)`` keeps, per role, the
+  position after its last batch before ``step``. A loader built with that state drains as many
+  raw items (tar bytes, no image decoding) and goes on exactly where the old one stopped; crops
+  are seeded per item, so they match too. Without a state the position is derived from
+  ``start_step`` and the role replays its epoch so far, decoding to tell good samples from bad:
+  exact as well, only slower.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from clip_train.config import DataConfig
+from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, decode_sample
+from clip_train.data.sources import dataset_size, expand_urls, read_shard
+from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transform, train_transform
+
+Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
+STATE_VERSION = 1
+
+
+@dataclass
+class Batch:
+    """One rank's batch. Images stay uint8 (B, 3, H, W); the device side normalises them."""
+
+    images: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    keys: list[str]
+    labels: torch.Tensor | None = None  # from ``{key}.json`` ``{"label": int}`` when every sample has one
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count since the worker's last batch
+    position: tuple[int, int, int, int] | None = None  # (role, epoch, done, consumed): resume bookkeeping
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def pin_memory(self) -> Batch:
+        """Called by the DataLoader's pin-memory thread."""
+        return dataclasses.replace(
+            self,
+            images=self.images.pin_memory(),
+            input_ids=self.input_ids.pin_memory(),
+            attention_mask=self.attention_mask.pin_memory(),
+            labels=None if self.labels is None else self.labels.pin_memory(),
+        )
+
+
+def _collate(samples: list[tuple[Decoded, torch.Tensor]], tokenizer: Tokenizer, **extra: Any) -> Batch:
+    tokens = tokenizer([sample.caption for sample, _ in samples])
+    labels = [sample.meta.get("label") for sample, _ in samples]
+    has_labels = all(isinstance(label, int) and not isinstance(label, bool) for label in labels)
+    return Batch(
+        images=torch.stack([image for _, image in samples]),
+        input_ids=torch.as_tensor(tokens["input_ids"]).long(),
+        attention_mask=torch.as_tensor(tokens["attention_mask"]).long(),
+        keys=[sample.key for sample, _ in samples],
+        labels=torch.tensor(labels) if has_labels else None,
+        **extra,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Training stream
+# --------------------------------------------------------------------------------------------
+
+
+class Position(NamedTuple):
+    epoch: int
+    done: int  # batches the role has made in this epoch
+    consumed: int  # raw items taken from the epoch's shuffled stream; -1: unknown, replay instead
+
+
+def role_batches(role: int, epoch: int, steps_per_epoch: int, roles: int) -> int:
+    """How many of the epoch's steps fall to ``role`` (steps i with i % roles == role)."""
+    return len(range(role, (epoch + 1) * steps_per_epoch, roles)) - len(
+        range(role, epoch * steps_per_epoch, roles)
+    )
+
+
+def position_at(step: int, role: int, steps_per_epoch: int, roles: int) -> Position:
+    """Where ``role`` stands when ``step`` is next, as far as step counts tell (no raw cursor)."""
+    made = len(range(role, step, roles))
+    epoch = (role + made * roles) // steps_per_epoch
+    return Position(epoch, made - len(range(role, epoch * steps_per_epoch, roles)), -1)
+
+
+def _seed(*parts: object) -> int:
+    """A stable 63-bit seed from labelled parts (str seeding hashes with SHA-512, not ``hash``)."""
+    return random.Random("/".join(map(str, parts))).getrandbits(63)
+
+
+@dataclass(frozen=True)
+class _TrainSpec:
+    urls: tuple[str, ...]
+    resampled: bool
+    seed: int
+    rank: int
+    world_size: int
+    roles: int
+    batch_size: int
+    steps_per_epoch: int
+    shuffle_buffer: int
+    max_skip_fraction: float
+
+
+def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[dict[str, Any]]:
+    """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards."""
+    empty: set[str] = set()
+    for url in shards:
+        count = 0
+        for raw in read_shard(url):
+            count += 1
+            yield raw
+        if count:
+            empty.clear()
+            continue
+        empty.add(url)
+        if empty >= pool:
+            raise DataError(f"the shards {sorted(pool)[:4]}{'...' if len(pool) > 4 else ''} hold no samples")
+
+
+def _drain(items: Iterator[Any], count: int) -> None:
+    collections.deque(itertools.islice(items, count), maxlen=0)
+
+
+def _replay(items: Iterator[dict[str, Any]], good_wanted: int) -> int:
+    """Consume items until ``good_wanted`` usable samples went by; return the items consumed."""
+    consumed = good = 0
+    while good < good_wanted:
+        consumed += 1
+        try:
+            decode_sample(next(items))
+            good += 1
+        except BadSample:
+            pass
+    return consumed
+
+
+class TrainStream(IterableDataset):
+    """The per-worker generator of training batches (runs inside DataLoader workers)."""
+
+    def __init__(
+        self,
+        spec: _TrainSpec,
+        transform: ImageTransform,
+        tokenizer: Tokenizer,
+        starts: list[Position],
+        start_step: int,
+    ) -> None:
+        super().__init__()
+        self.spec, self.transform, self.tokenizer = spec, transform, tokenizer
+        self.starts, self.start_step = starts, start_step
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        role = ((info.id if info is not None else 0) + self.start_step) % self.spec.roles
+        tally = SkipTally(self.spec.max_skip_fraction, min_seen=self.spec.batch_size)
+        epoch, done, consumed = self.starts[role]
+        while True:
+            yield from self._epoch(role, epoch, done, consumed, tally)
+            epoch, done, consumed = epoch + 1, 0, 0
+
+    def _raw_items(self, role: int, epoch: int) -> Iterator[dict[str, Any]]:
+        """The epoch's shuffled raw samples for ``role``: an endless stream of resampled shards, or
+        passes over the role's share of the shards, each pass shuffled on its own (so an epoch of
+        exactly one pass sees every sample once)."""
+        spec = self.spec
+        if spec.resampled:
+            shard_seed = _seed("shards", spec.seed, epoch, spec.rank, role)
+            drawn = wds.ResampledShards(
+                list(spec.urls), seed=shard_seed, worker_seed=lambda: 0, deterministic=True
+            )
+            return self._shuffled(_samples_of((d["url"] for d in drawn), set(spec.urls)), role, epoch, 0)
+        order = [d["url"] for d in wds.SimpleShardList(list(spec.urls), seed=f"shards/{spec.seed}/{epoch}")]
+        mine = order[spec.rank :: spec.world_size][role :: spec.roles]
+        passes = (
+            self._shuffled(_samples_of(iter(mine), set(mine)), role, epoch, p) for p in itertools.count()
+        )
+        return itertools.chain.from_iterable(passes)
+
+    def _shuffled(
+        self, items: Iterator[dict[str, Any]], role: int, epoch: int, part: int
+    ) -> Iterator[dict[str, Any]]:
+        spec = self.spec
+        if spec.shuffle_buffer <= 1:
+            return items
+        rng = random.Random(f"samples/{spec.seed}/{epoch}/{spec.rank}/{role}/{part}")
+        return iter(wds.shuffle(spec.shuffle_buffer, initial=spec.shuffle_buffer, rng=rng)(items))
+
+    def _epoch(self, role: int, epoch: int, done: int, consumed: int, tally: SkipTally) -> Iterator[Batch]:
+        spec = self.spec
+        wanted = role_batches(role, epoch, spec.steps_per_epoch, spec.roles)
+        if done >= wanted:
+            return
+        items = self._raw_items(role, epoch)
+        if consumed >= 0:
+            _drain(items, consumed)
+        else:
+            consumed = _replay(items, done * spec.batch_size)
+        batch: list[tuple[Decoded, torch.Tensor]] = []
+        for raw in items:
+            consumed += 1
+            try:
+                sample = decode_sample(raw)
+            except BadSample as bad:
+                tally.add_bad(bad, raw)
+                continue
+            tally.add_good()
+            crop_seed = _seed("crop", spec.seed, epoch, spec.rank, role, consumed)
+            batch.append((sample, apply_seeded(self.transform, sample.image, crop_seed)))
+            if len(batch) == spec.batch_size:
+                done += 1
+                position = (role, epoch, done, consumed)
+                yield _collate(batch, self.tokenizer, skipped=tally.take_pending(), position=position)
+                batch = []
+                if done == wanted:
+                    return
+
+
+class TrainLoader:
+    """A rank's training batches, forever across epochs (the trainer stops at its max_steps).
+
+    Attributes: ``steps_per_epoch``, ``batch_size`` (per rank). ``skip_counts()`` gives the skipped
+    samples by reason, over all workers; ``state_dict(step)`` the JSON-able position to resume at
+    ``step`` (pass it back as ``build_train_loader(..., start_step=step, state=...)``). The state
+    is per rank: gather every rank's state into the checkpoint.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        spec: _TrainSpec,
+        *,
+        start_step: int,
+        starts: list[Position],
+        skipped: dict[str, int],
+    ) -> None:
+        self._loader, self._spec = loader, spec
+        self._start_step, self._starts = start_step, starts
+        self._step = start_step
+        self._iterator: Iterator[Batch] | None = None
+        self._positions: dict[int, Position] = {}
+        self._history = 4 * spec.roles + 64  # positions kept: enough for prefetching callers
+        self._skipped: collections.Counter[str] = collections.Counter(skipped)
+        self.steps_per_epoch = spec.steps_per_epoch
+        self.batch_size = spec.batch_size
+
+    def __iter__(self) -> TrainLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._iterator is None:
+            self._iterator = iter(self._loader)
+        try:
+            batch = next(self._iterator)
+        except DataError as err:  # raised in a worker: the DataLoader re-raises it wrapped in a traceback
+            raise DataError(str(err).strip().rpartition("DataError: ")[2]) from None
+        role, epoch, done, consumed = batch.position
+        if role != self._step % self._spec.roles:
+            raise RuntimeError(f"data loader order broke: step {self._step} came from worker role {role}")
+        self._positions[self._step] = Position(epoch, done, consumed)
+        self._positions.pop(self._step - self._history, None)
+        self._step += 1
+        self._skipped.update(batch.skipped)
+        return batch
+
+    def skip_counts(self) -> dict[str, int]:
+        return dict(self._skipped)
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The data position to resume at ``step`` (batches ``step`` onwards not yet trained on)."""
+        if not self._start_step <= step <= self._step:
+            raise DataError(
+                f"state_dict(step={step}): this loader has handed out steps "
+                f"{self._start_step} to {self._step - 1}"
+            )
+        roles = self._spec.roles
+        positions = []
+        for role in range(roles):
+            last = step - 1 - (step - 1 - role) % roles  # the role's last step before `step`
+            if last < self._start_step:
+                positions.append(list(self._starts[role]))
+            elif last in self._positions:
+                positions.append(list(self._positions[last]))
+            else:
+                raise DataError(
+                    f"state_dict(step={step}) is too far behind the loader (at step {self._step}); "
+                    "take the state right after the step"
+                )
+        return {
+            "version": STATE_VERSION,
+            "step": step,
+            **_fingerprint(self._spec),
+            "positions": positions,
+            "skipped": dict(self._skipped),
+        }
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self._iterator = None
+
+
+def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
+    """What a saved position is only valid for."""
+    return {
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+        "workers": spec.roles,
+        "batch_size": spec.batch_size,
+        "steps_per_epoch": spec.steps_per_epoch,
+        "seed": spec.seed,
+        "resampled": spec.resampled,
+        "shards": len(spec.urls),
+    }
+
+
+def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[Position]:
+    if state.get("version") != STATE_VERSION:
+        raise DataError(f"data loader state has version {state.get('version')!r}; expected {STATE_VERSION}")
+    if state["step"] != start_step:
+        raise DataError(f"the data loader state was saved at step {state['step']}, not at step {start_step}")
+    for key, now in _fingerprint(spec).items():
+        if state[key] != now:
+            raise DataError(
+                f"cannot restore the data position: it was saved with {key}={state[key]}, this run has "
+                f"{key}={now}; keep data.workers, data.train, data.num_samples, batch.global_size, "
+                "train.seed and the world size unchanged to resume exactly"
+            )
+    return [Position(*p) for p in state["positions"]]
+
+
+def build_train_loader(
+    data_cfg: DataConfig,
+    *,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    image_size: int,
+    tokenizer: Tokenizer,
+    start_step: int = 0,
+    pin_memory: bool = False,
+    state: dict[str, Any] | None = None,
+) -> TrainLoader:
+    """The training loader of one rank; rank and world size come from the arguments, not from
+    ``torch.distributed``. ``state`` is a ``TrainLoader.state_dict(start_step)`` for a cheap exact
+    resume; without it a resume at ``start_step`` replays the current epoch (exact, slower)."""
+    urls = expand_urls(data_cfg.train, what="data.train")
+    if global_batch <= 0 or global_batch % world_size:
+        raise DataError(
+            f"batch.global_size={global_batch} must be a positive multiple of the world size {world_size}"
+        )
+    num_samples = data_cfg.num_samples or dataset_size(urls)
+    if not num_samples:
+        raise DataError(
+            "data.num_samples=0 means one pass over the shards, but their sizes are unknown (no sizes.json "
+            "or img2dataset *_stats.json next to them); set data.num_samples"
+        )
+    steps = num_samples // global_batch
+    if steps == 0:
+        raise DataError(
+            f"an epoch of {num_samples} samples is less than one global batch of {global_batch}; "
+            "raise data.num_samples or lower batch.global_size"
+        )
+    roles = max(1, data_cfg.workers)
+    if not data_cfg.resampled and len(urls) < world_size * roles:
+        raise DataError(
+            f"data.train has {len(urls)} shards, fewer than {world_size} ranks x {roles} workers: some "
+            "workers would get none. Use data.resampled=true, fewer data.workers, or more (smaller) shards"
+        )
+    spec = _TrainSpec(
+        urls=tuple(urls),
+        resampled=data_cfg.resampled,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        roles=roles,
+        batch_size=global_batch // world_size,
+        steps_per_epoch=steps,
+        shuffle_buffer=data_cfg.shuffle_buffer,
+        max_skip_fraction=data_cfg.max_skip_fraction,
+    )
+    if state is not None:
+        starts = _restore(state, spec, start_step)
+    else:
+        starts = [position_at(start_step, role, steps, roles) for role in range(roles)]
+    transform = train_transform(image_size, data_cfg.rrc_scale, data_cfg.rrc_ratio)
+    dataset = TrainStream(spec, transform, tokenizer, starts, start_step)
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=data_cfg.workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        # Its own generator: starting an iterator must not draw from the global RNG, whose state
+        # (dropout masks) a checkpoint restores exactly.
+        generator=torch.Generator().manual_seed(_seed(seed, rank)),
+    )
+    skipped = state["skipped"] if state is not None else {}
+    return TrainLoader(loader, spec, start_step=start_step, starts=starts, skipped=skipped)
+
+
+# --------------------------------------------------------------------------------------------
+# Eval stream
+# --------------------------------------------------------------------------------------------
+
+
+class EvalStream(IterableDataset):
+    """Every sample once across ranks: workers split the shards, ranks split each shard's samples
+    (sample i goes to rank i % world_size), so any number of shards serves any world size."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        transform: ImageTransform,
+        tokenizer: Tokenizer,
+    ) -> None:
+        super().__init__()
+        self.urls, self.rank, self.world_size, self.batch_size = urls, rank, world_size, batch_size
+        self.transform, self.tokenizer = transform, tokenizer
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        tally = SkipTally(max_fraction=1.0, min_seen=1)
+        batch: list[tuple[Decoded, torch.Tensor]] = []
+        for url in self.urls[worker::workers]:
+            for index, raw in enumerate(read_shard(url)):
+                if index % self.world_size != self.rank:
+                    continue
+                try:
+                    sample = decode_sample(raw)
+                except BadSample as bad:
+                    tally.add_bad(bad, raw)
+                    continue
+                batch.append((sample, self.transform(sample.image)))
+                if len(batch) == self.batch_size:
+                    yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
+                    batch = []
+        if batch:
+            yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
+
+
+def build_eval_loader(
+    urls: str,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    image_size: int,
+    tokenizer: Tokenizer,
+    workers: int = 2,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """A re-iterable loader over eval shards (a spec as for ``data.val``): deterministic, centre
+    crops, each sample exactly once across ranks, the last batch partial. Ranks may get different
+    numbers of batches; gather features after the loop, not per batch."""
+    shard_urls = expand_urls(urls, what="eval data")
+    dataset = EvalStream(
+        shard_urls,
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        transform=eval_transform(image_size),
+        tokenizer=tokenizer,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=min(workers, len(shard_urls)),
+        pin_memory=pin_memory and torch.cuda.is_available(),
+    )

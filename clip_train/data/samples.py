@@ -1,0 +1,144 @@
+"""One sample's bytes to a checked ``Decoded`` sample, and the per-worker tally of skipped ones.
+
+A bad sample (or a bad shard) never stops training: it raises ``BadSample`` with a short reason,
+the worker counts it in its ``SkipTally`` and moves on. The counts travel to the trainer inside
+each batch; only a skip *rate* above ``data.max_skip_fraction`` stops the run, with ``DataError``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from clip_train.errors import UserError
+
+log = logging.getLogger("clip_train.data")
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+SKIP_REASONS = (
+    "shard_open",  # the shard could not be opened or held no readable tar member
+    "truncated_tar",  # the tar ended or broke mid-way; the sample in progress is dropped
+    "duplicate_key",  # a key seen before in the same shard, or a file repeated within a sample
+    "empty_file",  # a zero-byte member
+    "missing_image",
+    "missing_caption",
+    "empty_caption",  # whitespace only
+    "bad_caption",  # not UTF-8
+    "bad_json",
+    "bad_image",  # bytes PIL cannot decode
+)
+
+
+class DataError(UserError):
+    """A data problem the run cannot work around (no shards, too many bad samples, bad resume)."""
+
+
+class BadSample(Exception):
+    """A sample to skip; ``reason`` is one of ``SKIP_REASONS``."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Decoded:
+    key: str
+    image: Image.Image  # RGB, fully loaded
+    caption: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def check_sample(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """The cheap checks (no image decode): return (image extension, caption, json metadata)."""
+    if "__bad__" in raw:
+        raise BadSample(raw["__bad__"], raw.get("__error__", ""))
+    members = {k: v for k, v in raw.items() if not k.startswith("__")}
+    if any(len(v) == 0 for v in members.values()):
+        raise BadSample("empty_file")
+    ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
+    if ext is None:
+        raise BadSample("missing_image")
+    if "txt" not in members:
+        raise BadSample("missing_caption")
+    try:
+        caption = members["txt"].decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise BadSample("bad_caption", str(err)) from None
+    if not caption:
+        raise BadSample("empty_caption")
+    meta: dict[str, Any] = {}
+    if "json" in members:
+        try:
+            meta = json.loads(members["json"])
+        except ValueError as err:
+            raise BadSample("bad_json", str(err)) from None
+        if not isinstance(meta, dict):
+            raise BadSample("bad_json", f"expected an object, got {type(meta).__name__}")
+    return ext, caption, meta
+
+
+def decode_sample(raw: dict[str, Any]) -> Decoded:
+    """Check a grouped tar sample and decode its image to RGB; raise ``BadSample`` if unusable."""
+    ext, caption, meta = check_sample(raw)
+    try:
+        image = Image.open(io.BytesIO(raw[ext])).convert("RGB")
+    except Exception as err:  # arbitrary bytes make PIL raise many types; all mean "undecodable"
+        raise BadSample("bad_image", f"{type(err).__name__}: {err}") from None
+    return Decoded(key=raw["__key__"], image=image, caption=caption, meta=meta)
+
+
+class SkipTally:
+    """Skipped samples in one worker: counts by reason, a rate-limited warning, the abort rule.
+
+    The rate is checked only once ``min_seen`` samples were looked at, so one bad sample among
+    the very first ones cannot stop a run; an all-bad stream still stops after ``min_seen``.
+    """
+
+    def __init__(self, max_fraction: float, min_seen: int, warn_every_s: float = 30.0) -> None:
+        self.max_fraction = max_fraction
+        self.min_seen = min_seen
+        self.warn_every_s = warn_every_s
+        self.good = 0
+        self.total: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()
+        self._last_warning = -float("inf")
+
+    def add_good(self) -> None:
+        self.good += 1
+
+    def add_bad(self, bad: BadSample, raw: dict[str, Any]) -> None:
+        self.total[bad.reason] += 1
+        self._pending[bad.reason] += 1
+        now = time.monotonic()
+        if now - self._last_warning >= self.warn_every_s:
+            self._last_warning = now
+            log.warning(
+                "skipped sample %r of %s (%s); skipped so far by this worker: %s",
+                raw.get("__key__", ""),
+                raw.get("__url__", "?"),
+                bad,
+                dict(self.total),
+            )
+        skipped = sum(self.total.values())
+        seen = skipped + self.good
+        if seen >= self.min_seen and skipped > self.max_fraction * seen:
+            raise DataError(
+                f"{skipped} of {seen} samples ({skipped / seen:.1%}) were skipped, more than "
+                f"data.max_skip_fraction={self.max_fraction}; reasons: {dict(self.total)}. Fix or drop "
+                f"the bad shards (the log names them), or raise data.max_skip_fraction"
+            )
+
+    def take_pending(self) -> dict[str, int]:
+        """Counts since the last call: what the next batch carries to the trainer."""
+        pending = dict(self._pending)
+        self._pending.clear()
+        return pending

@@ -1,0 +1,120 @@
+"""Where samples come from: shard specs (braces, ``::``, directories, ``pipe:``), sizes, tar reading.
+
+A shard spec is what ``data.train``/``data.val`` hold: webdataset URLs with brace expansion
+(``/data/{00000..00099}.tar``), ``pipe:`` commands (``pipe:aws s3 cp s3://b/{0..9}.tar -``), several
+sources joined with ``::``, and local directories, which stand for every ``.tar`` in them (sorted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from webdataset.shardlists import expand_urls as wds_expand_urls
+from webdataset.tariterators import base_plus_ext, tar_file_expander, url_opener
+
+from clip_train.data.samples import DataError
+
+log = logging.getLogger("clip_train.data")
+
+
+def expand_urls(spec: str, *, what: str = "data.train") -> list[str]:
+    """Every shard URL of a spec, in order; ``what`` names the option in error messages."""
+    if not spec.strip():
+        raise DataError(f"{what} is empty: give shard URLs, e.g. {what}=/data/shards/{{00000..00099}}.tar")
+    urls: list[str] = []
+    for url in wds_expand_urls(spec):
+        url = url.strip()
+        if not url:
+            raise DataError(f"{what}={spec!r} has an empty source (check the '::' separators)")
+        if os.path.isdir(url):
+            tars = sorted(str(p) for p in Path(url).glob("*.tar"))
+            if not tars:
+                raise DataError(f"{what}: directory {url} holds no .tar shards")
+            urls.extend(tars)
+        else:
+            urls.append(url)
+    local = [u for u in urls if not u.startswith("pipe:") and "://" not in u]
+    missing = [u for u in local if not os.path.exists(u)]
+    if local and len(missing) == len(local):
+        raise DataError(f"{what}: no such file or directory: {missing[0]}")
+    if missing:
+        log.warning(
+            "%s: %d of %d local shards are missing, e.g. %s", what, len(missing), len(local), missing[0]
+        )
+    return urls
+
+
+def dataset_size(urls: list[str]) -> int | None:
+    """Samples in local shards from ``sizes.json`` (ours, open_clip's) or img2dataset's
+    ``*_stats.json``; None if any shard's count is unknown."""
+    sizes_by_dir: dict[Path, dict[str, int]] = {}
+    total = 0
+    for url in urls:
+        path = Path(url)
+        if path.parent not in sizes_by_dir:
+            sizes_file = path.parent / "sizes.json"
+            sizes_by_dir[path.parent] = json.loads(sizes_file.read_text()) if sizes_file.is_file() else {}
+        sizes = sizes_by_dir[path.parent]
+        stats = path.with_name(path.name.removesuffix(".tar") + "_stats.json")
+        if path.name in sizes:
+            total += int(sizes[path.name])
+        elif stats.is_file():
+            total += int(json.loads(stats.read_text())["successes"])
+        else:
+            return None
+    return total
+
+
+def read_shard(url: str) -> Iterator[dict[str, Any]]:
+    """Yield one shard's samples as ``{"__key__", "__url__", ext: bytes, ...}`` dicts, in tar order.
+
+    Problems become samples too, marked ``"__bad__": reason``, so they flow through the sample
+    shuffle in order and are counted when consumed (that keeps resume exact): a repeated key ->
+    ``duplicate_key``; an unreadable shard -> one ``shard_open`` record; a tar that breaks mid-way
+    -> one ``truncated_tar`` record, after the last sample known to be complete (one whose key
+    differs from the member that failed). A tar cut exactly at a header looks like a short shard
+    to ``tarfile``, so its last sample shows up as incomplete instead. webdataset >= 1.0 ends each
+    shard with an empty marker dict; it is ignored here.
+    """
+    errors: list[Exception] = []  # handlers append and return None, which tells webdataset to stop
+    attempted: list[str] = []  # names tar_file_iterator is about to read (its select_files hook)
+    streams = url_opener([{"url": url}], handler=errors.append)
+    members = tar_file_expander(
+        streams, handler=errors.append, select_files=lambda name: attempted.append(name) is None
+    )
+    seen: set[str] = set()
+    current: dict[str, Any] | None = None
+    delivered = 0
+    for member in members:
+        if "fname" not in member:  # the end-of-shard marker
+            continue
+        delivered += 1
+        key, ext = base_plus_ext(member["fname"])
+        if key is None:
+            continue
+        ext = ext.lower()
+        if current is None or key != current["__key__"]:
+            if current is not None:
+                yield current
+            current = {"__key__": key, "__url__": url}
+            if key in seen:
+                current["__bad__"] = "duplicate_key"
+            seen.add(key)
+        if ext in current:
+            current["__bad__"] = "duplicate_key"
+        current[ext] = member["data"]
+    if not errors:
+        if current is not None:
+            yield current
+        return
+    failed_key = base_plus_ext(attempted[-1])[0] if len(attempted) > delivered else None
+    if current is not None and failed_key is not None and failed_key != current["__key__"]:
+        yield current
+    reason = "truncated_tar" if attempted else "shard_open"
+    log.warning("shard %s: %s (%s); skipping the rest of it", url, reason, errors[0])
+    yield {"__key__": "", "__url__": url, "__bad__": reason, "__error__": repr(errors[0])}

@@ -1,0 +1,65 @@
+"""Write WebDataset shards for training and eval.
+
+  clip-train make-shards folder SRC OUT --per-shard N   images with same-name .txt captions
+  clip-train make-shards csv FILE OUT --per-shard N     a CSV with a header and columns path,caption
+  clip-train make-shards digits OUT [--size 32]         the built-in demo set (scikit-learn digits)
+
+OUT gets shard-000000.tar, ... and sizes.json ({shard: samples}). Reruns on an unchanged source do
+nothing. For LAION-scale sets use img2dataset with --output_format webdataset; its shards and
+*_stats.json files work as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sources = parser.add_subparsers(dest="source", metavar="SOURCE", required=True)
+    folder = sources.add_parser(
+        "folder", help="images (jpg/png/webp, searched recursively) with same-name .txt"
+    )
+    folder.add_argument("src", type=Path, help="folder of images and captions")
+    folder.add_argument("out", type=Path, help="output shard directory")
+    table = sources.add_parser("csv", help="a CSV with columns path,caption (paths relative to the CSV)")
+    table.add_argument("file", type=Path, help="the CSV file")
+    table.add_argument("out", type=Path, help="output shard directory")
+    for sub in (folder, table):
+        sub.add_argument("--per-shard", type=int, default=10000, help="samples per shard (default 10000)")
+    digits = sources.add_parser("digits", help="the demo set: OUT/train, OUT/val, OUT/zeroshot.json")
+    digits.add_argument("out", type=Path, help="output directory")
+    digits.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    digits.add_argument("--seed", type=int, default=0, help="train/val split and caption seed")
+    digits.add_argument("--train-shards", type=int, default=8)
+    digits.add_argument("--val-shards", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clip_train.data import writers
+
+    if args.source == "digits":
+        from clip_train.data.digits import write_digits
+
+        counts = write_digits(
+            args.out,
+            size=args.size,
+            seed=args.seed,
+            train_shards=args.train_shards,
+            val_shards=args.val_shards,
+        )
+        print(f"digits: {counts['train']} train and {counts['val']} val samples in {args.out}")
+        return 0
+    if args.source == "folder":
+        pairs, skipped = writers.folder_pairs(args.src)
+        why = "without a non-empty .txt caption"
+    else:
+        pairs, skipped = writers.csv_pairs(args.file)
+        why = "with a missing image or an empty caption"
+    if skipped:
+        print(f"left out {len(skipped)} images {why}, e.g. {skipped[0]}", file=sys.stderr)
+    wrote = writers.write_pairs(pairs, args.out, per_shard=args.per_shard, desc=args.out.name)
+    print(f"{len(pairs)} samples {'written to' if wrote else 'already up to date in'} {args.out}")
+    return 0

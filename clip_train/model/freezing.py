@@ -1,0 +1,81 @@
+"""LiT locking shared by both towers: a frozen prefix that never trains and never leaves eval().
+
+A tower splits its forward into ``encode_frozen`` (input preparation plus, when locked, the frozen
+trunk) and ``encode_trainable`` (everything that receives gradients). Gradient Cache runs the first
+half once under ``no_grad`` and replays only the second, so the split is the tower's public contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class LockableTower(nn.Module):
+    """Base class: ``forward = encode_trainable(*encode_frozen(*inputs))``; frozen parts stay in eval()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locked = False
+        self._frozen_module_names: list[str] = []
+
+    def encode_frozen(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def encode_trainable(self, *hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.encode_trainable(*self.encode_frozen(*inputs))
+
+    @property
+    def has_frozen_trunk(self) -> bool:
+        """True when locked, i.e. caching ``encode_frozen``'s output saves recomputing a trunk."""
+        return self.locked
+
+    @property
+    def is_frozen(self) -> bool:
+        """True when no parameter trains, so a Gradient Cache replay of this tower would be wasted."""
+        return not any(p.requires_grad for p in self.parameters())
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.parameters() if p.requires_grad)
+
+    def train(self, mode: bool = True) -> LockableTower:
+        """Frozen submodules stay in eval(): no dropout, drop-path or norm-statistic updates there."""
+        super().train(mode)
+        for name in self._frozen_module_names:
+            self.get_submodule(name).eval()
+        return self
+
+    def lock(self, trainable: list[nn.Module]) -> None:
+        """Freeze every parameter outside ``trainable`` and pin the frozen submodules to eval()."""
+        keep = {id(p) for module in trainable for p in module.parameters()}
+        for p in self.parameters():
+            if id(p) not in keep:
+                p.requires_grad_(False)
+        self.locked = True
+        self._frozen_module_names = _frozen_subtrees(self, {id(m) for m in trainable}, prefix="")
+        self.train(self.training)
+
+
+def _frozen_subtrees(module: nn.Module, trainable: set[int], prefix: str) -> list[str]:
+    """Names of the largest submodules of ``module`` that contain no trainable module."""
+    names = []
+    for name, child in module.named_children():
+        if id(child) in trainable:
+            continue
+        if any(id(m) in trainable for m in child.modules()):
+            names += _frozen_subtrees(child, trainable, f"{prefix}{name}.")
+        else:
+            names.append(prefix + name)
+    return names
+
+
+def init_projection(width: int, embed_dim: int) -> nn.Linear:
+    """CLIP's bias-free projection into the shared embedding space, std width^-0.5 as in CLIP."""
+    proj = nn.Linear(width, embed_dim, bias=False)
+    nn.init.normal_(proj.weight, std=width**-0.5)
+    return proj

@@ -1,0 +1,42 @@
+"""Finding weights: one error type, and one-line messages that say how to get missing weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clip_train.errors import UserError
+
+
+class ModelLoadError(UserError, RuntimeError):
+    """Weights or a tokenizer could not be found or loaded; the message says how to fix it in one line."""
+
+
+def download_hint(name: str, key: str) -> str:
+    """How to fetch a hub model on a machine with network and point the config at the copy."""
+    return f"pre-download it with `hf download {name} --local-dir DIR` and set {key}=DIR"
+
+
+def load_hf(auto_cls: type, source: str, key: str, **kwargs):
+    """``auto_cls.from_pretrained`` from a local dir or the hub cache, with one-line errors."""
+    from huggingface_hub.errors import HFValidationError
+
+    path = Path(source).expanduser()
+    try:
+        if path.is_dir():
+            return auto_cls.from_pretrained(str(path), **kwargs)
+        return auto_cls.from_pretrained(source, **kwargs)
+    except (OSError, HFValidationError) as err:
+        if path.is_dir():
+            reason = str(err).splitlines()[0]
+            raise ModelLoadError(f"{key}={source!r}: cannot load from this directory: {reason}") from None
+        if _looks_like_path(source):
+            raise ModelLoadError(f"{key}={source!r}: no such directory") from None
+        raise ModelLoadError(
+            f"{key}={source!r} is neither a local directory nor in the local hub cache (offline?); "
+            f"{download_hint(source, key)}"
+        ) from None
+
+
+def _looks_like_path(source: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else is meant as a local path."""
+    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source

@@ -1,0 +1,199 @@
+"""Image tower: any timm backbone (pooled features) plus a linear projection, with LiT locking."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.data import resolve_model_data_config
+from timm.models import checkpoint_seq
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from clip_train.config import ConfigError, ImageTowerConfig
+from clip_train.model.freezing import LockableTower, init_projection
+from clip_train.model.hub import ModelLoadError, download_hint
+
+
+class ImageTower(LockableTower):
+    """timm trunk → projection → L2 norm; uint8 images are normalised here, on the model's device.
+
+    Split points: unlocked, ``encode_frozen`` only normalises pixels; locked with
+    ``unlocked_layers=0`` it runs the whole trunk and returns pooled (n, width) features; locked
+    with ``unlocked_layers=N`` (VisionTransformer only) it stops after the first depth−N blocks and
+    returns the token sequence.
+    """
+
+    def __init__(
+        self,
+        trunk: nn.Module,
+        embed_dim: int,
+        *,
+        lock: bool = False,
+        unlocked_layers: int = 0,
+        lock_head: bool = False,
+    ) -> None:
+        super().__init__()
+        data_cfg = resolve_model_data_config(trunk)
+        # timm's data config reports the pretrained resolution; a ViT built with img_size=… knows better
+        fixed_size = getattr(getattr(trunk, "patch_embed", None), "img_size", None)
+        self.image_size: int = int(fixed_size[-1] if fixed_size else data_cfg["input_size"][-1])
+        self.image_mean: tuple[float, ...] = tuple(data_cfg["mean"])
+        self.image_std: tuple[float, ...] = tuple(data_cfg["std"])
+        self.register_buffer("pixel_mean", torch.tensor(self.image_mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(self.image_std).view(1, -1, 1, 1), persistent=False)
+        self.trunk = trunk
+        self.proj = init_projection(trunk.num_features, embed_dim)
+        self.unlocked_layers = unlocked_layers
+        if lock:
+            self.lock(_trainable_modules(trunk, unlocked_layers, [] if lock_head else [self.proj]))
+
+    @property
+    def _split_blocks(self) -> bool:
+        return self.locked and self.unlocked_layers > 0
+
+    def prepare(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 NCHW → normalised float in the model's dtype; float input is taken as normalised."""
+        channels = self.pixel_mean.shape[1]
+        if images.ndim != 4 or images.shape[1] != channels:
+            raise ValueError(f"images must be NCHW with {channels} channels, got shape {tuple(images.shape)}")
+        weight = self.proj.weight
+        images = images.to(weight.device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            mean, std = self.pixel_mean.to(weight.dtype), self.pixel_std.to(weight.dtype)
+            return (images.to(weight.dtype) / 255 - mean) / std
+        if not images.is_floating_point():
+            raise ValueError(f"images must be uint8 or already normalised floats, got {images.dtype}")
+        return images.to(weight.dtype)
+
+    def encode_frozen(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = self.prepare(images)
+        if not self.locked:
+            return (x,)
+        if not self._split_blocks:
+            return (self.trunk(x),)
+        trunk = self.trunk
+        x = trunk.norm_pre(trunk.patch_drop(trunk._pos_embed(trunk.patch_embed(x))))
+        for block in trunk.blocks[: len(trunk.blocks) - self.unlocked_layers]:
+            x = block(x)
+        return (x,)
+
+    def encode_trainable(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.locked:
+            pooled = self.trunk(hidden)
+        elif not self._split_blocks:
+            pooled = hidden
+        else:
+            trunk = self.trunk
+            blocks = trunk.blocks[len(trunk.blocks) - self.unlocked_layers :]
+            if trunk.grad_checkpointing and torch.is_grad_enabled():
+                hidden = checkpoint_seq(blocks, hidden, use_reentrant=False)
+            else:
+                hidden = blocks(hidden)
+            pooled = trunk.forward_head(trunk.norm(hidden))
+        return F.normalize(self.proj(pooled), dim=-1)
+
+
+def _trainable_modules(trunk: nn.Module, unlocked_layers: int, head: list[nn.Module]) -> list[nn.Module]:
+    """What stays trainable under LiT: the last N blocks, final norm, pooling and the projection."""
+    if unlocked_layers == 0:
+        return head
+    if not isinstance(trunk, VisionTransformer):
+        raise ConfigError(
+            f"model.image.unlocked_layers={unlocked_layers} needs a timm VisionTransformer, got "
+            f"{type(trunk).__name__}; use unlocked_layers=0 to lock the whole trunk"
+        )
+    depth = len(trunk.blocks)
+    if unlocked_layers > depth:
+        raise ConfigError(f"model.image.unlocked_layers={unlocked_layers} exceeds the trunk's {depth} blocks")
+    pooling = [trunk.norm, trunk.fc_norm, trunk.head_drop, trunk.head]
+    if trunk.attn_pool is not None:
+        pooling.append(trunk.attn_pool)
+    return [*trunk.blocks[depth - unlocked_layers :], *pooling, *head]
+
+
+def create_trunk(cfg: ImageTowerConfig) -> nn.Module:
+    """The timm model with its classifier removed (``num_classes=0``: pooled features out)."""
+    if not timm.is_model(cfg.timm):
+        raise ConfigError(f"model.image.timm={cfg.timm!r} is not a timm model name (see timm.list_models())")
+    try:
+        hub = cfg.pretrained == "hub"
+        trunk = timm.create_model(cfg.timm, pretrained=hub, **cfg.timm_kwargs, num_classes=0)
+    except TypeError as err:
+        raise ConfigError(f"model.image.timm_kwargs={cfg.timm_kwargs}: {err}") from None
+    except OSError:  # huggingface_hub's "not in the local cache" errors are OSErrors
+        hub_id = timm.models.get_pretrained_cfg(cfg.timm).hf_hub_id or cfg.timm
+        raise ModelLoadError(
+            f"model.image.pretrained=hub: weights for {cfg.timm!r} are not in the local cache and the hub "
+            f"is unreachable; {download_hint(hub_id, 'model.image.pretrained')}"
+        ) from None
+    except RuntimeError as err:  # e.g. no pretrained weights exist for this name
+        if cfg.pretrained != "hub":
+            raise
+        raise ModelLoadError(f"model.image.pretrained=hub: {err}") from None
+    if cfg.pretrained not in ("", "hub"):
+        load_local_weights(trunk, cfg.pretrained)
+    if cfg.grad_checkpointing:
+        trunk.set_grad_checkpointing(True)
+    return trunk
+
+
+def load_local_weights(trunk: nn.Module, source: str) -> None:
+    """Load a state-dict file, or a dir laid out like timm's hub repos, strictly (minus the classifier).
+
+    The architecture's own ``checkpoint_filter_fn`` (timm's convention per model file) adapts
+    foreign layouts and resamples position embeddings to the configured image size.
+    """
+    key = "model.image.pretrained"
+    path = Path(source).expanduser()
+    if path.is_dir():
+        found = [path / name for name in _WEIGHT_FILES if (path / name).is_file()]
+        if not found:
+            raise ModelLoadError(f"{key}={source!r}: the directory holds none of {', '.join(_WEIGHT_FILES)}")
+        path = found[0]
+    elif not path.is_file():
+        raise ModelLoadError(f"{key}={source!r}: no such file or directory")
+    try:
+        state_dict = timm.models.load_state_dict(str(path))
+    except Exception as err:  # torch.load / safetensors raise many types for a bad file
+        raise ModelLoadError(f"{key}={source!r}: not a readable state dict: {err}") from None
+    filter_fn = getattr(sys.modules[type(trunk).__module__], "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        state_dict = filter_fn(state_dict, trunk)
+    own = trunk.state_dict()
+    classifiers = {name.split(".")[0] for name in _as_tuple(trunk.pretrained_cfg.get("classifier"))}
+    state_dict = {k: v for k, v in state_dict.items() if k in own or k.split(".")[0] not in classifiers}
+    try:
+        missing, unexpected = trunk.load_state_dict(state_dict, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        reason = " ".join(str(err).split())
+        raise ModelLoadError(f"{key}={source!r} does not fit {type(trunk).__name__}: {reason}") from None
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{key}={source!r} does not fit {type(trunk).__name__}: {len(missing)} missing keys "
+            f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}"
+        )
+
+
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _as_tuple(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def build_image_tower(cfg: ImageTowerConfig, embed_dim: int) -> ImageTower:
+    if cfg.lock_head and not cfg.lock:
+        raise ConfigError("model.image.lock_head=true needs model.image.lock=true")
+    return ImageTower(
+        create_trunk(cfg),
+        embed_dim,
+        lock=cfg.lock,
+        unlocked_layers=cfg.unlocked_layers,
+        lock_head=cfg.lock_head,
+    )

@@ -1,0 +1,70 @@
+"""Tokenizers returning fixed-length ``input_ids``/``attention_mask``; picklable for DataLoader workers.
+
+Both kinds pickle as (class, constructor arguments) and rebuild in the worker, so nothing depends
+on whether the underlying library objects pickle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clip_train.model.hub import load_hf
+
+OPEN_CLIP = "open_clip"
+
+
+class OpenCLIPTokenizer:
+    """open_clip's bundled CLIP BPE (vocab 49408): [sot] tokens [eot], zero-padded, eot kept on truncation.
+
+    The pad id 0 is also the id of "!", so the mask comes from the eot position, not from ``ids != 0``.
+    """
+
+    def __init__(self, context_length: int) -> None:
+        from open_clip.tokenizer import SimpleTokenizer
+
+        self.context_length = context_length
+        self._bpe = SimpleTokenizer(context_length=context_length)
+        self.vocab_size: int = self._bpe.vocab_size
+
+    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        input_ids = self._bpe(list(texts), context_length=self.context_length)
+        eot = (input_ids == self._bpe.eot_token_id).int().argmax(dim=1, keepdim=True)
+        attention_mask = (torch.arange(self.context_length) <= eot).long()
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def __reduce__(self):
+        return OpenCLIPTokenizer, (self.context_length,)
+
+
+class HFTokenizer:
+    """A transformers tokenizer (e.g. BERT WordPiece) padded and truncated to ``context_length``."""
+
+    def __init__(self, source: str, context_length: int, key: str = "model.text.tokenizer") -> None:
+        from transformers import AutoTokenizer
+
+        self.source, self.context_length, self.key = source, context_length, key
+        self._tok = load_hf(AutoTokenizer, source, key)
+        self.vocab_size: int = len(self._tok)
+
+    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        out = self._tok(
+            list(texts),
+            padding="max_length",
+            truncation=True,
+            max_length=self.context_length,
+            return_tensors="pt",
+        )
+        return {"input_ids": out["input_ids"].long(), "attention_mask": out["attention_mask"].long()}
+
+    def __reduce__(self):
+        return HFTokenizer, (self.source, self.context_length, self.key)
+
+
+Tokenizer = OpenCLIPTokenizer | HFTokenizer
+
+
+def build_tokenizer(name: str, context_length: int, key: str = "model.text.tokenizer") -> Tokenizer:
+    """``open_clip`` for the bundled BPE, else a hub name or local directory for transformers."""
+    if name == OPEN_CLIP:
+        return OpenCLIPTokenizer(context_length)
+    return HFTokenizer(name, context_length, key)

@@ -1,0 +1,383 @@
+"""The training/eval loaders on real tar shards: rank/worker coverage, equal steps, bad samples,
+exact resume. Ranks are simulated in one process (rank and world size are loader arguments)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from PIL import Image
+
+from clip_train.config import DataConfig
+from clip_train.data import DataError, build_eval_loader, build_train_loader, dataset_size, expand_urls
+from clip_train.data.pipeline import position_at, role_batches
+from clip_train.data.samples import BadSample, SkipTally, decode_sample
+from clip_train.data.sources import read_shard
+from clip_train.data.writers import Record, write_shards
+
+IMAGE_SIZE = 16
+
+
+class ClipTokenizer:
+    """open_clip's BPE tokenizer (bundled, offline) with an attention mask."""
+
+    def __init__(self, context_length: int = 12) -> None:
+        self.context_length = context_length
+
+    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        ids = open_clip.tokenize(texts, context_length=self.context_length)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+def png(seed: int, size: int = 20) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size + seed % 7, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def good(key: str, label: int = 0) -> list[tuple[str, bytes]]:
+    return [
+        (f"{key}.json", json.dumps({"label": label}).encode()),
+        (f"{key}.png", png(sum(map(ord, key)))),
+        (f"{key}.txt", f"a photo number {key}".encode()),
+    ]
+
+
+def make_shards(root: Path, sizes: list[int]) -> list[str]:
+    """Shards of good samples with globally unique keys s{shard}k{index}; return all keys."""
+    root.mkdir(parents=True, exist_ok=True)
+    keys = []
+    for shard, size in enumerate(sizes):
+        records = [f"s{shard}k{i}" for i in range(size)]
+        keys += records
+        write_tar(root / f"shard-{shard:03d}.tar", [m for k in records for m in good(k, shard)])
+    return keys
+
+
+def config(train: str, **overrides) -> DataConfig:
+    return DataConfig(train=train, **{"workers": 2, "shuffle_buffer": 8, **overrides})
+
+
+def loader_for(
+    cfg: DataConfig, rank: int = 0, world_size: int = 1, global_batch: int = 8, seed: int = 0, **kw
+):
+    return build_train_loader(
+        cfg,
+        global_batch=global_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        image_size=IMAGE_SIZE,
+        tokenizer=ClipTokenizer(),
+        **kw,
+    )
+
+
+def take(loader, steps: int) -> list:
+    batches = [batch for _, batch in zip(range(steps), loader, strict=False)]
+    assert len(batches) == steps
+    return batches
+
+
+@pytest.fixture(scope="module")
+def even_shards(tmp_path_factory) -> tuple[Path, list[str]]:
+    root = tmp_path_factory.mktemp("even")
+    return root, make_shards(root, [6] * 8)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_expand_urls_braces_sources_dirs_and_pipes(tmp_path):
+    make_shards(tmp_path / "d", [1, 1, 1])
+    spec = f"/x/a-{{0..2}}.tar::{tmp_path / 'd'}::pipe:cat /x/b.tar"
+    expected = ["/x/a-0.tar", "/x/a-1.tar", "/x/a-2.tar"]
+    expected += [str(tmp_path / "d" / f"shard-{i:03d}.tar") for i in range(3)] + ["pipe:cat /x/b.tar"]
+    assert expand_urls(spec) == expected
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"holds no \.tar"):
+        expand_urls(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match=r"data\.train is empty"):
+        expand_urls("  ")
+    with pytest.raises(DataError, match="empty source"):
+        expand_urls("/x/a.tar::")
+    with pytest.raises(DataError, match=r"no such file or directory: /x/a-0\.tar"):
+        expand_urls("/x/a-{0..2}.tar")  # a typo in the path fails at start-up, not mid-run
+
+
+def test_dataset_size_from_sizes_json_or_img2dataset_stats(tmp_path):
+    make_shards(tmp_path, [2, 3])
+    urls = expand_urls(str(tmp_path))
+    assert dataset_size(urls) is None
+    (tmp_path / "shard-000_stats.json").write_text(json.dumps({"count": 9, "successes": 2}))
+    assert dataset_size(urls) is None  # shard-001's size is still unknown
+    (tmp_path / "shard-001_stats.json").write_text(json.dumps({"count": 4, "successes": 3}))
+    assert dataset_size(urls) == 5
+    (tmp_path / "sizes.json").write_text(json.dumps({"shard-000.tar": 20}))
+    assert dataset_size(urls) == 23  # sizes.json first, stats for the rest
+
+
+def test_role_schedule_splits_every_epoch_exactly():
+    for steps, roles in [(6, 2), (7, 3), (1, 2), (5, 1)]:
+        for epoch in range(4):
+            assert sum(role_batches(r, epoch, steps, roles) for r in range(roles)) == steps
+        for step in range(3 * steps + 1):
+            for role in range(roles):
+                nxt = next(i for i in range(step, step + roles) if i % roles == role)  # role's next step
+                epoch, done, consumed = position_at(step, role, steps, roles)
+                assert (epoch, consumed) == (nxt // steps, -1)
+                earlier = [i for i in range(epoch * steps, nxt) if i % roles == role]
+                assert done == len(earlier)
+
+
+def test_non_resampled_ranks_and_workers_cover_each_sample_once_per_epoch(even_shards):
+    root, keys = even_shards
+    cfg = config(str(root), resampled=False, num_samples=len(keys))
+    per_rank = []
+    for rank in range(2):
+        loader = loader_for(cfg, rank=rank, world_size=2)
+        assert loader.steps_per_epoch == 6 and loader.batch_size == 4
+        batches = take(loader, 2 * loader.steps_per_epoch)
+        assert all(
+            b.images.shape == (4, 3, IMAGE_SIZE, IMAGE_SIZE) and b.images.dtype == torch.uint8
+            for b in batches
+        )
+        per_rank.append([[k for b in batches[e * 6 : (e + 1) * 6] for k in b.keys] for e in range(2)])
+    for epoch in range(2):
+        seen = per_rank[0][epoch] + per_rank[1][epoch]
+        assert sorted(seen) == sorted(keys), f"epoch {epoch} does not cover every sample exactly once"
+    assert per_rank[0][0] != per_rank[0][1]  # reshuffled between epochs
+
+
+def test_resampled_ranks_draw_differently_and_the_seed_reproduces(even_shards):
+    root, _ = even_shards
+    cfg = config(str(root), resampled=True, num_samples=48)
+
+    def run(rank: int, seed: int):
+        batches = take(loader_for(cfg, rank=rank, world_size=2, seed=seed), 8)
+        return [k for b in batches for k in b.keys], torch.cat([b.images for b in batches])
+
+    keys0, images0 = run(0, seed=0)
+    keys0_again, images0_again = run(0, seed=0)
+    assert keys0 == keys0_again and torch.equal(images0, images0_again)
+    assert run(1, seed=0)[0] != keys0
+    assert run(0, seed=1)[0] != keys0
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_uneven_shards_give_every_rank_the_same_steps_per_epoch(tmp_path, resampled):
+    sizes = [1, 2, 3, 20, 5, 9, 2, 7]
+    make_shards(tmp_path, sizes)
+    (tmp_path / "sizes.json").write_text(json.dumps({f"shard-{i:03d}.tar": n for i, n in enumerate(sizes)}))
+    cfg = config(str(tmp_path), resampled=resampled, num_samples=0)  # 0: one pass, sized by sizes.json
+    for rank in range(2):
+        loader = loader_for(cfg, rank=rank, world_size=2)
+        assert loader.steps_per_epoch == sum(sizes) // 8
+        batches = take(loader, 2 * loader.steps_per_epoch + 1)
+        assert all(len(b) == 4 for b in batches)
+        epochs = [b.position[1] for b in batches]
+        assert epochs == [step // loader.steps_per_epoch for step in range(len(batches))]
+
+
+def test_too_few_shards_for_ranks_times_workers_is_a_clear_error(even_shards):
+    root, _ = even_shards
+    cfg = config(f"{root}/shard-00{{0..2}}.tar", resampled=False, num_samples=48)
+    with pytest.raises(DataError, match=r"3 shards, fewer than 2 ranks x 2 workers"):
+        loader_for(cfg, world_size=2)
+    loader_for(dataclasses.replace(cfg, resampled=True), world_size=2)  # resampled: fine
+
+
+def test_unknown_epoch_size_and_tiny_epochs_are_clear_errors(even_shards):
+    root, _ = even_shards
+    with pytest.raises(DataError, match=r"set data\.num_samples"):
+        loader_for(config(str(root), num_samples=0))
+    with pytest.raises(DataError, match="less than one global batch"):
+        loader_for(config(str(root), num_samples=7))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad samples
+# --------------------------------------------------------------------------------------------
+
+EXPECTED_SKIPS = {
+    "bad_image": 1,
+    "empty_caption": 1,
+    "missing_caption": 1,
+    "missing_image": 1,
+    "empty_file": 1,
+    "duplicate_key": 1,
+    "truncated_tar": 1,
+    "shard_open": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def corrupt_shards(tmp_path_factory) -> tuple[Path, list[str]]:
+    """Every bad kind once, each flanked by good samples; returns the good keys."""
+    root = tmp_path_factory.mktemp("corrupt")
+    members = [*good("a0"), ("bad.png", b"\x89PNG not really"), ("bad.txt", b"undecodable image")]
+    members += [*good("a1"), ("blank.png", png(1)), ("blank.txt", b"  \n")]
+    members += [("nocap.png", png(2)), *good("a2"), ("noimg.txt", b"caption without image")]
+    members += [*good("a3"), ("zero.png", b""), ("zero.txt", b"zero-byte image")]
+    members += [*good("a4"), *good("a0"), *good("a5")]  # a0 again: a duplicate key
+    write_tar(root / "shard-000.tar", members)
+    write_tar(root / "shard-001.tar", good("b0") + good("b1") + good("b2") + good("b3"))
+    data = (root / "shard-001.tar").read_bytes()
+    cut = data.index(b"b3.png") + 512 + 40  # in the middle of b3.png's data
+    (root / "shard-001.tar").write_bytes(data[:cut])
+    write_tar(root / "shard-002.tar", good("c0"))
+    return root, ["a0", "a1", "a2", "a3", "a4", "a5", "b0", "b1", "b2", "c0"]
+
+
+def corrupt_spec(root: Path) -> str:
+    return f"{root}/shard-00{{0..2}}.tar::{root}/missing.tar"
+
+
+def test_each_bad_kind_is_classified_and_counted_once(corrupt_shards):
+    root, good_keys = corrupt_shards
+    tally = SkipTally(max_fraction=1.0, min_seen=1)
+    arrived = []
+    for url in expand_urls(corrupt_spec(root)):
+        for raw in read_shard(url):
+            try:
+                arrived.append(decode_sample(raw).key)
+                tally.add_good()
+            except BadSample as bad:
+                tally.add_bad(bad, raw)
+    assert arrived == good_keys
+    assert dict(tally.total) == EXPECTED_SKIPS
+    assert tally.take_pending() == EXPECTED_SKIPS and tally.take_pending() == {}
+
+
+def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):
+    """One worker, no sample shuffle: passes repeat in the same order, so the counts between the
+    end of pass 1 and the end of pass 2 are exactly one pass's skips, wherever they fall."""
+    root, good_keys = corrupt_shards
+    cfg = config(corrupt_spec(root), resampled=False, workers=1, shuffle_buffer=0, num_samples=1000)
+    cfg = dataclasses.replace(cfg, max_skip_fraction=1.0)
+    loader = loader_for(cfg, global_batch=1)
+    passes = []
+    counts = []
+    for _ in range(2):
+        passes.append([b.keys[0] for b in take(loader, len(good_keys))])
+        counts.append(collections.Counter(loader.skip_counts()))
+    assert sorted(passes[0]) == sorted(good_keys) and passes[1] == passes[0]
+    assert dict(counts[1] - counts[0]) == EXPECTED_SKIPS
+
+
+def test_skip_rate_above_the_limit_stops_with_a_clear_error(corrupt_shards):
+    root, _ = corrupt_shards
+    cfg = config(corrupt_spec(root), resampled=False, workers=1, num_samples=1000, max_skip_fraction=0.2)
+    loader = loader_for(cfg, global_batch=2)
+    with pytest.raises(DataError, match=r"were skipped, more than data.max_skip_fraction=0.2"):
+        take(loader, 20)
+    # a pass skips 8 of 18; no prefix of any shard order skips more than 2 of 3 once 2 were seen
+    relaxed = dataclasses.replace(cfg, max_skip_fraction=0.75)
+    take(loader_for(relaxed, global_batch=2), 20)
+
+
+# --------------------------------------------------------------------------------------------
+# Exact resume
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def resume_shards(tmp_path_factory) -> Path:
+    """Uneven shards with some undecodable images, so skipped samples shift the stream."""
+    root = tmp_path_factory.mktemp("resume")
+    for shard, size in enumerate([9, 5, 12, 7, 8, 10]):
+        members = []
+        for i in range(size):
+            key = f"s{shard}k{i}"
+            members += [(f"{key}.png", b"broken"), (f"{key}.txt", b"x")] if i % 4 == 3 else good(key)
+        write_tar(root / f"shard-{shard:03d}.tar", members)
+    return root
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_resume_yields_the_same_batches_as_an_uninterrupted_run(resume_shards, resampled):
+    cfg = config(str(resume_shards), resampled=resampled, num_samples=36, max_skip_fraction=0.5)
+    total, resume_at = 14, (5, 8)  # 4 steps per epoch: mid-epoch and at an epoch boundary
+    reference = loader_for(cfg, world_size=2, rank=1)
+    batches, states = [], {}
+    for step in range(total):
+        batches.append(next(reference))
+        states[step + 1] = reference.state_dict(step + 1)
+        assert json.loads(json.dumps(states[step + 1])) == states[step + 1]
+    for start in resume_at:
+        for state in (states[start], None):  # cheap skip from the saved state / replay from the step
+            resumed = take(
+                loader_for(cfg, world_size=2, rank=1, start_step=start, state=state), total - start
+            )
+            assert [b.keys for b in resumed] == [b.keys for b in batches[start:]]
+            assert all(torch.equal(a.images, b.images) for a, b in zip(resumed, batches[start:], strict=True))
+
+
+def test_a_state_from_a_different_setup_is_refused(resume_shards):
+    cfg = config(str(resume_shards), resampled=True, num_samples=36, max_skip_fraction=0.5)
+    loader = loader_for(cfg, world_size=2)
+    take(loader, 3)
+    state = loader.state_dict(3)
+    with pytest.raises(DataError, match="saved with workers=2, this run has workers=1"):
+        loader_for(dataclasses.replace(cfg, workers=1), world_size=2, start_step=3, state=state)
+    with pytest.raises(DataError, match="saved at step 3, not at step 4"):
+        loader_for(cfg, world_size=2, start_step=4, state=state)
+
+
+# --------------------------------------------------------------------------------------------
+# Eval
+# --------------------------------------------------------------------------------------------
+
+
+def test_eval_loader_gives_each_sample_once_across_ranks_with_labels(even_shards):
+    root, keys = even_shards
+    spec = f"pipe:cat {root}/shard-000.tar::{root}/shard-00{{1..7}}.tar"  # pipes and sources mix
+    runs = []
+    for _ in range(2):
+        per_rank = []
+        for rank in range(2):
+            loader = build_eval_loader(
+                spec,
+                batch_size=5,
+                rank=rank,
+                world_size=2,
+                image_size=IMAGE_SIZE,
+                tokenizer=ClipTokenizer(),
+                workers=2,
+            )
+            batches = list(loader)
+            assert all(b.labels is not None and len(b.labels) == len(b) for b in batches)
+            per_rank.append(
+                {k: int(label) for b in batches for k, label in zip(b.keys, b.labels, strict=True)}
+            )
+        runs.append(per_rank)
+    assert runs[0] == runs[1]  # deterministic
+    assert sorted(runs[0][0] | runs[0][1]) == sorted(keys) and not runs[0][0].keys() & runs[0][1].keys()
+    assert all(label == int(key[1 : key.index("k")]) for part in runs[0] for key, label in part.items())
+
+
+def test_written_shards_load_and_captions_are_truncated_to_the_context(tmp_path):
+    records = [Record(f"{i:03d}", png(i), "png", "a very long caption " * 20, {"label": i}) for i in range(6)]
+    write_shards(records, tmp_path / "w", per_shard=4, total=6, source={"test": 1}, desc="t")
+    cfg = config(str(tmp_path / "w"), num_samples=0, resampled=False, workers=1)
+    batch = next(loader_for(cfg, global_batch=6))
+    assert sorted(batch.keys) == [f"{i:03d}" for i in range(6)]
+    assert batch.input_ids.shape == (6, 12) and batch.attention_mask.all()  # 12 = context length, full
+    assert sorted(batch.labels.tolist()) == list(range(6))

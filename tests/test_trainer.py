@@ -1,0 +1,252 @@
+"""The trainer, end to end, in real torchrun processes on CPU (gloo).
+
+One uninterrupted 2-rank fp64 run is the reference. A fresh run resumed from its mid-run
+checkpoint, and a run whose worker is killed with SIGKILL under ``--max-restarts=1``, must both
+end with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clip_train import load_config
+from clip_train.checkpoint import MODEL_FILE, STATE_FILE, complete_checkpoints
+from clip_train.distributed import DistEnv
+from clip_train.trainer import Trainer, TrainingAborted
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 12, 4
+SMALL_MODEL = [
+    "model.embed_dim=16",
+    "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2, "
+    "drop_path_rate: 0.1}",
+    "model.text.hf_config={model_type: bert, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
+    "intermediate_size: 64, max_position_embeddings: 16, hidden_dropout_prob: 0.1}",
+    "model.text.context_length=12",
+]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("digits")
+    subprocess.run(
+        [sys.executable, "-m", "clip_train", "make-shards", "digits", str(out), "--size", "16"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [
+        *SMALL_MODEL,
+        f"data.train={digits}/train",
+        "data.val=",
+        "eval.zeroshot=",
+        "eval.zeroshot_data=",
+        "data.num_samples=256",
+        "data.workers=1",
+        "batch.global_size=16",
+        "batch.image_chunk=4",
+        "batch.text_chunk=8",
+        "batch.offload=true",
+        "loss.impl=inf",
+        "train.precision=fp64",
+        f"train.max_steps={STEPS}",
+        "train.dist_timeout_s=60",
+        f"train.out_dir={out_dir}",
+        f"checkpoint.every_steps={EVERY}",
+        "checkpoint.keep=5",
+        "log.every_steps=1",
+        "log.wandb.mode=disabled",
+        *extra,
+    ]
+
+
+def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command += [
+        f"--max-restarts={restarts}",
+        "-m",
+        "clip_train",
+        "train",
+        str(ROOT / "configs/demo-digits.yaml"),
+    ]
+    return subprocess.Popen(
+        [*command, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def finish(process: subprocess.Popen, timeout: int = 240) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def weights(out_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(out_dir / "checkpoints" / f"step_{step:08d}" / MODEL_FILE)
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def reference(digits, tmp_path_factory) -> Path:
+    """The uninterrupted run, with wandb on (offline) to check what a run leaves behind."""
+    out = tmp_path_factory.mktemp("reference")
+    finish(torchrun(*overrides(digits, out, "log.wandb.mode=offline")))
+    return out
+
+
+def test_two_rank_run_writes_checkpoints_metrics_and_wandb(reference):
+    steps = [int(p.name.split("_")[1]) for p in complete_checkpoints(reference)]
+    assert steps == list(range(EVERY, STEPS + 1, EVERY))
+    state = torch.load(reference / "checkpoints" / f"step_{STEPS:08d}" / STATE_FILE, weights_only=True)
+    assert state["step"] == STEPS and state["world_size"] == 2 and len(state["rng"]) == 2
+    assert len(state["data"]) == 2
+    lines = (reference / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == STEPS
+    assert all(math.isfinite(float(line.split('"train/loss": ')[1].split(",")[0])) for line in lines)
+    assert (reference / "config.yaml").is_file()
+    assert load_config(reference / "config.yaml").batch.global_size == 16
+    assert list((reference / "wandb").glob("offline-run-*")), "no offline wandb run directory"
+    run_id = (reference / "wandb_run_id.txt").read_text()
+    assert any(run_id in p.name for p in (reference / "wandb").glob("offline-run-*"))
+    key_like = [
+        p for p in reference.rglob("*") if p.is_file() and "WANDB_API_KEY" in p.read_text(errors="ignore")
+    ]
+    assert not key_like
+
+
+def test_resume_from_mid_run_checkpoint_is_bit_identical(digits, reference, tmp_path):
+    halfway = reference / "checkpoints" / f"step_{STEPS // 2 - STEPS // 2 % EVERY:08d}"
+    copy = tmp_path / "from" / halfway.name
+    shutil.copytree(halfway, copy)
+    output = finish(torchrun(*overrides(digits, tmp_path / "resumed", f"checkpoint.resume={copy}")))
+    assert f"resumed from {copy}" in output
+    assert_bit_identical(weights(tmp_path / "resumed"), weights(reference))
+
+
+def _kill_one_worker_after_first_checkpoint(
+    launcher: psutil.Process, out_dir: Path, killed: list[int]
+) -> None:
+    deadline = time.time() + 200
+    while time.time() < deadline and not complete_checkpoints(out_dir):
+        time.sleep(0.05)
+    workers = [p for p in launcher.children(recursive=True) if "clip_train" in " ".join(p.cmdline())]
+    workers = [p for p in workers if p.parent() is not None and p.parent().pid != launcher.pid] or workers
+    victim = max(workers, key=lambda p: p.create_time())
+    victim.send_signal(signal.SIGKILL)
+    killed.append(victim.pid)
+
+
+def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
+    out = tmp_path / "killed"
+    process = torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1)
+    killed: list[int] = []
+    killer = threading.Thread(
+        target=_kill_one_worker_after_first_checkpoint, args=(psutil.Process(process.pid), out, killed)
+    )
+    killer.start()
+    output = finish(process)
+    killer.join()
+    assert killed, "no worker was killed"
+    assert "resumed from" in output, output[-3000:]
+    assert_bit_identical(weights(out), weights(reference))
+
+
+# -- in-process: the NaN guard --------------------------------------------------------------------
+
+
+def in_process_trainer(digits: Path, out_dir: Path, *extra: str) -> Trainer:
+    cfg = load_config(ROOT / "configs/demo-digits.yaml", overrides(digits, out_dir, "data.workers=0", *extra))
+    return Trainer(
+        cfg.validate(world_size=1), DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    )
+
+
+def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_path):
+    trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=100")
+    real_step = trainer.engine.step
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def poisoned_first_step(*args, **kwargs):
+        stats = real_step(*args, **kwargs)
+        seen.append(snapshot(trainer))
+        if len(seen) == 1:
+            stats.loss = float("nan")
+        return stats
+
+    trainer.engine.step = poisoned_first_step
+    trainer.run()
+    # seen[i] holds the weights step i+1 started from
+    assert_bit_identical(seen[1], seen[0])
+    assert any(not torch.equal(seen[2][k], seen[1][k]) for k in seen[1]), "the good step changed nothing"
+    assert trainer.bad_total == 1 and trainer.bad_in_a_row == 0
+
+
+def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_path):
+    trainer = in_process_trainer(
+        digits, tmp_path, "train.max_steps=8", "checkpoint.every_steps=2", "train.max_bad_steps=3"
+    )
+    real_step = trainer.engine.step
+    calls = []
+
+    def poison_from_third_step(*args, **kwargs):
+        stats = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) >= 3:
+            for p in trainer.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("inf"))
+        return stats
+
+    trainer.engine.step = poison_from_third_step
+    with pytest.raises(TrainingAborted, match=r"3 consecutive steps .*step_00000002"):
+        trainer.run()
+    assert len(calls) == 5
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
+    assert_bit_identical(snapshot(trainer), weights(tmp_path, 2))
+
+
+# -- clear failures --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train=/no/such/shards", "/no/such/shards"),
+        ("model.image.pretrained=/no/such/vit.safetensors", "/no/such/vit.safetensors"),
+        ("batch.image_chunk=5", "batch.image_chunk=5 must divide"),
+    ],
+)
+def test_bad_input_fails_in_one_line(digits, tmp_path, override, message):
+    command = [sys.executable, "-m", "clip_train", "train", str(ROOT / "configs/demo-digits.yaml")]
+    result = subprocess.run(
+        [*command, *overrides(digits, tmp_path), override], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
