@@ -35,13 +35,13 @@ class ConfigError(UserError, ValueError):
 class ImageTowerConfig:
     """A timm image tower; ``timm_kwargs`` sizes small models (img_size, depth, embed_dim, …)."""
 
-    timm: str = "vit_base_patch16_224"
-    timm_kwargs: dict[str, Any] = field(default_factory=dict)
+    timm: str = "vit_base_patch16_224"  # timm model name (any timm architecture)
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)  # timm.create_model keyword arguments
     pretrained: str = ""  # "" (random init), a local file or dir, or "hub" for timm's own lookup
-    lock: bool = False
-    unlocked_layers: int = 0
+    lock: bool = False  # LiT: freeze the tower except its last unlocked_layers blocks and the head
+    unlocked_layers: int = 0  # with lock: how many final blocks keep training
     lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
 
 
 @dataclass
@@ -51,17 +51,17 @@ class TextTowerConfig:
     hf: str = "bert-base-uncased"  # hub name or local directory (model and tokenizer)
     hf_config: dict[str, Any] = field(default_factory=dict)  # BertConfig keyword arguments
     tokenizer: str = ""  # hub name or local dir; "" means the same as `hf`
-    pooling: Literal["cls", "mean"] = "cls"
-    context_length: int = 64
-    lock: bool = False
-    unlocked_layers: int = 0
+    pooling: Literal["cls", "mean"] = "cls"  # first token, or mask-aware mean of the tokens
+    context_length: int = 64  # tokens per caption (padded or truncated)
+    lock: bool = False  # LiT: freeze the tower except its last unlocked_layers layers and the head
+    unlocked_layers: int = 0  # with lock: how many final layers keep training
     lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
 
 
 @dataclass
 class ModelConfig:
-    embed_dim: int = 512
+    embed_dim: int = 512  # width of the shared image-text embedding
     init_logit_scale: float = 2.6592600369262695  # ln(1/0.07), as in CLIP
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
@@ -70,19 +70,19 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = ""  # brace-expanded shard URLs or a directory; sources joined with "::"
-    val: str = ""
-    resampled: bool = True
+    val: str = ""  # validation shards (retrieval eval, and zero-shot when they carry labels)
+    resampled: bool = True  # draw shards with replacement (multi-node); false: shuffle and split
     num_samples: int = 0  # samples per epoch across all ranks; 0 = one pass over the shards
-    workers: int = 2
-    shuffle_buffer: int = 1000
-    max_skip_fraction: float = 0.1
-    rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])
+    workers: int = 2  # DataLoader worker processes per rank (decode, augment, tokenize)
+    shuffle_buffer: int = 1000  # samples in each worker's shuffle buffer
+    max_skip_fraction: float = 0.1  # abort when more than this share of samples is bad
+    rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
+    rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])  # its aspect-ratio range
 
 
 @dataclass
 class LossConfig:
-    impl: Literal["vanilla", "local", "inf", "auto"] = "auto"
+    impl: Literal["vanilla", "local", "inf", "auto"] = "auto"  # auto = inf (Triton on CUDA)
     tile_size: int = 0  # 0 picks a size for the device
 
 
@@ -90,61 +90,61 @@ class LossConfig:
 class BatchConfig:
     global_size: int = 256  # contrastive batch across all ranks
     image_chunk: int = 0  # per-rank Gradient Cache sub-batch; 0 = the whole per-rank batch
-    text_chunk: int = 0
+    text_chunk: int = 0  # the same for the text tower (text chunks can be much larger)
     offload: bool = False  # keep the raw batch in pinned host memory, one chunk on device
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adafactor"] = "adamw"
-    lr: float = 5e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.2
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-6
-    warmup_steps: int = 0
+    name: Literal["adamw", "adafactor"] = "adamw"  # adafactor is torch.optim.Adafactor
+    lr: float = 5e-4  # peak learning rate, after warmup
+    min_lr: float = 0.0  # where the cosine schedule ends
+    weight_decay: float = 0.2  # on weight matrices only (not norms, biases, embeddings, scale)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW only
+    eps: float = 1e-6  # AdamW only
+    warmup_steps: int = 0  # linear warmup, then cosine to min_lr at max_steps
     grad_clip: float = 1.0  # global-norm clip; 0 disables
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
-    seed: int = 0
-    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
-    out_dir: str = "runs/default"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dist_timeout_s: int = 600
+    max_steps: int = 1000  # optimizer steps in the whole run
+    seed: int = 0  # initial weights, data order, augmentation and dropout streams
+    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"  # bf16/fp16 autocast; fp16 adds GradScaler
+    out_dir: str = "runs/default"  # run directory: config, metrics, checkpoints, wandb
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
+    dist_timeout_s: int = 600  # process-group init and collective timeout
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 1000
-    keep: int = 3
+    every_steps: int = 1000  # also at the end of the run
+    keep: int = 3  # newest complete checkpoints kept
     resume: str = ""  # "" (fresh run), "auto" (newest complete checkpoint) or a checkpoint path
 
 
 @dataclass
 class WandbConfig:
-    project: str = "clip_train"
-    name: str = ""
-    tags: list[str] = field(default_factory=list)
-    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "clip_train"  # wandb project
+    name: str = ""  # wandb run name; "" = the run directory's name
+    tags: list[str] = field(default_factory=list)  # wandb tags
+    mode: Literal["offline", "online", "disabled"] = "offline"  # online only when asked
 
 
 @dataclass
 class LogConfig:
-    every_steps: int = 10
+    every_steps: int = 10  # metrics.jsonl and wandb cadence
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
 class EvalConfig:
     every_steps: int = 0  # 0 = only at the end of training
-    zeroshot: str = ""  # class-name and template file (JSON) for zero-shot classification
-    zeroshot_data: str = ""  # labelled image shards; "" means data.val
+    zeroshot: str = ""  # class names + templates: a JSON file, or imagenet / imagenet-simple
+    zeroshot_data: str = ""  # labelled shards or an ImageFolder directory; "" means data.val
     retrieval: bool = True  # image<->text recall@k on data.val
-    batch_size: int = 256
+    batch_size: int = 256  # eval batch per rank
 
 
 @dataclass

@@ -56,6 +56,11 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         resume_from = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+        if resume_from is None and cfg.checkpoint.resume != "auto" and complete_checkpoints(self.run_dir):
+            raise UserError(
+                f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it with "
+                "checkpoint.resume=auto or pick a new train.out_dir"
+            )
         data_state = self._restore(resume_from) if resume_from is not None else None
 
         ddp = {}

@@ -165,3 +165,15 @@ def _leaves(obj):
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         yield from _leaves(value) if dataclasses.is_dataclass(value) else [f.name]
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    from clip_train.config_reference import BEGIN, END, render
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split(BEGIN)[1].split(END)[0].strip()
+    assert section == render(), "README config reference is stale: run python -m clip_train.config_reference"
+    assert all(row.split("|")[4].strip() for row in section.splitlines()[2:]), "a key has no description"
+    assert len(section.splitlines()) - 2 == len(config_keys())

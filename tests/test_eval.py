@@ -1,0 +1,394 @@
+"""Evaluation: zero-shot accuracy, retrieval recall, sharding over ranks and the eval CLI.
+
+The zero-shot and sharding tests use ``ToyCLIP``, whose answers are known by construction: each
+test image carries its class in the red channel and its sample id in the green channel, and the
+model reads them back as one-hot features. Data goes through real WebDataset tars and the real
+eval loader (or a real torchvision ImageFolder), so everything but the towers runs for real.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import webdataset as wds
+from dist_utils import run_distributed
+from PIL import Image
+from safetensors.torch import save_file
+from torch import nn
+
+from clip_train.cli import main as cli_main
+from clip_train.config import DataConfig, EvalConfig, load_config
+from clip_train.errors import UserError
+from clip_train.evaluate import (
+    build_zeroshot_classifier,
+    evaluate,
+    hits_at_k,
+    retrieval_recall,
+    shard_batches,
+    zeroshot_accuracy,
+    zeroshot_metadata,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSNAMES = ["cat", "dog", "fox", "owl", "bee", "elk"]
+TEMPLATES = ["a photo of a {}.", "a drawing of the {}.", "{}"]
+CLASS_STEP = 40  # red value = CLASS_STEP * class + CLASS_STEP // 2
+SHARD_SIZES = (5, 3, 6)  # uneven, so two ranks get different sample counts
+NUM_SAMPLES = sum(SHARD_SIZES)
+LABELS = [i % len(CLASSNAMES) for i in range(NUM_SAMPLES)]
+IMAGE_SIZE = 16
+CPU = torch.device("cpu")
+
+
+class ToyCLIP(nn.Module):
+    """A hand-built CLIP with known answers.
+
+    Image feature: one-hot of ``class_map[class]`` plus one-hot of the sample id (normalised).
+    Text feature: one-hot of the class a prompt names, or of the sample id of ``"sample {id}"``.
+    ``class_map`` = identity is a perfect zero-shot classifier; a derangement is always wrong.
+    """
+
+    image_size = IMAGE_SIZE
+
+    def __init__(self, class_map: list[int]) -> None:
+        super().__init__()
+        self.register_buffer("class_map", torch.tensor(class_map))
+        self.dim = len(CLASSNAMES) + NUM_SAMPLES
+        self.anchor = nn.Parameter(torch.zeros(()))  # gives the module parameters, as a real one has
+
+    def tokenizer(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        ids = [self._token(text) for text in texts]
+        return {"input_ids": torch.tensor(ids)[:, None], "attention_mask": torch.ones(len(ids), 1).long()}
+
+    @staticmethod
+    def _token(text: str) -> int:
+        sample = re.fullmatch(r"sample (\d+)", text)
+        if sample:
+            return len(CLASSNAMES) + int(sample.group(1))
+        (name,) = [word for word in re.findall(r"[a-z]+", text) if word in CLASSNAMES]
+        return CLASSNAMES.index(name)
+
+    def _check_inference(self) -> None:
+        assert not self.training and not torch.is_grad_enabled(), "eval must run in eval mode under no_grad"
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        self._check_inference()
+        assert images.dtype == torch.uint8 and images.shape[-2:] == (IMAGE_SIZE, IMAGE_SIZE)
+        red, green = images[:, :2].double().mean((2, 3)).round().long().unbind(1)
+        features = F.one_hot(self.class_map[red // CLASS_STEP], self.dim)
+        features += F.one_hot(len(CLASSNAMES) + green, self.dim)
+        return F.normalize(features.double(), dim=-1)
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self._check_inference()
+        return F.one_hot(input_ids[:, 0], self.dim).double()
+
+
+PERFECT = list(range(len(CLASSNAMES)))
+SHIFTED = [(c + 1) % len(CLASSNAMES) for c in PERFECT]
+
+
+def toy_image(label: int, sample_id: int, size: int = IMAGE_SIZE) -> Image.Image:
+    pixels = np.zeros((size, size, 3), np.uint8)
+    pixels[..., 0] = CLASS_STEP * label + CLASS_STEP // 2
+    pixels[..., 1] = sample_id
+    pixels[..., 2] = np.random.default_rng(sample_id).integers(0, 256, (size, size))
+    return Image.fromarray(pixels)
+
+
+def write_shards(directory: Path, captions: list[str], image_size: int = IMAGE_SIZE) -> str:
+    """Real WebDataset tars of png + txt + json; returns the brace-expanded URL."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sample_id = 0
+    for shard, size in enumerate(SHARD_SIZES):
+        with wds.TarWriter(str(directory / f"val-{shard:06d}.tar")) as sink:
+            for _ in range(size):
+                png = io.BytesIO()
+                toy_image(LABELS[sample_id], sample_id, image_size).save(png, format="PNG")
+                sink.write(
+                    {
+                        "__key__": f"s{sample_id:05d}",
+                        "png": png.getvalue(),
+                        "txt": captions[sample_id],
+                        "json": {"label": LABELS[sample_id]},
+                    }
+                )
+                sample_id += 1
+    return f"{directory}/val-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    """Shards with exact captions, shards where every third caption names the next sample, an
+    ImageFolder (20 px images, so they are resized) and the class-name JSON."""
+    root = tmp_path_factory.mktemp("eval_data")
+    exact = [f"sample {i}" for i in range(NUM_SAMPLES)]
+    mixed = [f"sample {(i + 1) % NUM_SAMPLES if i % 3 == 0 else i}" for i in range(NUM_SAMPLES)]
+    for i, label in enumerate(LABELS):
+        folder = root / "folder" / f"class_{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        toy_image(label, i, size=20).save(folder / f"{i}.png")
+    (root / "zeroshot.json").write_text(json.dumps({"classnames": CLASSNAMES, "templates": TEMPLATES}))
+    return {
+        "exact": write_shards(root / "exact", exact),
+        "mixed": write_shards(root / "mixed", mixed),
+        "folder": str(root / "folder"),
+        "zeroshot": str(root / "zeroshot.json"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Zero-shot
+# --------------------------------------------------------------------------------------------
+
+
+def test_zeroshot_perfect_model_scores_one_and_permuted_zero(data):
+    classnames, templates = zeroshot_metadata(data["zeroshot"])
+    assert classnames == CLASSNAMES and [t("x") for t in templates] == [t.format("x") for t in TEMPLATES]
+    # shifted by one, one wrong class scores above the true one and 4 tie with it: top-5 4/5 of the time
+    for class_map, top1, top5 in ((PERFECT, 1.0, 1.0), (SHIFTED, 0.0, 0.8)):
+        model = ToyCLIP(class_map)
+        classifier = build_zeroshot_classifier(model, classnames, templates, device=CPU, batch_size=4)
+        batches = shard_batches(data["exact"], model, batch_size=4, rank=0, world_size=1)
+        result = zeroshot_accuracy(model, batches, classifier, device=CPU)
+        assert result == pytest.approx({"top1": top1, "top5": top5, "n": NUM_SAMPLES}, abs=1e-12)
+
+
+def test_zeroshot_classifier_averages_templates(tiny_model):
+    """Against one prompt at a time, so batching across classes cannot mix them up."""
+    templates = [t.format for t in TEMPLATES]
+    classifier = build_zeroshot_classifier(tiny_model, CLASSNAMES, templates, device=CPU, batch_size=5)
+    tiny_model.eval()
+    with torch.no_grad():
+        reference = []
+        for name in CLASSNAMES:
+            per_template = [tiny_model.encode_text(**tiny_model.tokenizer([t(name)])) for t in templates]
+            reference.append(F.normalize(torch.cat(per_template).mean(0), dim=0))
+    assert classifier.shape == (len(CLASSNAMES), tiny_model.text.proj.out_features)
+    torch.testing.assert_close(classifier, torch.stack(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_reports_both_and_restores_train_mode(data):
+    model = ToyCLIP([0, 1, 2, 3, 5, 4]).train()  # classes 4 and 5 swapped
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], batch_size=4)
+    metrics = evaluate(model, eval_cfg, DataConfig(val=data["exact"]), device=CPU, precision="fp32")
+    swapped = sum(label >= 4 for label in LABELS) / NUM_SAMPLES
+    recall = {f"retrieval/{d}_R@{k}": 1.0 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
+    assert metrics == pytest.approx(
+        {
+            **recall,
+            "retrieval/n": NUM_SAMPLES,
+            "zeroshot/top1": 1 - swapped,
+            "zeroshot/top5": 1 - swapped * (1 - 0.8),  # a swapped image: 1 class above, 4 tied
+            "zeroshot/n": NUM_SAMPLES,
+        },
+        abs=1e-12,
+    )
+    assert model.training
+
+
+def test_zeroshot_on_an_image_folder(data):
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["folder"], retrieval=False)
+    metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": NUM_SAMPLES}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file; give a class-name JSON file or one of imagenet, imagenet-simple"),
+        ("{", "not valid JSON"),
+        ('{"classnames": [], "templates": ["{}"]}', "'classnames' must be a non-empty list of strings"),
+        ('{"classnames": ["a"], "templates": ["a photo"]}', "template 'a photo' has no '{}'"),
+    ],
+)
+def test_bad_zeroshot_files_are_named(tmp_path, content, message):
+    path = tmp_path / "zeroshot.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError, match=re.escape(message)):
+        zeroshot_metadata(str(path))
+
+
+def test_imagenet_names_come_from_open_clip():
+    classnames, templates = zeroshot_metadata("imagenet")
+    assert len(classnames) == 1000 and classnames[1] == "goldfish" and len(templates) == 80
+    assert all("goldfish" in template("goldfish") for template in templates)
+    assert len(zeroshot_metadata("imagenet-simple")[1]) == 7
+
+
+# --------------------------------------------------------------------------------------------
+# Retrieval
+# --------------------------------------------------------------------------------------------
+
+
+def brute_force_recall(images: torch.Tensor, texts: torch.Tensor, k: int) -> tuple[float, float]:
+    """Sort every query's scores and look for its own pair among the first k."""
+    scores = (images @ texts.T).tolist()
+
+    def recall(rows: list[list[float]]) -> float:
+        hits = [i in sorted(range(len(row)), key=lambda j: -row[j])[:k] for i, row in enumerate(rows)]
+        return sum(hits) / len(hits)
+
+    return recall(scores), recall([list(col) for col in zip(*scores, strict=True)])
+
+
+def random_pairs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 8, generator=gen, dtype=torch.float64)
+    texts = images + 2.0 * torch.randn(n, 8, generator=gen, dtype=torch.float64)
+    return F.normalize(images, dim=-1), F.normalize(texts, dim=-1)
+
+
+def test_retrieval_recall_matches_brute_force():
+    images, texts = random_pairs(37, seed=0)
+    metrics = retrieval_recall(images, texts)
+    for k in (1, 5, 10):
+        image_to_text, text_to_image = brute_force_recall(images, texts, k)
+        assert metrics[f"image_to_text_R@{k}"] == image_to_text
+        assert metrics[f"text_to_image_R@{k}"] == text_to_image
+    assert 0 < metrics["image_to_text_R@1"] < metrics["image_to_text_R@10"] < 1  # not a degenerate case
+    assert metrics["n"] == 37
+
+
+def test_ties_are_broken_at_random_in_expectation():
+    """Against the average over every order of the row (a stable sort then breaks ties by order)."""
+    rows = [[0.5, 0.5, 0.9, 0.5, 0.1, 0.5], [0.2, 0.7, 0.7, 0.7, 0.1, 0.3], [0.4, 0.1, 0.4, 0.9, 0.4, 0.0]]
+    positives = [0, 2, 5]
+    ks = (1, 2, 3, 4, 6)
+    expected = torch.zeros(len(ks), dtype=torch.float64)
+    for row, positive in zip(rows, positives, strict=True):
+        orders = list(itertools.permutations(range(len(row))))
+        for i, k in enumerate(ks):
+            in_top = [positive in sorted(order, key=lambda j: -row[j])[:k] for order in orders]
+            expected[i] += sum(in_top) / len(orders)
+    got = hits_at_k(torch.tensor(rows, dtype=torch.float64), torch.tensor(positives), ks)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    nan = float("nan")  # a NaN positive never counts; a NaN elsewhere ranks above the positive
+    scores = torch.tensor([[nan, 0.5, 0.2], [0.9, nan, 0.1], [0.3, nan, 0.1]])
+    assert hits_at_k(scores, torch.tensor([0, 0, 0]), (1, 2, 3)).tolist() == [0.0, 2.0, 2.0]
+
+
+def test_retrieval_recall_perfect_and_collapsed():
+    images, _ = random_pairs(20, seed=1)
+    assert set(retrieval_recall(images, images.clone()).values()) == {1.0, 20.0}
+    collapsed = torch.ones(20, 8)  # every score ties: recall@k is chance, k / n
+    expected = {f"{d}_R@{k}": k / 20 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
+    assert retrieval_recall(collapsed, collapsed) == pytest.approx({**expected, "n": 20}, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded over ranks
+# --------------------------------------------------------------------------------------------
+
+FEATURE_SPLIT = (20, 17)  # random features: rank 0 and rank 1 hold this many pairs (uneven)
+
+
+def sharded_eval(rank: int, world_size: int, data: dict[str, str]) -> dict:
+    model = ToyCLIP([0, 2, 1, 3, 4, 4])  # two classes swapped, one merged: fractional accuracy
+    images, texts = random_pairs(sum(FEATURE_SPLIT), seed=2)
+    first = sum(FEATURE_SPLIT[:rank])
+    own = slice(first, first + FEATURE_SPLIT[rank]) if world_size > 1 else slice(None)
+    shards = EvalConfig(zeroshot=data["zeroshot"], batch_size=4)
+    folder = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["folder"], retrieval=False)
+    own_batches = shard_batches(data["mixed"], model, batch_size=4, rank=rank, world_size=world_size)
+    all_or_none = slice(None) if rank == 0 else slice(0, 0)  # an empty rank's features are (0, 0)
+    return {
+        "local_samples": sum(len(batch.keys) for batch in own_batches),
+        "recall": retrieval_recall(images[own], texts[own]),
+        "recall_one_rank_empty": retrieval_recall(
+            images[all_or_none, all_or_none], texts[all_or_none, all_or_none]
+        ),
+        "shards": evaluate(
+            model, shards, DataConfig(val=data["mixed"], workers=0), device=CPU, precision="fp32"
+        ),
+        "folder": evaluate(model, folder, DataConfig(workers=0), device=CPU, precision="fp32"),
+    }
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process(data):
+    single = sharded_eval(0, 1, data)
+    ranks = run_distributed(sharded_eval, 2, data)
+    counts = [r["local_samples"] for r in ranks]
+    assert sum(counts) == NUM_SAMPLES and counts[0] != counts[1]
+    for result in ranks:
+        for key in ("recall", "shards", "folder"):  # tie shares summed in another order: tolerance
+            assert result[key] == pytest.approx(single[key], rel=1e-12, abs=1e-12), key
+        assert result["recall_one_rank_empty"] == single["recall"]
+    # the mixed captions and the broken class map make every metric informative
+    assert 0 < single["shards"]["retrieval/image_to_text_R@1"] < 1
+    assert 0 < single["shards"]["zeroshot/top1"] < 1 and 0 < single["folder"]["zeroshot/top1"] < 1
+
+
+# --------------------------------------------------------------------------------------------
+# CLI on a real tiny checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory, data) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    shards = write_shards(root / "shards", [f"a picture of sample {i}" for i in range(NUM_SAMPLES)], 32)
+    config = root / "eval.yaml"
+    config.write_text(
+        f"include: [{REPO / 'configs/model/tiny.yaml'}]\n"
+        f"data: {{val: '{shards}', workers: 0}}\n"
+        f"eval: {{zeroshot: '{data['zeroshot']}', batch_size: 8}}\n"
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_config) -> nn.Module:
+    from clip_train.model import build_model  # imported here: the spawned ranks do not need it
+
+    torch.manual_seed(0)
+    return build_model(load_config(tiny_config).model)
+
+
+def clip_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "clip_train", *args], capture_output=True, text=True, timeout=240, cwd=REPO
+    )
+
+
+@pytest.mark.slow
+def test_eval_cli_on_a_tiny_checkpoint(tmp_path, tiny_config, tiny_model):
+    checkpoint = tmp_path / "checkpoints" / "step_00000100"
+    checkpoint.mkdir(parents=True)
+    save_file(tiny_model.state_dict(), checkpoint / "model.safetensors")
+    result = clip_train("eval", str(checkpoint), str(tiny_config))
+    assert result.returncode == 0, result.stderr
+    reported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "zeroshot/top1" in result.stdout and reported["checkpoint"].endswith("model.safetensors")
+    cfg = load_config(tiny_config)
+    expected = evaluate(tiny_model, cfg.eval, cfg.data, device=CPU, precision="fp32")
+    assert {k: v for k, v in reported.items() if k != "checkpoint"} == expected  # the weights were loaded
+    assert expected["zeroshot/n"] == expected["retrieval/n"] == NUM_SAMPLES
+
+
+def test_eval_cli_rejects_missing_and_mismatched_checkpoints(tmp_path, tiny_config, tiny_model, capsys):
+    """In-process through the CLI's ``main`` (the subprocess path is covered above): exit 2, one line."""
+    assert cli_main(["eval", str(tmp_path / "nope"), str(tiny_config)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"clip-train: error: checkpoint not found: {tmp_path / 'nope'} does not exist; "
+        "pass a checkpoint directory or a .safetensors file"
+    ]
+    weights = dict(tiny_model.state_dict())
+    weights.pop("logit_scale")
+    save_file(weights, tmp_path / "partial.safetensors")
+    assert cli_main(["eval", str(tmp_path / "partial.safetensors"), str(tiny_config)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"clip-train: error: {tmp_path / 'partial.safetensors'} does not fit the model")
+    assert "Missing key(s)" in line and "logit_scale" in line

@@ -1,0 +1,184 @@
+"""The launch scripts, run for real: two torchrun "nodes" on localhost, the SLURM batch script under
+a simulated two-node allocation, and, where a Slurm cluster answers, under real sbatch/srun with a
+requeue in the middle of the run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from clip_train.checkpoint import STATE_FILE, complete_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.embed_dim=16",
+    "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 1, embed_dim: 32, num_heads: 2}",
+    "model.text.hf_config={model_type: bert, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
+    "intermediate_size: 64, max_position_embeddings: 16}",
+    "model.text.context_length=12",
+]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("digits")
+    command = [sys.executable, "-m", "clip_train", "make-shards", "digits", str(out), "--size", "16"]
+    subprocess.run(command, check=True, capture_output=True)
+    return out
+
+
+def run_overrides(digits: Path, out_dir: Path, steps: int) -> list[str]:
+    return [
+        *TINY,
+        f"data.train={digits}/train",
+        "data.val=",
+        "eval.zeroshot=",
+        "eval.zeroshot_data=",
+        "data.workers=1",
+        "batch.global_size=16",
+        "batch.image_chunk=4",
+        "batch.text_chunk=8",
+        "batch.offload=true",
+        "loss.impl=inf",
+        f"train.max_steps={steps}",
+        "train.dist_timeout_s=120",
+        f"train.out_dir={out_dir}",
+        "checkpoint.every_steps=2",
+        "log.wandb.mode=disabled",
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra}
+
+
+def assert_trained(out_dir: Path, steps: int, world_size: int) -> None:
+    final = complete_checkpoints(out_dir)[-1]
+    state = torch.load(final / STATE_FILE, weights_only=True)
+    assert (state["step"], state["world_size"]) == (steps, world_size)
+
+
+def test_two_nodes_on_localhost(digits, tmp_path):
+    port = free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        env = launch_env(NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="localhost", MASTER_PORT=str(port))
+        env |= {"NPROC_PER_NODE": "1", "RDZV_ID": f"test-{port}"}
+        command = ["bash", str(ROOT / "launch/multinode.sh"), str(ROOT / "configs/demo-digits.yaml")]
+        nodes.append(
+            subprocess.Popen(
+                [*command, *run_overrides(digits, tmp_path, steps=2)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert_trained(tmp_path, steps=2, world_size=2)
+
+
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol show hostnames LIST: one host per line (the simulated allocation's nodes)
+[ "$1 $2" = "show hostnames" ] && printf '%s\\n' $FAKE_SLURM_HOSTS
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun: one task per node, in parallel, each with its SLURM_NODEID; records its command line.
+while [[ "$1" == --* ]]; do shift; done
+printf '%q ' "$@" > "$FAKE_SLURM_LOG"
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+  SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def test_sbatch_script_under_simulated_two_node_allocation(digits, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    port = free_port()
+    env = launch_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_SLURM_HOSTS="localhost otherhost",
+        FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
+        SLURM_JOB_NODELIST="localhost,otherhost",
+        SLURM_JOB_ID=str(port),
+        SLURM_NNODES="2",
+        NPROC_PER_NODE="1",
+        MASTER_PORT=str(port),
+    )
+    out = tmp_path / "run"
+    command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(ROOT / "configs/demo-digits.yaml")]
+    result = subprocess.run(
+        [*command, *run_overrides(digits, out, steps=2)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"rendezvous at localhost:{port}" in result.stdout
+    srun_line = (tmp_path / "srun.log").read_text()
+    assert "torch.distributed.run" in srun_line and "--rdzv_backend c10d" in srun_line
+    assert "checkpoint.resume=auto" in srun_line and '--node_rank "$SLURM_NODEID"' in srun_line.replace(
+        "\\", ""
+    )
+    assert_trained(out, steps=2, world_size=2)
+
+
+def slurm_available() -> bool:
+    if not shutil.which("sbatch"):
+        return False
+    return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
+
+
+def job_state(job: str) -> str:
+    result = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
+    fields = dict(f.split("=", 1) for f in result.stdout.split() if "=" in f)
+    return fields.get("JobState", "GONE")
+
+
+@pytest.mark.skipif(not slurm_available(), reason="no Slurm cluster here (.ci/run starts a local one)")
+def test_real_slurm_job_requeued_mid_run_resumes(digits, tmp_path):
+    out = tmp_path / "run"
+    env = launch_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    command = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+    command += [str(ROOT / "launch/slurm/train.sbatch"), str(ROOT / "configs/demo-digits.yaml")]
+    steps = 40
+    submitted = subprocess.run(
+        [*command, *run_overrides(digits, out, steps=steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.time() + 300
+    while not complete_checkpoints(out) and time.time() < deadline:
+        time.sleep(0.2)
+    assert complete_checkpoints(out), f"job {job} wrote no checkpoint: {job_state(job)}"
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE") and time.time() < deadline:
+        time.sleep(0.5)
+    log = (tmp_path / f"clip_train-{job}.out").read_text()
+    assert job_state(job) == "COMPLETED", log[-3000:]
+    assert log.count(f"job {job}:") == 2 and "resumed from" in log, log[-3000:]
+    assert_trained(out, steps=steps, world_size=2)
