@@ -32,20 +32,26 @@ class ConfigError(UserError, ValueError):
 
 
 @dataclass
-class ImageTowerConfig:
-    """A timm image tower; ``timm_kwargs`` sizes small models (img_size, depth, embed_dim, …)."""
+class TowerConfig:
+    """What both towers share: LiT locking and activation checkpointing."""
 
-    timm: str = "vit_base_patch16_224"  # timm model name (any timm architecture)
-    timm_kwargs: dict[str, Any] = field(default_factory=dict)  # timm.create_model keyword arguments
-    pretrained: str = ""  # "" (random init), a local file or dir, or "hub" for timm's own lookup
     lock: bool = False  # LiT: freeze the tower except its last unlocked_layers blocks and the head
-    unlocked_layers: int = 0  # with lock: how many final blocks keep training
+    unlocked_layers: int = 0  # with lock: how many final blocks (layers) keep training
     lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
 
 
 @dataclass
-class TextTowerConfig:
+class ImageTowerConfig(TowerConfig):
+    """A timm image tower; ``timm_kwargs`` sizes small models (img_size, depth, embed_dim, …)."""
+
+    timm: str = "vit_base_patch16_224"  # timm model name (any timm architecture)
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)  # timm.create_model keyword arguments
+    pretrained: str = ""  # "" (random init), a local file or dir, or "hub" for timm's own lookup
+
+
+@dataclass
+class TextTowerConfig(TowerConfig):
     """A transformers encoder; a non-empty ``hf_config`` builds a random-init model from it."""
 
     hf: str = "bert-base-uncased"  # hub name or local directory (model and tokenizer)
@@ -53,10 +59,6 @@ class TextTowerConfig:
     tokenizer: str = ""  # hub name or local dir; "" means the same as `hf`
     pooling: Literal["cls", "mean"] = "cls"  # first token, or mask-aware mean of the tokens
     context_length: int = 64  # tokens per caption (padded or truncated)
-    lock: bool = False  # LiT: freeze the tower except its last unlocked_layers layers and the head
-    unlocked_layers: int = 0  # with lock: how many final layers keep training
-    lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
-    grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
 
 
 @dataclass

@@ -20,11 +20,13 @@ _FIELD_COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
 
 
 def _comments(cls: type) -> dict[str, str]:
-    return {
-        m.group(1): m.group(2)
-        for line in inspect.getsource(cls).splitlines()
-        if (m := _FIELD_COMMENT.match(line))
-    }
+    """Inline field comments of ``cls`` and the dataclasses it inherits from."""
+    comments: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        for line in inspect.getsource(klass).splitlines():
+            if m := _FIELD_COMMENT.match(line):
+                comments[m.group(1)] = m.group(2)
+    return comments
 
 
 def _rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:

@@ -15,11 +15,9 @@ fi
 config=$1
 shift
 
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
-fi
-nproc=${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}
+# shellcheck source=launch/common.sh
+source "$(dirname "$0")/common.sh"
+nproc=$(procs_per_node)
 
 exec "${PYTHON:-python3}" -m torch.distributed.run \
   --standalone --nproc_per_node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \

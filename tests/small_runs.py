@@ -1,0 +1,47 @@
+"""Shared by the tests that launch real training runs: a tiny model and a short run on digits."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "configs/demo-digits.yaml"
+
+TINY_MODEL = [
+    "model.embed_dim=16",
+    "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2, "
+    "drop_path_rate: 0.1}",
+    "model.text.hf_config={model_type: bert, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
+    "intermediate_size: 64, max_position_embeddings: 16, hidden_dropout_prob: 0.1}",
+    "model.text.context_length=12",
+]
+
+
+def run_overrides(digits: Path, out_dir: Path, steps: int, *extra: str) -> list[str]:
+    """A short run: 16-pair batches in chunks with offload and the ring loss, no eval, no wandb."""
+    return [
+        *TINY_MODEL,
+        f"data.train={digits}/train",
+        "data.val=",
+        "eval.zeroshot=",
+        "eval.zeroshot_data=",
+        "data.num_samples=256",
+        "data.workers=1",
+        "batch.global_size=16",
+        "batch.image_chunk=4",
+        "batch.text_chunk=8",
+        "batch.offload=true",
+        "loss.impl=inf",
+        f"train.max_steps={steps}",
+        "train.dist_timeout_s=120",
+        f"train.out_dir={out_dir}",
+        "log.wandb.mode=disabled",
+        *extra,
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
