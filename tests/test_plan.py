@@ -1,0 +1,213 @@
+"""`clip-train plan`: the memory model's algebra, its loss terms against measured peaks, the
+activation measurement, the largest-batch search, LiT accounting and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from clip_train import load_config
+from clip_train.cli import main
+from clip_train.loss import contrastive_loss
+from clip_train.model import build_model
+from clip_train.plan import (
+    FP32,
+    Setting,
+    _measure_chunk,
+    adafactor_state_numel,
+    breakdown,
+    loss_workspace,
+    max_batch,
+    profile_model,
+    usable_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "model" / "tiny.yaml"
+SMALL = ("model.image.timm_kwargs.depth=2", "model.text.hf_config.num_hidden_layers=1")
+LIT = ("model.image.lock=true",)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+    return profile_model(load_config(TINY, SMALL).model, "fp32", (2, 4), "cpu")
+
+
+@pytest.fixture(scope="module")
+def lit_profile():
+    return profile_model(load_config(TINY, (*SMALL, *LIT)).model, "fp32", (2, 4), "cpu")
+
+
+def setting(**kw) -> Setting:
+    base = dict(batch=4096, gpus=4, image_chunk=64, text_chunk=128, offload=False, impl="inf", tile=64)
+    return Setting(**{**base, **kw})
+
+
+def test_loss_workspace_inf_linear_vanilla_and_local_quadratic():
+    dim, tile = 128, 64
+    for impl in ("vanilla", "local"):  # one GPU: no all-gather, only the materialised matrices
+        small, large = (loss_workspace(impl, b, 1, dim, tile) for b in (1024, 2048))
+        assert large == 4 * small == 4 * 4 * 2048**2 * FP32 / 4
+    # fixed GPUs: vanilla holds b×b (x4 per doubling), local n×b = b²/W (x4), inf is affine in b
+    gpus = 8
+    inf = [loss_workspace("inf", b, gpus, dim, tile) for b in (4096, 8192, 16384)]
+    assert inf[2] - inf[1] == 2 * (inf[1] - inf[0]) > 0
+    gather = [2 * b * dim * FP32 for b in (4096, 8192)]
+    for impl in ("vanilla", "local"):
+        quad = [
+            loss_workspace(impl, b, gpus, dim, tile) - g for b, g in zip((4096, 8192), gather, strict=True)
+        ]
+        assert quad[1] == 4 * quad[0]
+    # local is vanilla's b×b cut into W row blocks
+    assert (
+        loss_workspace("local", 8192, gpus, dim, tile) - gather[1]
+        == (loss_workspace("vanilla", 8192, gpus, dim, tile) - gather[1]) / gpus
+    )
+
+
+@pytest.mark.parametrize("impl", ["vanilla", "local", "inf"])
+def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(impl):
+    """One process: MemTracker's peak of forward + backward, which includes the 2 n×d feature gradients."""
+    rows, dim, tile = 512, 64, 256
+    torch.manual_seed(0)
+    images = torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1).requires_grad_()
+    texts = torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1).requires_grad_()
+    scale = torch.tensor(2.0, requires_grad=True)
+    tracker = MemTracker()
+    with tracker:
+        loss = contrastive_loss(images, texts, scale.exp(), impl=impl, tile_size=tile)
+        grads = torch.autograd.grad(loss, (images, texts, scale))
+        del loss, grads
+    (peak,) = (snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    predicted = loss_workspace(impl, rows, 1, dim, tile) + 2 * rows * dim * FP32
+    assert 0.85 < peak / predicted < 1.15
+
+
+def test_activation_slope_is_positive_and_linear():
+    torch.manual_seed(0)
+    model = build_model(load_config(TINY, SMALL).model).train()
+    for tower in ("image", "text"):
+        peaks = {rows: _measure_chunk(model, tower, rows, 16, "fp32")["forward"] for rows in (2, 4, 8)}
+        low, high = (peaks[4] - peaks[2]) / 2, (peaks[8] - peaks[4]) / 4
+        assert low > 0 and abs(high / low - 1) < 0.10, (tower, peaks)
+
+
+def test_offload_keeps_two_chunks_of_the_largest_stream(tiny_profile):
+    image, text = tiny_profile.towers
+    on_device = breakdown(tiny_profile, setting(offload=False))
+    offloaded = breakdown(tiny_profile, setting(offload=True))
+    n = 4096 // 4
+    assert on_device.data == n * (image.input_per_sample + text.input_per_sample)
+    assert offloaded.data == max(2 * 64 * image.input_per_sample, 2 * 128 * text.input_per_sample)
+    assert offloaded.data < on_device.data
+    # every other term is unchanged without a LiT trunk cache
+    for field in ("cache", "loss", "backbone", "weights", "grads", "optimizer"):
+        assert getattr(offloaded, field) == getattr(on_device, field)
+
+
+def test_backbone_grows_with_the_chunk_not_the_batch(tiny_profile):
+    a, b = (breakdown(tiny_profile, setting(batch=batch)).backbone for batch in (4096, 8192))
+    assert a == b
+    grown = breakdown(tiny_profile, setting(image_chunk=128, text_chunk=256)).backbone
+    assert grown > a
+
+
+@pytest.mark.parametrize("impl", ["vanilla", "local", "inf"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_max_batch_fits_and_the_next_step_does_not(tiny_profile, impl, offload):
+    cap = usable_bytes(0.5)
+    s = setting(impl=impl, offload=offload)
+    best = max_batch(tiny_profile, s, cap)
+    step = 4 * 128  # gpus x lcm(64, 128)
+    assert best > 0 and best % step == 0
+    assert breakdown(tiny_profile, dataclasses.replace(s, batch=best)).peak <= cap
+    assert breakdown(tiny_profile, dataclasses.replace(s, batch=best + step)).peak > cap
+
+
+def test_max_batch_orders_the_implementations(tiny_profile):
+    cap = usable_bytes(0.5)
+    best = {
+        impl: max_batch(tiny_profile, setting(impl=impl, offload=True), cap)
+        for impl in ("vanilla", "local", "inf")
+    }
+    assert best["vanilla"] < best["local"] < best["inf"]
+
+
+def test_lit_drops_exactly_the_frozen_parameters_from_grads_and_optimizer(tiny_profile, lit_profile):
+    model = build_model(load_config(TINY, (*SMALL, *LIT)).model)
+    frozen = sum(p.numel() * FP32 for p in model.parameters() if not p.requires_grad)
+    assert frozen > 0
+    assert lit_profile.weight_bytes == tiny_profile.weight_bytes
+    assert tiny_profile.trainable_bytes - lit_profile.trainable_bytes == frozen
+    assert tiny_profile.adamw_bytes - lit_profile.adamw_bytes == 2 * frozen
+    full, lit = (breakdown(p, setting()) for p in (tiny_profile, lit_profile))
+    assert full.grads - lit.grads == frozen and full.optimizer - lit.optimizer == 2 * frozen
+    # the locked trunk is cached as pooled fp32 (n, width) features and replays only the projection
+    width = model.visual.trunk.num_features
+    assert lit_profile.image.trunk_per_sample == width * FP32
+    assert lit_profile.image.replay.per_sample < tiny_profile.image.replay.per_sample / 10
+
+
+def test_adafactor_state_sizes_match_torch():
+    module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Conv2d(2, 3, 3), torch.nn.LayerNorm(7))
+    opt = torch.optim.Adafactor(module.parameters())
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    states = sum(t.numel() for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert states == sum(adafactor_state_numel(tuple(p.shape)) for p in module.parameters())
+
+
+def test_cli_prints_the_table_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "clip_train",
+        "plan",
+        str(TINY),
+        *SMALL,
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "1",
+        "--measure-chunks",
+        "1",
+        "2",
+    ]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("impl"))
+    rows = [line.split() for line in lines[header + 1 : header + 7]]
+    assert [(r[0], r[1]) for r in rows] == [
+        (i, o) for i in ("vanilla", "local", "inf") for o in ("no", "yes")
+    ]
+    assert "measured on cpu" in proc.stdout
+    plan = json.loads(out.read_text())
+    for row in plan["rows"]:
+        assert row["batch"] == 256 and row["gpus"] == 2
+        transient = max(row["loss"], row["backbone"], row["optimizer_step"])
+        assert row["peak"] == pytest.approx(row["static"] + row["data"] + row["cache"] + transient)
+        assert row["fits"] == (row["peak"] <= plan["usable_bytes"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "0"], "--gpus 0: must be >= 1"),
+        (["--gpu-mem", "-1"], "--gpu-mem -1.0: must be > 0"),
+        (["--batch", "1000", "--gpus", "3"], "batch.global_size=1000 must be a positive multiple"),
+        (["--check-cpu", "--gpus", "2"], "--check-cpu runs one process"),
+    ],
+)
+def test_cli_rejects_bad_arguments(capsys, argv, message):
+    assert main(["plan", str(TINY), *argv]) == 2
+    assert message in capsys.readouterr().err
