@@ -1,0 +1,281 @@
+"""Gradient Cache step time and peak memory against batch size, next to the direct full-batch step.
+
+Each (mode, batch size) runs in a fresh process, so its peak memory is its own: resident set size
+on CPU, ``max_memory_allocated`` on CUDA. Modes: ``gc`` (Gradient Cache), ``direct`` (one forward
+and backward of the whole batch, where it fits) and, with ``--lit``, ``gc-lit`` (Gradient Cache with
+the image trunk locked). Peak memory is split into the baseline (runtime and model, measured before
+the batch exists), the raw batch, the O(B·d) feature cache and the rest (activations, gradients):
+Gradient Cache should keep "rest" flat in B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from clip_train.errors import UserError
+
+MIB = 2**20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="configs/model/tiny.yaml", help="model YAML (a config with a model:)"
+    )
+    parser.add_argument("--batch", default="256,512,1024,2048", help="comma-separated per-rank batch sizes")
+    parser.add_argument("--image-chunk", type=int, default=64, help="image chunk (0 = whole batch)")
+    parser.add_argument("--text-chunk", type=int, default=128, help="text chunk (0 = whole batch)")
+    parser.add_argument(
+        "--lit", action="store_true", help="also time a locked image trunk (model.image.lock)"
+    )
+    parser.add_argument("--offload", action="store_true", help="keep the batch in host memory, stream chunks")
+    parser.add_argument("--no-direct", action="store_true", help="skip the direct full-batch baseline")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (after one warm-up)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads per run (0 = torch's default); 1 is steadiest when shared",
+    )
+    parser.add_argument(
+        "--loss-impl", default="auto", help="contrastive_loss impl (auto, inf, vanilla, local)"
+    )
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra model config overrides"
+    )
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="save a time/memory plot here (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    try:
+        sizes = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise UserError(f"--batch {args.batch!r} must be comma-separated integers, e.g. 256,512") from None
+    if min(sizes) <= 0 or args.repeats <= 0 or min(args.image_chunk, args.text_chunk, args.threads) < 0:
+        raise UserError("--batch sizes and --repeats must be positive; chunks and --threads >= 0")
+    from clip_train.config import ConfigError, load_config
+
+    try:  # fail here, with a one-line message, rather than in every worker
+        load_config(args.model, args.set)
+    except ConfigError as err:
+        raise UserError(str(err)) from None
+    modes = ["gc", *(["gc-lit"] if args.lit else []), *([] if args.no_direct else ["direct"])]
+    results = []
+    print(HEADER, flush=True)
+    for batch in sizes:
+        for mode in modes:
+            spec = {**vars(args), "json": None, "plot": None, "mode": mode, "batch": batch}
+            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+                try:
+                    result = pool.submit(measure, spec).result()
+                except BrokenProcessPool:  # killed, e.g. by the kernel's OOM killer
+                    result = {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"}
+            results.append(result)
+            print(_row(result), flush=True)
+    print(_summary(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One (mode, batch) point, in a fresh process: median step time and the memory breakdown."""
+    import torch
+
+    from clip_train.config import load_config
+    from clip_train.engine import GradCache
+    from clip_train.model import build_model
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    device = torch.device(
+        "cuda"
+        if spec["device"] == "cuda" or (spec["device"] == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+    overrides = [*spec["set"], *(["model.image.lock=true"] if spec["mode"] == "gc-lit" else [])]
+    torch.manual_seed(0)
+    model = build_model(load_config(spec["model"], overrides).model).to(device).train()
+    base = _memory_now(device)
+    batch = _synthetic_batch(model, spec["batch"])
+    if spec["mode"] == "direct":
+        step = _direct_step(model, spec["precision"], spec["loss_impl"], device)
+    else:
+        engine = GradCache(
+            model,
+            image_chunk=spec["image_chunk"],
+            text_chunk=spec["text_chunk"],
+            precision=spec["precision"],
+            offload=spec["offload"],
+            loss_impl=spec["loss_impl"],
+        )
+        step = engine.step
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, cpu_times, stats = [], [], None
+    try:
+        for _ in range(spec["repeats"] + 1):
+            model.zero_grad(set_to_none=True)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            stats = step(*batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
+    except torch.OutOfMemoryError:
+        return {"mode": spec["mode"], "batch": spec["batch"], "error": "out of memory"}
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch)
+    cache_bytes = stats.cache_bytes if spec["mode"] != "direct" else 0
+    peak = _peak_memory(device)
+    return {
+        "mode": spec["mode"],
+        "batch": spec["batch"],
+        "device": str(device),
+        "median_s": statistics.median(times[1:]),
+        "times_s": times[1:],
+        "cpu_s": statistics.median(cpu_times[1:]),  # process CPU time: less sensitive to a shared machine
+        "peak_bytes": peak,
+        "base_bytes": base,
+        "batch_bytes": batch_bytes,
+        "cache_bytes": cache_bytes,
+        "rest_bytes": peak - batch_bytes - cache_bytes,  # what must stay flat in B under Gradient Cache
+        "activation_bytes": peak - base - batch_bytes - cache_bytes,
+    }
+
+
+def _direct_step(model, precision: str, loss_impl: str, device):
+    """The no-cache baseline: the whole batch through both towers with one graph, one backward."""
+    import torch
+
+    from clip_train.loss import contrastive_loss
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def step(images, input_ids, attention_mask):
+        batch = (t.to(device, non_blocking=True) for t in (images, input_ids, attention_mask))
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            image_features, text_features, scale = model(*batch)
+        loss = contrastive_loss(image_features.float(), text_features.float(), scale, impl=loss_impl)
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _synthetic_batch(model, rows: int):
+    """Random uint8 images and token ids shaped for ``model``, in host memory as a loader delivers them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(rows)
+    size, context = model.image_size, model.tokenizer.context_length
+    images = torch.randint(0, 256, (rows, 3, size, size), dtype=torch.uint8, generator=gen)
+    input_ids = torch.randint(1, model.tokenizer.vocab_size, (rows, context), generator=gen)
+    lengths = torch.randint(2, context + 1, (rows,), generator=gen)
+    attention_mask = (torch.arange(context) < lengths[:, None]).long()
+    if torch.cuda.is_available():
+        return tuple(t.pin_memory() for t in (images, input_ids, attention_mask))
+    return images, input_ids, attention_mask
+
+
+def _memory_now(device) -> int:
+    import psutil
+    import torch
+
+    return (
+        torch.cuda.memory_allocated(device) if device.type == "cuda" else psutil.Process().memory_info().rss
+    )
+
+
+def _peak_memory(device) -> int:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+HEADER = (
+    f"{'mode':<7} {'B':>6} {'step s':>8} {'cpu s':>8} | MiB: {'peak':>8} = {'base':>7} + {'batch':>6} + "
+    f"{'cache':>6} + {'activ.':>7} | {'peak-batch-cache':>16}"
+)
+
+
+def _row(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['mode']:<7} {r['batch']:>6} {r['error']}"
+    mib = {k.removesuffix("_bytes"): v / MIB for k, v in r.items() if k.endswith("_bytes")}
+    return (
+        f"{r['mode']:<7} {r['batch']:>6} {r['median_s']:8.3f} {r['cpu_s']:8.3f} |      {mib['peak']:8.1f} = "
+        f"{mib['base']:7.1f} + {mib['batch']:6.1f} + {mib['cache']:6.2f} + {mib['activation']:7.1f} | "
+        f"{mib['rest']:16.1f}"
+    )
+
+
+def _summary(results: list[dict[str, Any]]) -> str:
+    ok = {(r["mode"], r["batch"]): r for r in results if "error" not in r}
+    lines = ["", "summary:"]
+    gc = sorted(b for m, b in ok if m == "gc")
+    if len(gc) > 1:
+        low, high = ok["gc", gc[0]], ok["gc", gc[-1]]
+        lines.append(
+            f"  gc memory, peak - batch - feature cache: B={gc[-1]} / B={gc[0]} = "
+            f"{high['rest_bytes'] / low['rest_bytes']:.3f} (activations alone: "
+            f"{high['activation_bytes'] / MIB:.1f} vs {low['activation_bytes'] / MIB:.1f} MiB)"
+        )
+    for batch in gc:
+        for other, label in (("direct", "gc / direct step time"), ("gc-lit", "gc-lit / gc step time")):
+            if (other, batch) in ok:
+                a, b = (
+                    (ok["gc", batch], ok[other, batch])
+                    if other == "direct"
+                    else (ok[other, batch], ok["gc", batch])
+                )
+                lines.append(
+                    f"  B={batch:<6} {label}: {a['median_s'] / b['median_s']:.3f} wall, "
+                    f"{a['cpu_s'] / b['cpu_s']:.3f} cpu"
+                )
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'clip_train[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        points = sorted((r["batch"], r) for r in results if r["mode"] == mode and "error" not in r)
+        batches = [b for b, _ in points]
+        (line,) = ax_time.plot(batches, [r["median_s"] for _, r in points], "o-", label=mode)
+        color = line.get_color()
+        ax_mem.plot(
+            batches, [r["peak_bytes"] / MIB for _, r in points], "o-", color=color, label=f"{mode} peak"
+        )
+        rest = [r["rest_bytes"] / MIB for _, r in points]
+        ax_mem.plot(batches, rest, "x--", color=color, label=f"{mode} peak-batch-cache")
+    for ax, label in ((ax_time, "median step time (s)"), (ax_mem, "memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("per-rank batch size")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

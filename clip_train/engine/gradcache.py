@@ -1,0 +1,352 @@
+"""One optimizer step's gradients with Gradient Cache (Gao et al. 2021).
+
+Activation memory depends on the chunk sizes, not on the batch size, and the gradients are exactly
+the full-batch gradients of the global contrastive loss:
+
+1. encode every chunk without a graph, keeping only the (B, d) features per tower and the RNG state
+   each chunk started from;
+2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache and the
+   logit-scale gradient;
+3. replay each chunk with its RNG state restored (same dropout and drop-path masks) and backprop
+   the cached gradient into the tower; DDP syncs on the tower's last chunk only;
+4. average the logit-scale gradient across ranks (DDP does not own it).
+
+LiT: a tower with a frozen trunk (``has_frozen_trunk``) runs ``encode_frozen`` once per chunk and
+caches its output (on the device, or in pinned host memory with ``offload``), so replay only runs
+``encode_trainable``; a tower with nothing to train (``is_frozen``) is never replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from clip_train.config import Config
+from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
+from clip_train.engine.rng import RngState, preserved_rng
+from clip_train.loss import contrastive_loss
+
+Precision = Literal["fp32", "fp64", "bf16", "fp16"]
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepStats:
+    """What one step cost. Times are wall-clock seconds with the device synchronised at each stage."""
+
+    loss: float
+    encode_s: float  # stage 1, both towers
+    loss_s: float  # stage 2
+    replay_s: float  # stage 3 (+ the logit-scale all-reduce)
+    peak_mem: int  # bytes: CUDA max_memory_allocated during the step; 0 on CPU (measure RSS instead)
+    cache_bytes: int  # features, their gradients and any frozen-trunk cache: O(B·d), wherever kept
+    batch_bytes: int  # the raw batch (host memory with offload, else the device)
+    max_live_chunks: int  # most input chunks alive at once in any stream (<= 2 by construction)
+
+
+class TrainableHead(nn.Module):
+    """A tower's ``encode_trainable`` as a module's ``forward``: what DDP wraps and replay calls.
+
+    DDP only prepares its gradient reduction when called through ``forward``; the replay runs
+    ``encode_trainable``, so that is what DDP has to see.
+    """
+
+    def __init__(self, tower: nn.Module):
+        super().__init__()
+        self.tower = tower
+
+    def forward(self, *hidden: torch.Tensor) -> torch.Tensor:
+        return self.tower.encode_trainable(*hidden)
+
+
+def wrap_ddp(tower: nn.Module, **ddp_kwargs) -> DistributedDataParallel | None:
+    """DDP over one tower's trainable part, for ``GradCache(image_ddp=..., text_ddp=...)``.
+
+    Each tower gets its own DDP so each syncs once, on its own last replay chunk. Every trainable
+    parameter is used in every replay, so ``find_unused_parameters=False``. Buffers are not
+    broadcast by default: the towers' buffers are constants (Gradient Cache cannot be exact with
+    batch-norm statistics anyway). Returns None for a fully frozen tower (DDP rejects those).
+    """
+    if tower.is_frozen:
+        return None
+    return DistributedDataParallel(
+        TrainableHead(tower), find_unused_parameters=False, **{"broadcast_buffers": False, **ddp_kwargs}
+    )
+
+
+@dataclass(frozen=True)
+class _Tower:
+    module: nn.Module
+    head: nn.Module  # DDP(TrainableHead) or the bare TrainableHead
+    chunk: int
+    replays: bool  # something in it trains
+    caches_trunk: bool  # stage 1 keeps encode_frozen's output, replay starts from it
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        if isinstance(self.head, DistributedDataParallel) and not last:
+            return self.head.no_sync()
+        return contextlib.nullcontext()
+
+
+@dataclass
+class _Encoded:
+    """Stage 1's output for one tower."""
+
+    bounds: list[tuple[int, int]]
+    features: torch.Tensor | None = None
+    rng: list[RngState] = field(default_factory=list)
+    trunk_cache: tuple[torch.Tensor, ...] = ()
+
+
+class GradCache:
+    """Gradient Cache for a ``clip_train.model.CLIP``: ``step`` leaves full-batch gradients in ``.grad``.
+
+    Gradients accumulate, so zero them before each step. With fp16, pass a ``GradScaler``: the loss
+    is scaled before the cache is taken, so every ``.grad`` (towers and logit scale) comes out
+    scaled and the trainer must ``scaler.unscale_(optimizer)`` before clipping, then
+    ``scaler.step`` and ``scaler.update`` as usual. With more than one rank, each trainable tower
+    must come wrapped by ``wrap_ddp`` (``image_ddp``, ``text_ddp``).
+
+    ``precision``: fp32 and fp64 run the model in its own dtype (cast it for fp64); bf16 and fp16
+    encode under autocast. The features enter the loss in at least fp32.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        image_chunk: int = 0,
+        text_chunk: int = 0,
+        precision: Precision = "fp32",
+        offload: bool = False,
+        loss_impl: str = "auto",
+        tile_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        image_ddp: DistributedDataParallel | None = None,
+        text_ddp: DistributedDataParallel | None = None,
+    ):
+        if precision not in ("fp32", "fp64", "bf16", "fp16"):
+            raise ValueError(f"precision={precision!r} must be one of fp32, fp64, bf16, fp16")
+        self.model = model
+        self.device = model.logit_scale.device
+        self.precision = precision
+        self.offload = offload
+        self.loss_impl = loss_impl
+        self.tile_size = tile_size
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        self.image = self._tower("image", model.visual, image_ddp, image_chunk)
+        self.text = self._tower("text", model.text, text_ddp, text_chunk)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: Config, **kwargs) -> GradCache:
+        """Chunks, offload, precision and loss options from a run config; ``kwargs`` adds the
+        process group and the DDP wrappers."""
+        return cls(
+            model,
+            image_chunk=config.batch.image_chunk,
+            text_chunk=config.batch.text_chunk,
+            precision=config.train.precision,
+            offload=config.batch.offload,
+            loss_impl=config.loss.impl,
+            tile_size=config.loss.tile_size or None,
+            **kwargs,
+        )
+
+    def _tower(self, name: str, module: nn.Module, ddp: DistributedDataParallel | None, chunk: int) -> _Tower:
+        if chunk < 0:
+            raise ValueError(f"{name}_chunk={chunk} must be >= 0 (0 = the whole per-rank batch)")
+        if ddp is not None and getattr(ddp.module, "tower", None) is not module:
+            raise ValueError(f"{name}_ddp wraps a different module than model's {name} tower; use wrap_ddp")
+        if ddp is None and self.world_size > 1 and not module.is_frozen:
+            raise ValueError(
+                f"the {name} tower trains on {self.world_size} ranks but has no DDP wrapper; "
+                f"pass {name}_ddp=wrap_ddp(tower)"
+            )
+        replays = not module.is_frozen
+        head = ddp if ddp is not None else TrainableHead(module)
+        return _Tower(module, head, chunk, replays, replays and module.has_frozen_trunk)
+
+    def step(
+        self,
+        images: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> StepStats:
+        """Compute the step's gradients for a per-rank batch; see the class docstring for fp16."""
+        rows = images.shape[0]
+        if rows == 0:
+            raise ValueError("the batch is empty")
+        if input_ids.shape[0] != rows or attention_mask.shape[0] != rows:
+            raise ValueError(
+                f"batch rows disagree: images {rows}, input_ids {input_ids.shape[0]}, "
+                f"attention_mask {attention_mask.shape[0]}"
+            )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.offload:
+            batch = to_host((images, input_ids, attention_mask), self.device)
+        else:
+            batch = tuple(t.to(self.device, non_blocking=True) for t in (images, input_ids, attention_mask))
+        image_inputs, text_inputs = batch[:1], batch[1:]
+        streams: list[ChunkStream] = []
+
+        start = self._clock()
+        image = self._encode(self.image, image_inputs, rows, streams)
+        text = self._encode(self.text, text_inputs, rows, streams)
+        encoded = self._clock()
+        loss, image_grad, text_grad = self._loss(image.features, text.features, scaler)
+        cached = [image.features, text.features, image_grad, text_grad, *image.trunk_cache, *text.trunk_cache]
+        cache_bytes = _bytes(t for t in cached if t is not None)
+        del cached
+        image.features = text.features = None  # replay needs only their gradients
+        lossed = self._clock()
+        with preserved_rng(self.device):  # the step consumes the RNG like one forward pass
+            for tower, cache, inputs, grad in (
+                (self.image, image, image_inputs, image_grad),
+                (self.text, text, text_inputs, text_grad),
+            ):
+                if grad is not None:
+                    self._replay(tower, cache, inputs, grad, streams)
+        replayed = self._clock()
+
+        return StepStats(
+            loss=loss,
+            encode_s=encoded - start,
+            loss_s=lossed - encoded,
+            replay_s=replayed - lossed,
+            peak_mem=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
+            cache_bytes=cache_bytes,
+            batch_bytes=_bytes(batch),
+            max_live_chunks=max(s.max_live for s in streams),
+        )
+
+    # -- stages --------------------------------------------------------------------------------
+
+    def _encode(
+        self, tower: _Tower, inputs: Sequence[torch.Tensor], rows: int, streams: list[ChunkStream]
+    ) -> _Encoded:
+        """Stage 1: graph-less features; RNG snapshots and the frozen-trunk cache for replay."""
+        out = _Encoded(chunk_bounds(rows, tower.chunk))
+        keep_trunk_on_host = self.offload and self.device.type == "cuda"
+
+        def encode(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
+            start, end = out.bounds[index]
+            with torch.no_grad(), self._autocast():
+                hidden = tower.module.encode_frozen(*chunk)
+                if tower.replays:
+                    out.rng.append(RngState.capture(self.device))
+                features = tower.module.encode_trainable(*hidden)
+            if out.features is None:
+                dtype = torch.promote_types(features.dtype, torch.float32)  # the loss runs in >= fp32
+                out.features = _rows_like(features, rows, dtype=dtype)
+            out.features[start:end] = features
+            if tower.caches_trunk:
+                if not out.trunk_cache:
+                    out.trunk_cache = tuple(_rows_like(h, rows, host=keep_trunk_on_host) for h in hidden)
+                for cached, h in zip(out.trunk_cache, hidden, strict=True):
+                    cached[start:end].copy_(h, non_blocking=True)
+
+        stream = ChunkStream(inputs, out.bounds, self.device)
+        stream.run(encode)
+        streams.append(stream)
+        return out
+
+    def _loss(
+        self, image_features: torch.Tensor, text_features: torch.Tensor, scaler: torch.amp.GradScaler | None
+    ) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
+        """Stage 2: the loss on leaf features; its gradients are the cache, plus the scale's gradient."""
+        log_scale = self.model.logit_scale
+        leaves = (
+            image_features.requires_grad_(self.image.replays),
+            text_features.requires_grad_(self.text.replays),
+            log_scale.detach().requires_grad_(log_scale.requires_grad),
+        )
+        loss = contrastive_loss(
+            leaves[0],
+            leaves[1],
+            leaves[2].exp(),
+            impl=self.loss_impl,
+            group=self.group,
+            tile_size=self.tile_size,
+        )
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = torch.autograd.grad(_scaled(loss, scaler), wanted) if wanted else ()
+        grads = dict(zip(map(id, wanted), grads, strict=True))
+        image_grad, text_grad, scale_grad = (grads.get(id(leaf)) for leaf in leaves)
+        if scale_grad is not None:
+            self._accumulate_scale_grad(scale_grad)
+        return loss.item(), image_grad, text_grad
+
+    def _accumulate_scale_grad(self, grad: torch.Tensor) -> None:
+        """Each rank's loss is its share of the global mean, so the global gradient is the rank average."""
+        if self.world_size > 1:
+            dist.all_reduce(grad, group=self.group)
+            grad = grad / self.world_size
+        log_scale = self.model.logit_scale
+        grad = grad.to(log_scale.dtype)
+        log_scale.grad = grad if log_scale.grad is None else log_scale.grad + grad
+
+    def _replay(
+        self,
+        tower: _Tower,
+        cache: _Encoded,
+        inputs: Sequence[torch.Tensor],
+        grad: torch.Tensor,
+        streams: list[ChunkStream],
+    ) -> None:
+        """Stage 3: re-encode each chunk with grad under its stage-1 RNG state, backprop the cache."""
+        last = len(cache.bounds) - 1
+
+        def replay(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
+            start, end = cache.bounds[index]
+            with tower.sync_context(last=index == last):
+                if not tower.caches_trunk:
+                    with torch.no_grad(), self._autocast():
+                        chunk = tower.module.encode_frozen(*chunk)
+                cache.rng[index].restore()
+                with self._autocast():
+                    features = tower.head(*chunk)
+                features.backward(grad[start:end].to(features.dtype))
+
+        stream = ChunkStream(cache.trunk_cache or inputs, cache.bounds, self.device)
+        stream.run(replay)
+        streams.append(stream)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = AUTOCAST_DTYPES.get(self.precision)
+        return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> torch.Tensor:
+    return scaler.scale(loss) if scaler is not None else loss
+
+
+def _rows_like(
+    like: torch.Tensor, rows: int, *, dtype: torch.dtype | None = None, host: bool = False
+) -> torch.Tensor:
+    """An empty (rows, *like.shape[1:]) buffer; pinned host memory when it should stream back fast."""
+    shape = (rows, *like.shape[1:])
+    if host:
+        return torch.empty(shape, dtype=dtype or like.dtype, pin_memory=True)
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

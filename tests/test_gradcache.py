@@ -1,0 +1,285 @@
+"""Gradient Cache engine: exact full-batch gradients (fp64), LiT caching, offload, mixed precision.
+
+The reference for "full-batch gradient" is plain autograd: every chunk encoded with grad in the
+order the engine's stage 1 uses (image chunks, then text chunks) from the same seed, hence the
+same dropout and drop-path masks, then one loss over the whole batch and one backward. Without
+dropout the reference is a single forward of the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from clip_train.config import load_config
+from clip_train.engine import GradCache
+from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
+from clip_train.loss import contrastive_loss
+from clip_train.model import build_model
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny.yaml"
+DROPOUT = (
+    "model.image.timm_kwargs.depth=2",
+    "model.image.timm_kwargs.drop_path_rate=0.1",
+    "model.text.hf_config.hidden_dropout_prob=0.1",
+    "model.text.hf_config.attention_probs_dropout_prob=0.1",
+)
+NO_DROPOUT = (
+    "model.image.timm_kwargs.depth=2",
+    "model.image.timm_kwargs.drop_path_rate=0.0",
+    "model.text.hf_config.hidden_dropout_prob=0.0",
+    "model.text.hf_config.attention_probs_dropout_prob=0.0",
+)
+ROWS, SEED = 10, 1234
+
+
+def make_model(*overrides: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    return copy.deepcopy(_built_model(overrides, dtype))
+
+
+@functools.cache
+def _built_model(overrides: tuple[str, ...], dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(load_config(TINY, overrides).model).to(dtype).train()
+    with torch.no_grad():  # a non-default scale so its gradient is not a special case
+        model.logit_scale.fill_(2.0)
+    return model
+
+
+def make_batch(rows: int = ROWS, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (rows, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    input_ids = torch.randint(1, 49408, (rows, 16), generator=gen)
+    lengths = torch.randint(3, 17, (rows,), generator=gen)
+    attention_mask = (torch.arange(16) < lengths[:, None]).long()
+    return images, input_ids, attention_mask
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def gc_grads(model, batch, seed: int = SEED, scaler=None, **engine_kwargs) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    engine = GradCache(model, loss_impl="vanilla", **engine_kwargs)
+    torch.manual_seed(seed)
+    engine.step(*batch, scaler=scaler)
+    return grads(model)
+
+
+def reference_grads(
+    model, batch, image_chunk: int, text_chunk: int, seed: int = SEED
+) -> dict[str, torch.Tensor]:
+    """Plain autograd over the whole batch, chunks encoded in stage-1 order so masks match."""
+    model.zero_grad(set_to_none=True)
+    images, input_ids, attention_mask = batch
+    torch.manual_seed(seed)
+    image_features = torch.cat([model.visual(images[a:b]) for a, b in chunk_bounds(len(images), image_chunk)])
+    text_features = torch.cat(
+        [model.text(input_ids[a:b], attention_mask[a:b]) for a, b in chunk_bounds(len(images), text_chunk)]
+    )
+    contrastive_loss(image_features, text_features, model.logit_scale.exp(), impl="vanilla").backward()
+    return grads(model)
+
+
+def assert_close_overall(actual: dict, expected: dict, rtol: float) -> None:
+    """Relative error of the whole gradient vector: the measure for low precision."""
+    assert actual.keys() == expected.keys()
+    got, want = (
+        torch.cat([grads[name].double().flatten() for name in expected]) for grads in (actual, expected)
+    )
+    err = ((got - want).norm() / want.norm()).item()
+    assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+def assert_grads_close(actual: dict, expected: dict, rtol: float) -> None:
+    """Per-parameter max error relative to that gradient's max magnitude.
+
+    Gradients that are zero in exact arithmetic (attention key biases: softmax ignores a shift)
+    are pure roundoff, so the scale is floored at 1e-6 of the largest gradient anywhere.
+    """
+    assert actual.keys() == expected.keys()
+    floor = 1e-6 * max(want.abs().max() for want in expected.values())
+    for name, want in expected.items():
+        scale = torch.maximum(want.abs().max(), floor)
+        err = ((actual[name].to(want.dtype) - want).abs().max() / scale).item()
+        assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol}"
+
+
+@pytest.mark.parametrize(("image_chunk", "text_chunk"), [(2, 5), (3, 4), (0, 3)])
+def test_exact_full_batch_gradients_with_dropout(image_chunk, text_chunk):
+    model, batch = make_model(*DROPOUT), make_batch()
+    for encode, inputs in ((model.encode_image, batch[:1]), (model.encode_text, batch[1:])):
+        assert not torch.equal(seeded(encode, inputs, 0), seeded(encode, inputs, 1)), "dropout is off"
+    got = gc_grads(model, batch, image_chunk=image_chunk, text_chunk=text_chunk, precision="fp64")
+    want = reference_grads(model, batch, image_chunk, text_chunk)
+    assert len(want) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert_grads_close(got, want, rtol=1e-10)
+
+
+def test_step_leaves_the_rng_as_one_forward_pass_would():
+    model, batch = make_model(*DROPOUT), make_batch()
+    gc_grads(model, batch, image_chunk=3, text_chunk=4)
+    after_step = torch.get_rng_state()
+    reference_grads(model, batch, 3, 4)
+    assert torch.equal(after_step, torch.get_rng_state())
+
+
+def test_without_dropout_chunking_matches_one_whole_batch_forward():
+    model, batch = make_model(*NO_DROPOUT), make_batch()
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=4, precision="fp64")
+    model.zero_grad(set_to_none=True)
+    image_features, text_features, scale = model(*batch)
+    loss = contrastive_loss(image_features, text_features, scale, impl="vanilla")
+    loss.backward()
+    assert_grads_close(got, grads(model), rtol=1e-10)
+    engine = GradCache(model, image_chunk=3, text_chunk=4, loss_impl="vanilla")
+    assert engine.step(*batch).loss == pytest.approx(loss.item(), rel=1e-12)
+
+
+def seeded(encode, inputs, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return encode(*inputs)
+
+
+def count_calls(module: torch.nn.Module) -> list[int]:
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_lit_runs_the_frozen_trunk_once_per_chunk_and_stays_exact():
+    model, batch = make_model(*DROPOUT, "model.image.lock=true"), make_batch()
+    assert model.visual.has_frozen_trunk and not model.visual.is_frozen
+    trunk_calls, head_calls = count_calls(model.visual.trunk), count_calls(model.visual.proj)
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=4)
+    assert trunk_calls[0] == 4  # stage 1 only: ceil(10 / 3) chunks
+    assert head_calls[0] == 8  # stage 1 and replay
+    want = reference_grads(model, batch, 3, 4)
+    assert not any(name.startswith("visual.trunk") for name in want)
+    assert_grads_close(got, want, rtol=1e-10)
+
+
+def test_lit_with_unlocked_blocks_caches_the_token_sequence():
+    model, batch = (
+        make_model(*DROPOUT, "model.image.lock=true", "model.image.unlocked_layers=1"),
+        make_batch(),
+    )
+    frozen_calls = count_calls(model.visual.trunk.blocks[0])
+    unlocked_calls = count_calls(model.visual.trunk.blocks[1])
+    got = gc_grads(model, batch, image_chunk=4, text_chunk=5, offload=True)
+    assert (frozen_calls[0], unlocked_calls[0]) == (3, 6)
+    want = reference_grads(model, batch, 4, 5)
+    assert any(name.startswith("visual.trunk.blocks.1.") for name in want)
+    assert_grads_close(got, want, rtol=1e-10)
+
+
+def test_fully_frozen_tower_is_never_replayed():
+    model = make_model(*DROPOUT, "model.image.lock=true", "model.image.lock_head=true")
+    batch = make_batch()
+    assert model.visual.is_frozen
+    proj_calls = count_calls(model.visual.proj)
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=4)
+    assert proj_calls[0] == 4
+    assert not any(name.startswith("visual.") for name in got)
+    assert_grads_close(got, reference_grads(model, batch, 3, 4), rtol=1e-10)
+
+
+def test_offload_keeps_the_batch_on_the_host_untouched_and_stays_exact():
+    model, batch = make_model(*DROPOUT), make_batch()
+    before = [t.clone() for t in batch]
+    engine = GradCache(model, image_chunk=3, text_chunk=4, offload=True, loss_impl="vanilla")
+    torch.manual_seed(SEED)
+    stats = engine.step(*batch)
+    assert all(torch.equal(a, b) for a, b in zip(batch, before, strict=True))
+    assert stats.max_live_chunks <= 2
+    assert stats.batch_bytes == sum(t.numel() * t.element_size() for t in batch)
+    assert stats.cache_bytes == 4 * ROWS * 128 * 8  # image + text features and their gradients, fp64
+    assert_grads_close(grads(model), reference_grads(model, batch, 3, 4), rtol=1e-10)
+
+
+def test_to_host_pins_only_for_cuda():
+    batch = make_batch()
+    assert all(a is b for a, b in zip(to_host(batch, torch.device("cpu")), batch, strict=True))
+    assert not any(t.is_pinned() for t in to_host(batch, torch.device("cpu")))
+    if torch.cuda.is_available():
+        pinned = to_host(batch, torch.device("cuda"))
+        assert all(t.is_pinned() and torch.equal(t, b) for t, b in zip(pinned, batch, strict=True))
+
+
+def test_chunk_stream_yields_the_right_slices_and_counts_live_chunks():
+    data = torch.arange(20).view(10, 2)
+    bounds = chunk_bounds(10, 4)
+    assert bounds == [(0, 4), (4, 8), (8, 10)]
+    seen, kept = [], []
+    stream = ChunkStream((data, data * 10), bounds, torch.device("cpu"))
+    stream.run(lambda index, chunk: seen.append((index, chunk[0].tolist(), chunk[1].tolist())))
+    assert seen == [(i, data[a:b].tolist(), (data[a:b] * 10).tolist()) for i, (a, b) in enumerate(bounds)]
+    assert stream.max_live == 1
+    hoarding = ChunkStream((data,), bounds, torch.device("cpu"))
+    hoarding.run(lambda index, chunk: kept.append(chunk))  # a consumer that leaks every chunk
+    assert hoarding.max_live == 3
+    with pytest.raises(ValueError, match="chunk size"):
+        chunk_bounds(10, -1)
+
+
+def test_fp16_with_grad_scaler_and_bf16_are_close_to_fp32():
+    batch = make_batch()
+    model = make_model(*NO_DROPOUT, dtype=torch.float32)
+    want = gc_grads(model, batch, image_chunk=5, text_chunk=5)
+
+    bf16 = gc_grads(model, batch, image_chunk=5, text_chunk=5, precision="bf16")
+    assert_close_overall(bf16, want, rtol=0.05)  # bf16 keeps 8 mantissa bits (seen: 0.016)
+
+    scale = 2.0**12
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaled = gc_grads(model, batch, scaler=scaler, image_chunk=5, text_chunk=5, precision="fp16")
+    assert_close_overall({k: v / scale for k, v in scaled.items()}, want, rtol=0.01)  # 11 bits (seen: 0.002)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.unscale_(optimizer)
+    assert_close_overall(grads(model), want, rtol=0.01)
+    before = model.logit_scale.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert model.logit_scale.item() == pytest.approx((before - 0.1 * want["logit_scale"]).item(), rel=1e-4)
+
+    overflowing = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 backward overflows: step skipped
+    gc_grads(model, batch, scaler=overflowing, image_chunk=5, text_chunk=5, precision="fp16")
+    weights = [p.detach().clone() for p in model.parameters()]
+    overflowing.step(optimizer)
+    overflowing.update()
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
+    assert overflowing.get_scale() < 2.0**40
+
+
+def test_bad_input_is_named():
+    model, (images, input_ids, attention_mask) = make_model(*NO_DROPOUT), make_batch()
+    with pytest.raises(ValueError, match="batch rows disagree"):
+        GradCache(model).step(images[:4], input_ids, attention_mask)
+    with pytest.raises(ValueError, match="empty"):
+        GradCache(model).step(images[:0], input_ids[:0], attention_mask[:0])
+    with pytest.raises(ValueError, match="precision"):
+        GradCache(model, precision="fp8")
+    with pytest.raises(ValueError, match="image_chunk"):
+        GradCache(model, image_chunk=-1)
+
+
+def test_from_config_reads_batch_train_and_loss_sections():
+    config = load_config(
+        TINY,
+        [
+            "batch.image_chunk=3",
+            "batch.text_chunk=4",
+            "batch.offload=true",
+            "train.precision=bf16",
+            "loss.impl=vanilla",
+        ],
+    )
+    engine = GradCache.from_config(make_model(*NO_DROPOUT), config)
+    assert (engine.image.chunk, engine.text.chunk, engine.offload) == (3, 4, True)
+    assert (engine.precision, engine.loss_impl, engine.tile_size) == ("bf16", "vanilla", None)

@@ -1,0 +1,116 @@
+"""Gradient Cache across 2 real gloo ranks: one optimizer step equals a single-process step on the
+concatenated global batch (fp64, dropout and drop-path on), and each tower all-reduces once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_gradcache import DROPOUT, SEED, assert_grads_close, grads, make_batch, make_model
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from clip_train.engine import GradCache, wrap_ddp
+from clip_train.engine.offload import chunk_bounds
+from clip_train.loss import contrastive_loss
+
+WORLD, ROWS_PER_RANK, IMAGE_CHUNK, TEXT_CHUNK, LR = 2, 6, 2, 4, 0.5
+
+
+def rank_batch(rank: int) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        t[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK] for t in make_batch(WORLD * ROWS_PER_RANK)
+    )
+
+
+def counting_hook(tower: str, calls: list):
+    """DDP's default all-reduce, recording which bucket of which tower it reduced."""
+
+    def hook(state, bucket):
+        calls.append((tower, bucket.index(), bucket.buffer().numel()))
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
+def gradcache_rank(rank: int, world_size: int, impl: str) -> dict:
+    model = make_model(*DROPOUT)  # the same initial weights on every rank
+    calls: list = []
+    image_ddp, text_ddp = wrap_ddp(model.visual), wrap_ddp(model.text)
+    image_ddp.register_comm_hook(None, counting_hook("image", calls))
+    text_ddp.register_comm_hook(None, counting_hook("text", calls))
+    engine = GradCache(
+        model,
+        image_chunk=IMAGE_CHUNK,
+        text_chunk=TEXT_CHUNK,
+        precision="fp64",
+        loss_impl=impl,
+        image_ddp=image_ddp,
+        text_ddp=text_ddp,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    calls_per_step, losses = [], []
+    for step in range(2):  # the second step runs after DDP has rebuilt its buckets
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(SEED + rank)
+        losses.append(engine.step(*rank_batch(rank)).loss)
+        if step == 0:
+            step_grads = grads(model)
+        optimizer.step()
+        if step == 0:
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        calls_per_step.append(list(calls))
+        calls.clear()
+    trainable = {
+        tower: sum(p.numel() for p in getattr(model, attr).parameters() if p.requires_grad)
+        for tower, attr in (("image", "visual"), ("text", "text"))
+    }
+    return {
+        "grads": step_grads,
+        "weights": weights,
+        "loss": losses[0],
+        "calls": calls_per_step,
+        "trainable": trainable,
+    }
+
+
+def single_process_reference() -> tuple[float, dict, dict]:
+    """Plain autograd on the global batch: rank r's chunks encoded from rank r's seed, as the ranks did."""
+    model = make_model(*DROPOUT)
+    image_features, text_features = [], []
+    for rank in range(WORLD):
+        images, input_ids, attention_mask = rank_batch(rank)
+        torch.manual_seed(SEED + rank)
+        image_features += [model.visual(images[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, IMAGE_CHUNK)]
+        text_features += [
+            model.text(input_ids[a:b], attention_mask[a:b])
+            for a, b in chunk_bounds(ROWS_PER_RANK, TEXT_CHUNK)
+        ]
+    loss = contrastive_loss(torch.cat(image_features), torch.cat(text_features), model.logit_scale.exp())
+    loss.backward()
+    reference_grads = grads(model)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return loss.item(), reference_grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower():
+    results = run_distributed(gradcache_rank, WORLD, "auto")
+    loss, want_grads, want_weights = single_process_reference()
+
+    assert sum(r["loss"] for r in results) / WORLD == pytest.approx(
+        loss, rel=1e-12
+    )  # ranks average to global
+    for result in results:
+        assert_grads_close(result["grads"], want_grads, rtol=1e-10)
+        for name, want in want_weights.items():
+            torch.testing.assert_close(result["weights"][name], want, rtol=1e-12, atol=1e-14)
+    for name, weight in results[0]["weights"].items():
+        assert torch.equal(weight, results[1]["weights"][name]), f"{name} differs between ranks"
+
+    for result in results:
+        for calls in result["calls"]:  # per step: every bucket of each tower reduced exactly once
+            for tower, numel in result["trainable"].items():
+                buckets = [(index, size) for name, index, size in calls if name == tower]
+                assert len({index for index, _ in buckets}) == len(buckets), (
+                    f"{tower}: a bucket reduced twice"
+                )
+                assert sum(size for _, size in buckets) == numel, f"{tower}: not every gradient reduced once"
