@@ -47,6 +47,8 @@ class Trainer:
         self.bad_in_a_row = 0
         self.bad_total = 0
 
+        if env.device.type == "cuda" and cfg.train.precision != "fp64":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model)
         self.model = (model.double() if cfg.train.precision == "fp64" else model).to(env.device)
@@ -231,8 +233,20 @@ class Trainer:
         samples_per_s = self.cfg.batch.global_size / step_s
         scale = float(self.model.logit_scale.detach().exp())
         lr = self.optimizer.param_groups[0]["lr"]
+        peak_bytes = stats.peak_mem or _peak_rss_bytes()
+        optimizer_s = step_s - data_s - stats.encode_s - stats.loss_s - stats.replay_s
+        split = (stats.encode_s, stats.loss_s, stats.replay_s, optimizer_s)
         monitor.advance(
-            self.step, {"loss": stats.loss, "samples/s": round(samples_per_s), "lr": lr, "scale": scale}
+            self.step,
+            {
+                "loss": stats.loss,
+                "samples/s": round(samples_per_s),
+                "lr": lr,
+                "scale": scale,
+                "enc/loss/rep/opt s": "/".join(f"{t:.2f}" for t in split),
+                "mem GiB": round(peak_bytes / 2**30, 2),
+                "skipped": sum(self.loader.skip_counts().values()),
+            },
         )
         if self.step % self.cfg.log.every_steps and self.step != self.cfg.train.max_steps:
             return
@@ -247,8 +261,8 @@ class Trainer:
             "time/encode_s": stats.encode_s,
             "time/loss_s": stats.loss_s,
             "time/replay_s": stats.replay_s,
-            "time/optimizer_s": step_s - data_s - stats.encode_s - stats.loss_s - stats.replay_s,
-            "memory/peak_bytes": stats.peak_mem or _peak_rss_bytes(),
+            "time/optimizer_s": optimizer_s,
+            "memory/peak_bytes": peak_bytes,
             "memory/cache_bytes": stats.cache_bytes,
             "train/skipped_steps": self.bad_total,
         }
