@@ -1,0 +1,290 @@
+"""`clip-train bench loss`: forward+backward time and peak extra memory of the loss vs batch size.
+
+On CPU every (impl, batch) runs in a fresh subprocess, so peak RSS growth over the inputs is
+that configuration's own; ``--world W`` runs W gloo ranks with b/W rows each. On CUDA the peak
+is ``max_memory_allocated`` above the inputs. A configuration whose estimated memory exceeds
+what is available is reported as OOM without running. The compute floor is one plain b×b×d
+matmul (computed in row chunks, so it needs no b×b output), timed in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+# Estimated peak extra bytes per rank, per element of the similarity matrix it materialises
+# (logits, both log-softmaxes and their gradients), measured at small sizes with headroom.
+MATRIX_COPIES = {"vanilla": 7, "local": 8}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", default="4096,8192,16384,32768", help="comma-separated global batch sizes")
+    parser.add_argument("--dim", type=int, default=512, help="embedding dimension")
+    parser.add_argument("--impl", default="vanilla,local,inf", help="comma-separated: vanilla, local, inf")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed forward+backward runs (median reported)"
+    )
+    parser.add_argument("--world", type=int, default=1, help="ranks (gloo processes on CPU), b/W rows each")
+    parser.add_argument("--tile", type=int, default=0, help="tile size for inf (0: the device default)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--scale", type=float, default=30.0, help="logit scale s")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write memory- and time-vs-batch figures here (PNG)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    batches = [int(b) for b in args.batch.split(",")]
+    impls = [i.strip() for i in args.impl.split(",")]
+    for impl in impls:
+        if impl not in ("vanilla", "local", "inf"):
+            raise SystemExit(f"bench loss: unknown impl {impl!r}; choose from vanilla, local, inf")
+    if device == "cuda" and args.world > 1:
+        raise SystemExit("bench loss: --world runs gloo ranks on CPU; use torchrun for multi-GPU")
+    if any(b % args.world for b in batches):
+        raise SystemExit(f"bench loss: every batch must be divisible by --world {args.world}")
+
+    results = []
+    print(
+        f"contrastive loss, dim={args.dim}, {args.dtype}, device={device}, world={args.world}, "
+        f"repeats={args.repeats}"
+    )
+    header = f"{'batch':>7} {'impl':>8} {'time_s':>8} {'x_floor':>8} {'peak_MiB':>9}  note"
+    print(header)
+    for batch in batches:
+        floor = _measure(_spec(args, "floor", batch, device, world=1), device)
+        results.append(floor)
+        print(
+            f"{batch:>7} {'matmul':>8} {floor['time_s']:>8.3f} {1.0:>8.2f} {'':>9}  one b×b×d matmul (floor)"
+        )
+        for impl in impls:
+            spec = _spec(args, impl, batch, device, args.world)
+            need, have = _estimate_bytes(spec), _available_bytes(device)
+            if need > 0.85 * have:
+                result = {**_public(spec), "time_s": None, "peak_mib": None, "oom": True}
+                result["note"] = (
+                    f"OOM: needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available; skipped"
+                )
+            else:
+                result = _measure(spec, device)
+            results.append(result)
+            time_s, peak = result["time_s"], result["peak_mib"]
+            cells = (
+                (f"{time_s:>8.3f} {time_s / floor['time_s']:>8.2f} {peak:>9.0f}")
+                if time_s is not None
+                else f"{'-':>8} {'-':>8} {'-':>9}"
+            )
+            print(f"{batch:>7} {impl:>8} {cells}  {result.get('note', '')}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _spec(args: argparse.Namespace, kind: str, batch: int, device: str, world: int) -> dict[str, Any]:
+    """Everything a measuring subprocess needs, as plain JSON-able values."""
+    return {
+        "kind": kind,
+        "batch": batch,
+        "device": device,
+        "world": world,
+        **{key: getattr(args, key) for key in ("dim", "repeats", "tile", "dtype", "scale")},
+    }
+
+
+def _public(spec: dict[str, Any]) -> dict[str, Any]:
+    keys = ("kind", "batch", "dim", "world", "dtype", "device", "tile", "repeats")
+    return {key: spec[key] for key in keys}
+
+
+def _estimate_bytes(spec: dict[str, Any]) -> float:
+    """Per-rank peak extra memory of one configuration (generous; used only to skip OOMs)."""
+    b, w, d = spec["batch"], spec["world"], spec["dim"]
+    itemsize = 8 if spec["dtype"] == "float64" else 4
+    features = 16 * (b // w) * d * itemsize
+    if spec["kind"] == "inf":
+        tile = spec["tile"] or 4096
+        return features + 4 * tile * tile * itemsize
+    rows = b if spec["kind"] == "vanilla" else b // w
+    return features + MATRIX_COPIES[spec["kind"]] * rows * b * itemsize
+
+
+def _available_bytes(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return float(free)
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+def _measure(spec: dict[str, Any], device: str) -> dict[str, Any]:
+    """One configuration: in-process on CUDA, in a fresh subprocess (and its ranks) on CPU."""
+    if device == "cuda":
+        return {**_public(spec), **_time_and_memory(spec, rank=0, world=1)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from clip_train.bench.loss import _subprocess_main; _subprocess_main()",
+            json.dumps(spec),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**_public(spec), "time_s": None, "peak_mib": None, "note": f"failed: {tail}"}
+    return {**_public(spec), **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def _subprocess_main() -> None:
+    """Entry point of the per-configuration subprocess: prints one JSON line of results."""
+    spec = json.loads(sys.argv[1])
+    world = spec["world"] if spec["kind"] != "floor" else 1
+    if world == 1:
+        print(json.dumps(_time_and_memory(spec, rank=0, world=1)))
+        return
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(world, spec, tmp), nprocs=world, join=True)
+        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    print(
+        json.dumps(
+            {
+                "time_s": max(r["time_s"] for r in per_rank),
+                "times_s": per_rank[0]["times_s"],
+                "peak_mib": max(r["peak_mib"] for r in per_rank),
+            }
+        )
+    )
+
+
+def _rank_main(rank: int, world: int, spec: dict[str, Any], tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    try:
+        result = _time_and_memory(spec, rank, world)
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    import resource
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from clip_train.loss import contrastive_loss
+
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    rows = spec["batch"] // world
+    gen = torch.Generator().manual_seed(rank)
+    images = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
+    texts = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
+    if spec["kind"] == "floor":
+        step = _matmul_floor(images, texts)
+    else:
+        images.requires_grad_()
+        texts.requires_grad_()
+        scale = torch.tensor(spec["scale"], device=device, requires_grad=True)
+
+        def step() -> None:
+            loss = contrastive_loss(images, texts, scale, impl=spec["kind"], tile_size=spec["tile"] or None)
+            loss.backward()
+            images.grad = texts.grad = scale.grad = None
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = psutil.Process().memory_info().rss
+    times = []
+    step()  # warm-up (lazy initialisation, first-touch page faults); its memory still counts
+    for _ in range(max(1, spec["repeats"])):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"time_s": statistics.median(times), "times_s": times, "peak_mib": max(peak, 0) / MIB}
+
+
+def _matmul_floor(images: Any, texts: Any) -> Any:
+    """A b×b×d matmul in row chunks into one reused buffer: the FLOPs without the b×b memory."""
+    import torch
+
+    chunk = min(2048, images.shape[0])
+    out = images.new_empty(chunk, texts.shape[0])
+
+    def step() -> None:
+        for start in range(0, images.shape[0], chunk):
+            part = images[start : start + chunk]
+            torch.mm(part, texts.t(), out=out[: len(part)])
+
+    return step
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for color, kind in enumerate(dict.fromkeys(r["kind"] for r in results)):
+        done = [r for r in results if r["kind"] == kind and r["time_s"] is not None]
+        if not done:
+            continue
+        batches = [r["batch"] for r in done]
+        label = "b×b×d matmul" if kind == "floor" else kind
+        if kind != "floor":
+            mem_ax.plot(batches, [r["peak_mib"] for r in done], "o-", color=f"C{color}", label=kind)
+        style = "o--" if kind == "floor" else "o-"
+        time_ax.plot(batches, [r["time_s"] for r in done], style, color=f"C{color}", label=label)
+    for ax, ylabel in ((mem_ax, "peak extra memory per rank (MiB)"), (time_ax, "forward+backward time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("global batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    world = results[0]["world"] if results else 1
+    fig.suptitle(f"contrastive loss, world={world} (OOM-skipped configurations omitted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,51 @@
+"""Reference losses that materialise the similarity matrix: the baselines the tiled loss must match.
+
+* ``vanilla_loss`` — CLIP's original: gather both towers with grad, build the full b×b logits.
+* ``local_loss`` — open_clip's ``local_loss=True, gather_with_grad=True``: this rank's rows
+  against all gathered columns, (n × b) in each direction.
+
+Both return the mean loss over this rank's own rows (and, in symmetric mode, own columns), so
+the average over ranks is the global loss and the gathers' summed backward hands each rank
+W × ∂L_global/∂(its features).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from clip_train.loss._common import Batch, gather_with_grad
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # Low-precision logits are upcast, as autocast does for cross-entropy.
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits, labels)
+
+
+def vanilla_loss(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor, batch: Batch
+) -> torch.Tensor:
+    all_images = gather_with_grad(image_features, batch)
+    all_texts = gather_with_grad(text_features, batch)
+    logits = logit_scale * all_images @ all_texts.t()  # (W·n, W·m): the whole matrix
+    n = image_features.shape[0]
+    own = slice(batch.rank * n, (batch.rank + 1) * n)
+    image_to_text = _cross_entropy(logits[own], batch.labels)
+    if not batch.symmetric:
+        return image_to_text
+    text_to_image = _cross_entropy(logits[:, own].t(), batch.labels)
+    return (image_to_text + text_to_image) / 2
+
+
+def local_loss(
+    image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor, batch: Batch
+) -> torch.Tensor:
+    all_texts = gather_with_grad(text_features, batch)
+    image_to_text = _cross_entropy(logit_scale * image_features @ all_texts.t(), batch.labels)
+    if not batch.symmetric:
+        return image_to_text
+    all_images = gather_with_grad(image_features, batch)
+    text_to_image = _cross_entropy(logit_scale * text_features @ all_images.t(), batch.labels)
+    return (image_to_text + text_to_image) / 2
