@@ -35,25 +35,9 @@ BENCH_COMMANDS = (
 )
 
 
-def _not_available(command: Command) -> argparse.Namespace:
-    def run(args: argparse.Namespace) -> int:
-        print(f"clip-train: '{command.name}' is not available in this version yet", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def _add_commands(subparsers: argparse._SubParsersAction, commands: Sequence[Command]) -> None:
     for command in commands:
-        try:
-            module = importlib.import_module(command.module)
-        except ModuleNotFoundError as err:
-            if not command.module.startswith(err.name or "?"):
-                raise
-            parser = subparsers.add_parser(command.name, help=f"{command.help} (not available yet)")
-            parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            parser.set_defaults(run=_not_available(command))
-            continue
+        module = importlib.import_module(command.module)
         parser = subparsers.add_parser(command.name, help=command.help, description=module.__doc__)
         module.add_arguments(parser)
         parser.set_defaults(run=module.run)
