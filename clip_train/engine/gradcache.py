@@ -71,14 +71,15 @@ def wrap_ddp(tower: nn.Module, **ddp_kwargs) -> DistributedDataParallel | None:
     """DDP over one tower's trainable part, for ``GradCache(image_ddp=..., text_ddp=...)``.
 
     Each tower gets its own DDP so each syncs once, on its own last replay chunk. Every trainable
-    parameter is used in every replay, so ``find_unused_parameters=False``. Buffers are not
-    broadcast by default: the towers' buffers are constants (Gradient Cache cannot be exact with
-    batch-norm statistics anyway). Returns None for a fully frozen tower (DDP rejects those).
+    parameter is used in every replay, so ``find_unused_parameters=False``. Buffers are synced
+    once at construction, not before every forward: the towers' buffers are constants (Gradient
+    Cache cannot be exact with batch-norm statistics anyway). Returns None for a fully frozen
+    tower (DDP rejects those).
     """
     if tower.is_frozen:
         return None
     return DistributedDataParallel(
-        TrainableHead(tower), find_unused_parameters=False, **{"broadcast_buffers": False, **ddp_kwargs}
+        TrainableHead(tower), find_unused_parameters=False, **{"forward_sync_buffers": False, **ddp_kwargs}
     )
 
 
