@@ -38,9 +38,17 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistEnv:
     else:
         torch_device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        # After a torchrun restart the store may still hold the dead group's addresses: a prefix
+        # per attempt keeps the new group from connecting to them.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            store=dist.PrefixStore(f"clip_train/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
             device_id=torch_device if use_cuda else None,
         )
     return DistEnv(rank, world_size, local_rank, torch_device)

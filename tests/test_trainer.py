@@ -118,9 +118,8 @@ def _kill_one_worker_after_first_checkpoint(
     deadline = time.time() + 200
     while time.time() < deadline and not complete_checkpoints(out_dir):
         time.sleep(0.05)
-    workers = [p for p in launcher.children(recursive=True) if "clip_train" in " ".join(p.cmdline())]
-    workers = [p for p in workers if p.parent() is not None and p.parent().pid != launcher.pid] or workers
-    victim = max(workers, key=lambda p: p.create_time())
+    ranks = launcher.children()  # torchrun's workers; their own children are DataLoader workers
+    victim = max(ranks, key=lambda p: p.create_time())
     victim.send_signal(signal.SIGKILL)
     killed.append(victim.pid)
 
