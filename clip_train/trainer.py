@@ -72,16 +72,7 @@ class Trainer:
                 "image_ddp": wrap_ddp(self.model.visual, device_ids=device_ids),
                 "text_ddp": wrap_ddp(self.model.text, device_ids=device_ids),
             }
-        self.engine = GradCache(
-            self.model,
-            image_chunk=cfg.batch.image_chunk,
-            text_chunk=cfg.batch.text_chunk,
-            precision=cfg.train.precision,
-            offload=cfg.batch.offload,
-            loss_impl=cfg.loss.impl,
-            tile_size=cfg.loss.tile_size or None,
-            **ddp,
-        )
+        self.engine = GradCache.from_config(self.model, cfg, **ddp)
         self.loader = build_train_loader(
             cfg.data,
             global_batch=cfg.batch.global_size,
