@@ -155,21 +155,12 @@ def retrieval_recall(
 # --------------------------------------------------------------------------------------------
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """Mixed precision for bf16/fp16; fp32 and fp64 run in the parameters' own dtype."""
-    import torch
-
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None, "fp64": None}
-    if precision not in dtypes:
-        raise ValueError(f"precision={precision!r}: must be one of {', '.join(dtypes)}")
-    dtype = dtypes[precision]
-    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def inference(model: nn.Module, device: torch.device, precision: str) -> Iterator[None]:
     """no_grad, eval mode (no dropout) and autocast; the model's train/eval mode is restored after."""
     import torch
+
+    from clip_train.precision import autocast
 
     was_training = model.training
     model.eval()

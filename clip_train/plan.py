@@ -218,25 +218,22 @@ def _measure_chunk(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from clip_train.engine import TrainableHead
-    from clip_train.engine.gradcache import AUTOCAST_DTYPES
+    from clip_train.precision import autocast
 
     tower = getattr(model, "visual" if tower_name == "image" else "text")
     device = model.logit_scale.device
-    dtype = AUTOCAST_DTYPES.get(_measured_precision(precision, device.type))
-
-    def autocast() -> Any:
-        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    measured = _measured_precision(precision, device.type)
 
     inputs = _random_inputs(model, tower_name, rows, context_length, device)
     out: dict[str, float] = {}
     tracker = MemTracker()
     # Chunks are cloned inside the tracker so it counts them; they are then taken off again (they
     # are M_data or the trunk cache, not activations).
-    with _trackable(tower), tracker, torch.no_grad(), autocast():
+    with _trackable(tower), tracker, torch.no_grad(), autocast(device, measured):
         chunk = tuple(t.clone() for t in inputs)
         tower(*chunk)
     out["encode"] = _dynamic_peak(tracker) - _nbytes(chunk)
-    with torch.no_grad(), autocast():
+    with torch.no_grad(), autocast(device, measured):
         hidden = tower.encode_frozen(*inputs)
     out["trunk"] = _nbytes(hidden) / rows if tower.has_frozen_trunk else 0.0
     if tower.is_frozen:
@@ -253,7 +250,7 @@ def _measure_chunk(
         before = torch.cuda.memory_allocated(device)
     with _trackable(tower), tracker:
         chunk = tuple(h.clone() for h in hidden)
-        with autocast():
+        with autocast(device, measured):
             features = head(*chunk)
         out["forward"] = _dynamic_peak(tracker) - _nbytes(chunk)
         features.backward(torch.randn_like(features))

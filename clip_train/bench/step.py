@@ -159,15 +159,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _direct_step(model, precision: str, loss_impl: str, device):
     """The no-cache baseline: the whole batch through both towers with one graph, one backward."""
-    import torch
 
     from clip_train.loss import contrastive_loss
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    from clip_train.precision import autocast
 
     def step(images, input_ids, attention_mask):
         batch = (t.to(device, non_blocking=True) for t in (images, input_ids, attention_mask))
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with autocast(device, precision):
             image_features, text_features, scale = model(*batch)
         loss = contrastive_loss(image_features.float(), text_features.float(), scale, impl=loss_impl)
         loss.backward()

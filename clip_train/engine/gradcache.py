@@ -33,9 +33,9 @@ from clip_train.config import Config
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
+from clip_train.precision import PRECISIONS, autocast
 
 Precision = Literal["fp32", "fp64", "bf16", "fp16"]
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -134,7 +134,7 @@ class GradCache:
         image_ddp: DistributedDataParallel | None = None,
         text_ddp: DistributedDataParallel | None = None,
     ):
-        if precision not in ("fp32", "fp64", "bf16", "fp16"):
+        if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of fp32, fp64, bf16, fp16")
         self.model = model
         self.device = model.logit_scale.device
@@ -326,8 +326,7 @@ class GradCache:
     # -- helpers -------------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        dtype = AUTOCAST_DTYPES.get(self.precision)
-        return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        return autocast(self.device, self.precision)
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
