@@ -149,6 +149,20 @@ def test_upstream_gradient_scales_every_gradient(upstream) -> None:
     _assert_all_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
+def test_second_backward_with_retained_graph_is_exact() -> None:
+    """The forward hands its last tile to the backward, which overwrites it; a second backward
+    through a retained graph must recompute that tile rather than reuse it."""
+    images, texts = _features(12, 5, 13), _features(12, 5, 14)
+    expected = _run(_reference, images, texts, 30.0)
+    i, t = images.clone().requires_grad_(), texts.clone().requires_grad_()
+    s = torch.tensor(30.0, dtype=torch.float64, requires_grad=True)
+    loss = contrastive_loss(i, t, s, tile_size=5)
+    for passes in (1, 2):
+        loss.backward(retain_graph=True)
+        actual = (loss.detach(), i.grad / passes, t.grad / passes, s.grad / passes)
+        _assert_all_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_float_scale_and_gradient_free_inputs() -> None:
     images, texts = _features(5, 4, 11), _features(5, 4, 12)
     loss = contrastive_loss(images, texts, 10.0)

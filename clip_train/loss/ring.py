@@ -3,10 +3,12 @@
 Forward, one ring pass: text block T_k starts at rank k and visits every rank. Each rank merges
 its tile LSEs into its own row LSE and into the block's column LSE, which travels with the
 block and is complete when it gets home (symmetric mode only; hard negatives need rows only).
-Backward, one more pass: T_k travels with its column shift (column LSE and upstream coefficient)
-and a dT_k accumulator, while dI accumulates locally. The next block's transfer is posted before
-computing on the block in hand and waited for after, so communication overlaps the matmuls.
-With one rank there is no communication and this is the plain tiled loss.
+Backward, one more pass the other way round: each rank starts with the block the forward ended
+on (its last tile's logits still in hand, so that tile is not recomputed) and T_k travels with
+its column shift (column LSE and upstream coefficient) and a dT_k accumulator, arriving home
+complete after the last hop, while dI accumulates locally. The next block's transfer is posted
+before computing on the block in hand and waited for after, so communication overlaps the
+matmuls. With one rank there is no communication and this is the plain tiled loss.
 
 Scale gradient: rank r returns ⟨I_r, dI_r⟩ / s, i.e. Σ G∘X/s over its own rows' tiles. Summed
 over ranks that is every tile exactly once, so the per-rank values average to ∂L_global/∂s
@@ -36,11 +38,13 @@ class _Ring:
             self.next = dist.get_global_rank(self.group, (batch.rank + 1) % self.world)
             self.prev = dist.get_global_rank(self.group, (batch.rank - 1) % self.world)
 
-    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor]) -> list[Any]:
+    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor], reverse: bool = False) -> list[Any]:
+        """Post the transfers; ``reverse`` sends to the previous rank and receives from the next."""
         if self.world == 1 or not (send or recv):
             return []
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]
         return dist.batch_isend_irecv(ops)
 
 
@@ -120,12 +124,13 @@ class _InfLoss(torch.autograd.Function):
         row_lse = images.new_full((n,), -math.inf)
         positive_logits = images.new_zeros(n)
         block, col_lse = texts, (images.new_full((m,), -math.inf) if batch.symmetric else None)
+        held_col_lse = col_lse  # complete column LSE of the block in hand after the last step
         for step in range(batch.world):
             owner = (batch.rank - step) % batch.world
             last = step == batch.world - 1
             next_block = None if last else torch.empty_like(block)
             transfer = ring.start([] if last else [block], [] if last else [next_block])
-            block_forward(scaled_images, block, row_lse, col_lse, tile)
+            last_tile = block_forward(scaled_images, block, row_lse, col_lse, tile)
             pairs = _positives(batch, owner, m)
             if pairs is not None:
                 positive_logits[pairs[0]] = (scaled_images[pairs[0]] * block[pairs[1]]).sum(dim=1)
@@ -136,13 +141,15 @@ class _InfLoss(torch.autograd.Function):
                 transfer += ring.start([col_lse], [incoming])
             _wait(transfer)
             if col_lse is not None and batch.world > 1:
-                col_lse = incoming
-            block = next_block
+                held_col_lse, col_lse = col_lse, incoming
+            if not last:
+                block = next_block
 
         lse_sum = row_lse.sum() + (col_lse.sum() if col_lse is not None else 0.0)
         loss = lse_sum / (2 * n if batch.symmetric else n) - positive_logits.sum() / n
-        ctx.save_for_backward(images, scaled_images, texts, scale, row_lse, col_lse)
-        ctx.batch, ctx.tile = batch, tile
+        # The backward starts from the block in hand, the one the forward ended on.
+        ctx.save_for_backward(images, scaled_images, block, scale, row_lse, held_col_lse)
+        ctx.batch, ctx.tile, ctx.last_tile = batch, tile, last_tile
         ctx.input_dtypes = (image_features.dtype, text_features.dtype, logit_scale.dtype, logit_scale.shape)
         return loss
 
@@ -154,9 +161,11 @@ class _InfLoss(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        images, scaled_images, texts, scale, row_lse, col_lse = ctx.saved_tensors
+        images, scaled_images, block, scale, row_lse, col_lse = ctx.saved_tensors
+        # The hand-over's buffer is overwritten here; a second backward (retain_graph) recomputes.
+        last_tile, ctx.last_tile = ctx.last_tile, None
         batch: Batch = ctx.batch
-        (n, _), m = images.shape, texts.shape[0]
+        (n, _), m = images.shape, block.shape[0]
         _, block_backward = _kernels(images.device, images.dtype)
         ring = _Ring(batch)
         grad_loss = grad_loss.to(images.dtype)
@@ -165,12 +174,11 @@ class _InfLoss(torch.autograd.Function):
 
         # Unscaled image gradient (dI / s): its dot with I is then exactly ∂L/∂s.
         grad_images = torch.zeros_like(images)
-        block = texts
         # What travels with a text block: its column shift and sign (empty in hard-negative mode).
         col_meta = torch.cat(_col_meta(col_lse, direction_coef)) if batch.symmetric else images.new_empty(0)
         done = None  # the accumulator of the block processed in the previous step
         for step in range(batch.world):
-            owner = (batch.rank - step) % batch.world
+            owner = (batch.rank + 1 + step) % batch.world
             last = step == batch.world - 1
             send, recv = [], []
             if not last:
@@ -179,7 +187,7 @@ class _InfLoss(torch.autograd.Function):
             if done is not None:
                 incoming = torch.empty_like(done)
                 send, recv = [*send, done], [*recv, incoming]
-            transfer = ring.start(send, recv)
+            transfer = ring.start(send, recv, reverse=True)
 
             grad_block = torch.zeros_like(block)
             col_shift, col_sign = (col_meta[:m], float(col_meta[m])) if batch.symmetric else (None, 1.0)
@@ -193,6 +201,7 @@ class _InfLoss(torch.autograd.Function):
                 grad_images,
                 grad_block,
                 ctx.tile,
+                last_tile if step == 0 else None,
             )
             pairs, positive_coef = _positives(batch, owner, m), grad_loss / n
             if pairs is not None:
@@ -207,10 +216,7 @@ class _InfLoss(torch.autograd.Function):
             done = grad_block
             if not last:
                 block, col_meta = next_block, next_meta
-        grad_texts = done
-        if batch.world > 1:  # the last accumulator goes home
-            grad_texts = torch.empty_like(done)
-            _wait(ring.start([done], [grad_texts]))
+        grad_texts = done  # the last block processed is this rank's own
 
         image_dtype, text_dtype, scale_dtype, scale_shape = ctx.input_dtypes
         grad_scale = torch.dot(images.flatten(), grad_images.flatten())

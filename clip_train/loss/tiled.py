@@ -1,18 +1,43 @@
 """Tiled PyTorch kernels for one text block against this rank's image rows (the CPU path).
 
-Each function walks the (n × m) similarity block ``X = (s·I) Tᵀ`` in t×t tiles and never holds
-more than two tiles. The forward costs one matmul and one ``exp`` per tile and feeds both
-directions from it; the backward recomputes the tile and spends two more matmuls on the
-gradients of both feature sets. Shifts are folded into the matmul (``addmm``) wherever they
-are known in advance. The ring in ``ring.py`` calls these once per text block in hand;
-``triton_kernels.py`` provides the same two functions on CUDA.
+Each function walks the (n × m) similarity block ``X = (s·I) Tᵀ`` in t×t tiles and holds one
+tile at a time. A tile's logits come from one matmul into a tile buffer; the elementwise work
+then runs over strips of its rows small enough to stay in cache, so a tile crosses main memory
+about twice however many elementwise steps it takes. The forward feeds both directions from the
+same exponentials. The backward spends two more matmuls per tile on the gradients of both
+feature sets, and recomputes every tile except the forward's last, whose logits the forward
+hands over (:class:`LastTile`) along with its buffer. The ring in ``ring.py`` calls these once
+per text block in hand; ``triton_kernels.py`` provides the same two functions on CUDA.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+
+# Elements per strip of a tile's rows: 4 MiB of fp32 stays in this CPU's L2/L3 across the
+# several elementwise steps applied to it.
+STRIP_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class LastTile:
+    """The raw logits of the forward's last tile, so the backward can start there without a matmul.
+
+    ``buffer`` is the forward's whole tile buffer; the backward goes on using it for the tiles it
+    recomputes, so handing it over costs no memory.
+    """
+
+    rows: slice
+    cols: slice
+    buffer: torch.Tensor
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return _view(self.buffer, self.rows.stop - self.rows.start, self.cols.stop - self.cols.start)
 
 
 def default_tile(device: torch.device) -> int:
@@ -29,12 +54,33 @@ def _view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def _exp_shifted_by_row_max(images: torch.Tensor, texts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``exp(X - rowmax)`` in ``out``; returns the row maxima."""
-    torch.mm(images, texts.t(), out=out)
-    row_max = out.amax(dim=1)
-    out.sub_(row_max[:, None]).exp_()
-    return row_max
+def _strip_buffer(like: torch.Tensor, tile_rows: int, tile_cols: int, strip_elements: int) -> torch.Tensor:
+    """Room for one strip: as many whole rows of a tile as fit in ``strip_elements``, at least one."""
+    return like.new_empty(min(tile_rows, max(1, strip_elements // tile_cols)) * tile_cols)
+
+
+def _strips(tile: torch.Tensor, strip: torch.Tensor) -> Iterator[slice]:
+    yield from _tiles(tile.shape[0], strip.numel() // tile.shape[1])
+
+
+def _exp_sums(
+    logits: torch.Tensor, shift: torch.Tensor, col_weights: torch.Tensor | None, strip: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row sums of ``exp(X - shift[:, None])`` and, with ``col_weights``, its weighted column sums.
+
+    ``logits`` is left intact (the backward may reuse it); the exponentials live in ``strip``.
+    """
+    rows, cols = logits.shape
+    ones = logits.new_ones(cols)
+    row_sums = logits.new_empty(rows)
+    col_sums = logits.new_zeros(cols) if col_weights is not None else None
+    for part in _strips(logits, strip):
+        exps = torch.sub(logits[part], shift[part, None], out=_view(strip, part.stop - part.start, cols))
+        exps.exp_()
+        torch.mv(exps, ones, out=row_sums[part])
+        if col_sums is not None:
+            col_sums.addmv_(exps.t(), col_weights[part])
+    return row_sums, col_sums
 
 
 def block_forward(
@@ -43,44 +89,74 @@ def block_forward(
     row_lse: torch.Tensor,
     col_lse: torch.Tensor | None,
     tile: int,
-) -> None:
+    strip_elements: int = STRIP_ELEMENTS,
+) -> LastTile:
     """Merge the log-sum-exps of ``X = scaled_images @ textsᵀ`` into ``row_lse`` and ``col_lse``.
 
-    Rows are shifted by their running LSE (folded into the matmul), or by the tile maximum on
-    their first tile or when a row would overflow. Columns reuse the same exponentials, rescaled
-    per row by ``exp(shift - max shift)`` in one matrix-vector product; this is exact unless a
-    column lies so far below the others that its terms underflow, or so far above that they
-    overflow. Such columns (rare, only at large scales in fp32) are recomputed on their own.
+    Rows are shifted by their maximum in the tile, so row sums lie in [1, t]. Columns reuse the
+    same exponentials, rescaled per row by ``exp(shift - max shift)`` ≤ 1 in the column sum;
+    this is exact unless a column lies so far below the tile's top row that its terms
+    underflow. Such columns (rare, only at large scales in fp32) are recomputed on their own.
+    Returns the last tile's logits for :func:`block_backward`.
     """
     finfo = torch.finfo(scaled_images.dtype)
-    buffer = scaled_images.new_empty(min(tile, scaled_images.shape[0]) * min(tile, texts.shape[0]))
-    ones = scaled_images.new_ones(min(tile, texts.shape[0]))
-    for rows in _tiles(scaled_images.shape[0], tile):
-        for cols in _tiles(texts.shape[0], tile):
+    n, m = scaled_images.shape[0], texts.shape[0]
+    buffer = scaled_images.new_empty(min(tile, n) * min(tile, m))
+    strip = _strip_buffer(scaled_images, min(tile, n), min(tile, m), strip_elements)
+    for rows in _tiles(n, tile):
+        for cols in _tiles(m, tile):
             images_tile, texts_tile = scaled_images[rows], texts[cols]
-            exps = _view(buffer, len(images_tile), len(texts_tile))
-            shift = row_lse[rows].clone()
-            if torch.isinf(shift).any():  # first tile of these rows: no running LSE yet
-                shift = _exp_shifted_by_row_max(images_tile, texts_tile, exps)
-                row_sums = torch.mv(exps, ones[: len(texts_tile)])
-            else:
-                torch.addmm(shift[:, None], images_tile, texts_tile.t(), beta=-1, out=exps).exp_()
-                row_sums = torch.mv(exps, ones[: len(texts_tile)])
-                if not torch.isfinite(row_sums).all():  # a row jumped far above its running LSE
-                    shift = _exp_shifted_by_row_max(images_tile, texts_tile, exps)
-                    row_sums = torch.mv(exps, ones[: len(texts_tile)])
-            torch.logaddexp(row_lse[rows], row_sums.log_().add_(shift), out=row_lse[rows])
-            if col_lse is None:
-                continue
+            logits = _view(buffer, len(images_tile), len(texts_tile))
+            torch.mm(images_tile, texts_tile.t(), out=logits)
+            shift = logits.amax(dim=1)
             top = shift.max()
-            col_sums = torch.mv(exps.t(), (shift - top).exp_())
+            col_weights = (shift - top).exp_() if col_lse is not None else None
+            row_sums, col_sums = _exp_sums(logits, shift, col_weights, strip)
+            torch.logaddexp(row_lse[rows], row_sums.log_().add_(shift), out=row_lse[rows])
+            if col_lse is None or col_sums is None:
+                continue
             # Below this bound a sum may have lost more than a rounding error to underflow.
-            unsafe = ~((col_sums >= len(images_tile) * finfo.tiny / finfo.eps) & (col_sums <= finfo.max))
+            unsafe = col_sums < len(images_tile) * finfo.tiny / finfo.eps
             col_tile_lse = col_sums.log_().add_(top)
             if unsafe.any():
                 idx = unsafe.nonzero().squeeze(1)
-                col_tile_lse[idx] = torch.logsumexp(images_tile @ texts_tile[idx].t(), dim=0)
+                col_tile_lse[idx] = torch.logsumexp(logits[:, idx], dim=0)
             torch.logaddexp(col_lse[cols], col_tile_lse, out=col_lse[cols])
+    return LastTile(rows, cols, buffer)
+
+
+def _softmax_grads_(
+    logits: torch.Tensor,
+    row_shift: torch.Tensor,
+    col_shift: torch.Tensor | None,
+    col_coef: float,
+    strip: torch.Tensor,
+) -> torch.Tensor:
+    """Overwrite ``logits`` with ``exp(X - row_shift[:, None]) + col_coef·exp(X - col_shift[None, :])``.
+
+    When the shifts are within a safe range of each other, the column term is the row term
+    times the rank-one factor ``exp(row_shift_i - col_shift_j)``: one ``exp`` per element.
+    """
+    cols = logits.shape[1]
+    # Past this gap a row term could underflow where the column term still matters.
+    max_gap = -math.log(torch.finfo(logits.dtype).tiny) / 3
+    top = row_shift.max()
+    rank_one = col_shift is not None and (top - col_shift.min()).item() <= max_gap
+    if rank_one:
+        row_factor = (row_shift - top).exp_().mul_(col_coef)
+        col_factor = (top - col_shift).exp_()
+    for part in _strips(logits, strip):
+        grads = logits[part]
+        other = _view(strip, part.stop - part.start, cols)
+        if col_shift is None:
+            grads.sub_(row_shift[part, None]).exp_()
+        elif rank_one:
+            grads.sub_(row_shift[part, None]).exp_()
+            grads.addcmul_(torch.mul(grads, col_factor, out=other), row_factor[part, None])
+        else:
+            torch.sub(grads, col_shift, out=other).exp_()
+            grads.sub_(row_shift[part, None]).exp_().add_(other, alpha=col_coef)
+    return logits
 
 
 def block_backward(
@@ -93,41 +169,31 @@ def block_backward(
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
+    last_tile: LastTile | None = None,
+    strip_elements: int = STRIP_ELEMENTS,
 ) -> None:
     """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ scaled_images`` into ``grad_texts``.
 
     ``G = row_sign·exp(X - row_shift[:, None]) + col_sign·exp(X - col_shift[None, :])``: the
     softmax gradients of both directions, with each direction's upstream coefficient α folded
-    into its shift as ``lse - log|α|`` (so neither exponential can overflow). When the shifts
-    of a tile are within a safe range of each other, the column term is the row term times the
-    rank-one factor ``exp(row_shift_i - col_shift_j)`` and costs no second ``exp``.
+    into its shift as ``lse - log|α|`` (so neither exponential can overflow). ``last_tile``,
+    the forward's hand-over for this same block, is processed first and not recomputed.
     """
     n, m = scaled_images.shape[0], texts.shape[0]
-    size = min(tile, n) * min(tile, m)
-    logits_buffer = scaled_images.new_empty(size)
-    other_buffer = scaled_images.new_empty(size) if col_shift is not None else None
-    one = scaled_images.new_ones(())
-    # Past this gap a row term could underflow where the column term still matters.
-    max_gap = -math.log(torch.finfo(scaled_images.dtype).tiny) / 3
-    for rows in _tiles(n, tile):
-        for cols in _tiles(m, tile):
-            images_tile, texts_tile = scaled_images[rows], texts[cols]
-            logits = _view(logits_buffer, len(images_tile), len(texts_tile))
-            row_shift_tile = row_shift[rows]
-            top = row_shift_tile.max()
-            if col_shift is None or (top - col_shift[cols].min()).item() <= max_gap:
-                grad = torch.addmm(
-                    row_shift_tile[:, None], images_tile, texts_tile.t(), beta=-1, out=logits
-                ).exp_()
-                if col_shift is not None:
-                    factor = _view(other_buffer, len(images_tile), len(texts_tile))
-                    u, v = (row_shift_tile - top).exp_(), (top - col_shift[cols]).exp_()
-                    grad.mul_(torch.addr(one, u, v, alpha=row_sign * col_sign, out=factor))
-            else:
-                torch.mm(images_tile, texts_tile.t(), out=logits)
-                grad = torch.sub(
-                    logits, row_shift_tile[:, None], out=_view(other_buffer, *logits.shape)
-                ).exp_()
-                grad.add_(logits.sub_(col_shift[None, cols]).exp_(), alpha=row_sign * col_sign)
-            grad_images[rows].addmm_(grad, texts_tile, alpha=row_sign)
-            grad_texts[cols].addmm_(grad.t(), images_tile, alpha=row_sign)
+    order = [(rows, cols) for rows in _tiles(n, tile) for cols in _tiles(m, tile)]
+    if last_tile is None:
+        buffer = scaled_images.new_empty(min(tile, n) * min(tile, m))
+    else:
+        buffer = last_tile.buffer
+        order.remove((last_tile.rows, last_tile.cols))
+        order.insert(0, (last_tile.rows, last_tile.cols))
+    strip = _strip_buffer(scaled_images, min(tile, n), min(tile, m), strip_elements)
+    for index, (rows, cols) in enumerate(order):
+        images_tile, texts_tile = scaled_images[rows], texts[cols]
+        logits = _view(buffer, len(images_tile), len(texts_tile))
+        if index > 0 or last_tile is None:  # the hand-over already holds the first tile's logits
+            torch.mm(images_tile, texts_tile.t(), out=logits)
+        col_shift_tile = col_shift[cols] if col_shift is not None else None
+        grads = _softmax_grads_(logits, row_shift[rows], col_shift_tile, row_sign * col_sign, strip)
+        grad_images[rows].addmm_(grads, texts_tile, alpha=row_sign)
+        grad_texts[cols].addmm_(grads.t(), images_tile, alpha=row_sign)

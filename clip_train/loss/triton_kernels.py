@@ -1,6 +1,7 @@
 """Triton kernels for one text block against this rank's image rows (the CUDA path).
 
-Same contract as ``tiled.block_forward`` / ``tiled.block_backward``; fp32 operands with fp32
+Same contract as ``tiled.block_forward`` / ``tiled.block_backward`` (except that the forward
+hands no last tile to the backward); fp32 operands with fp32
 accumulation (TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set). Each program
 owns one (BLOCK_M × BLOCK_N) tile of ``X = (s·I) Tᵀ``:
 
@@ -166,9 +167,13 @@ def block_backward(
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
+    last_tile: None = None,
 ) -> None:
-    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ scaled_images`` to ``grad_texts`` (see tiled.py)."""
-    del tile  # each program owns one tile; nothing to chunk
+    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ scaled_images`` to ``grad_texts`` (see tiled.py).
+
+    ``last_tile`` is always ``None``: the Triton forward keeps no logits to hand over.
+    """
+    del tile, last_tile  # each program owns one tile; nothing to chunk or reuse
     _check(scaled_images, texts, grad_images, grad_texts)
     (n, dim), m = scaled_images.shape, texts.shape[0]
     grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(m, BLOCK_N))
