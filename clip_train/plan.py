@@ -1,6 +1,6 @@
 """Per-GPU memory of one Gradient Cache step, and the largest global batch that fits (Inf-CL eq. 10).
 
-    M_peak ≈ static + M_data + M_cache + max(M_loss, M_backbone)
+    M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)
 
 * static — fp32 weights, gradients and optimizer state of the trainable parameters (LiT-frozen
   ones have neither), plus DDP's gradient buckets on more than one GPU.
@@ -10,6 +10,8 @@
   tower's cached frozen-trunk output (on the host with offload).
 * M_loss — the loss implementation's workspace: b×b matrices for vanilla, n×b for local, O(n·d)
   plus tile² for inf (n = b / gpus).
+* M_kept — the graph of the last chunk encoded, which Gradient Cache keeps through the loss
+  instead of replaying that chunk.
 * M_backbone — the peak of one chunk's graph-less encode or with-grad replay, *measured* with
   torch's MemTracker at two small chunk sizes on the device at hand and extrapolated linearly.
 
@@ -99,6 +101,7 @@ class TowerProfile:
 
     name: str
     encode: Envelope  # stage 1: graph-less forward of a chunk
+    graph: Envelope  # with-grad forward of the trainable part: a kept chunk (empty: no replay)
     replay: Envelope  # stage 3: with-grad forward + backward of the trainable part (empty: no replay)
     trunk_per_sample: int  # bytes of the cached frozen-trunk output (0 unless LiT caches a trunk)
     input_per_sample: int  # raw bytes: uint8 pixels, or int64 ids + mask
@@ -297,6 +300,7 @@ def profile_model(
             TowerProfile(
                 name=name,
                 encode=Envelope((line("encode"),)),
+                graph=Envelope((line("forward"),) if replays else ()),
                 replay=Envelope((line("forward"), line("replay")) if replays else ()),
                 trunk_per_sample=round(measured[1]["trunk"]) if replays else 0,
                 input_per_sample=_nbytes(sample),
@@ -374,6 +378,7 @@ class Breakdown:
     data: float
     cache: float
     loss: float
+    kept_graph: float  # alive through the loss: the last chunk encoded keeps its graph
     backbone: float
     optimizer_step: float  # foreach optimizers hold one parameter-sized temporary during step()
 
@@ -383,8 +388,9 @@ class Breakdown:
 
     @property
     def transient(self) -> float:
-        """The largest of eq. 10's alternatives: the loss, one chunk's encode/replay, the optimizer step."""
-        return max(self.loss, self.backbone, self.optimizer_step)
+        """The largest of eq. 10's alternatives: the loss (beside the kept chunk graph), one chunk's
+        encode/replay, the optimizer step."""
+        return max(self.loss + self.kept_graph, self.backbone, self.optimizer_step)
 
     @property
     def peak(self) -> float:
@@ -398,7 +404,7 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> flo
     16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus all-gathered
     features of both towers; inf: n×d blocks (scaled images, gradient accumulators and, across
     GPUs, the ring's text blocks in hand and in flight: 4 on one GPU, 7 on several, as measured with
-    MemTracker on the PyTorch path), 2 tiles of t×t and O(n) log-sum-exp vectors. The
+    MemTracker on the PyTorch path), one t×t tile and a strip of it, and O(n) log-sum-exp vectors. The
     reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6 n·b (local) on CPU, gradients included.
     """
     n = batch // gpus
@@ -408,9 +414,12 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> flo
     if impl == "local":
         return 4 * n * batch * FP32 + gathered
     if impl == "inf":
+        from clip_train.loss.tiled import STRIP_ELEMENTS
+
         blocks = 7 if gpus > 1 else 4
         side = min(tile, n)
-        return (blocks * n * dim + 2 * side * side + 8 * n) * FP32
+        strip = min(side * side, STRIP_ELEMENTS)
+        return (blocks * n * dim + side * side + strip + 8 * n) * FP32
     raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(IMPLS)}")
 
 
@@ -431,6 +440,8 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     backbone = max(
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )
+    replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
+    kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if replaying else 0.0
     return Breakdown(
         weights=profile.weight_bytes,
         grads=trainable,
@@ -439,6 +450,7 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         data=data,
         cache=features + feature_grads + trunk,
         loss=loss_workspace(setting.impl, setting.batch, setting.gpus, profile.embed_dim, setting.tile),
+        kept_graph=max(kept_graph, 0.0),
         backbone=max(backbone, 0.0),
         optimizer_step=trainable,
     )
@@ -707,7 +719,7 @@ def _report(
     )
     lines.append(
         f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "
-        "peak = static + data + cache + max(loss, backbone, optim step)"
+        "peak = static + data + cache + max(loss + kept graph, backbone, optim step)"
     )
     header = (
         "impl",
@@ -715,6 +727,7 @@ def _report(
         "data",
         "cache",
         "loss",
+        "kept",
         "backbone",
         "optim",
         "static",
@@ -722,7 +735,7 @@ def _report(
         "fits",
         "max batch",
     )
-    money = ("data", "cache", "loss", "backbone", "optimizer_step", "static", "peak")
+    money = ("data", "cache", "loss", "kept_graph", "backbone", "optimizer_step", "static", "peak")
     table = [header] + [
         (
             row["impl"],

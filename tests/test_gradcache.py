@@ -165,6 +165,22 @@ def test_lit_runs_the_frozen_trunk_once_per_chunk_and_stays_exact():
     assert_grads_close(got, want, rtol=1e-10)
 
 
+@pytest.mark.parametrize("frozen_text", [False, True])
+def test_last_encoded_chunk_keeps_its_graph_instead_of_replaying(frozen_text):
+    """The last chunk of the last tower that trains (text, or images when text is frozen) is
+    encoded once, with its graph; every other chunk is encoded twice."""
+    frozen = ("model.text.lock=true", "model.text.lock_head=true") if frozen_text else ()
+    model, batch = make_model(*DROPOUT, *frozen), make_batch()
+    image_calls, text_calls = count_calls(model.visual.proj), count_calls(model.text.proj)
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=4)
+    image_chunks, text_chunks = 4, 3  # ceil(10 / 3), ceil(10 / 4)
+    if frozen_text:
+        assert (image_calls[0], text_calls[0]) == (2 * image_chunks - 1, text_chunks)
+    else:
+        assert (image_calls[0], text_calls[0]) == (2 * image_chunks, 2 * text_chunks - 1)
+    assert_grads_close(got, reference_grads(model, batch, 3, 4), rtol=1e-10)
+
+
 def test_lit_with_unlocked_blocks_caches_the_token_sequence():
     model, batch = (
         make_model(*DROPOUT, "model.image.lock=true", "model.image.unlocked_layers=1"),

@@ -155,6 +155,17 @@ def test_lit_drops_exactly_the_frozen_parameters_from_grads_and_optimizer(tiny_p
     assert lit_profile.image.replay.per_sample < tiny_profile.image.replay.per_sample / 10
 
 
+def test_kept_graph_is_the_last_training_towers_forward_beside_the_loss(tiny_profile):
+    part = breakdown(tiny_profile, setting())
+    assert 0 < part.kept_graph == tiny_profile.text.graph.at(128) <= tiny_profile.text.replay.at(128)
+    assert breakdown(tiny_profile, setting(batch=8192)).kept_graph == part.kept_graph
+    assert part.transient >= part.loss + part.kept_graph
+    frozen_text = ("model.text.lock=true", "model.text.lock_head=true")
+    profile = profile_model(load_config(TINY, (*SMALL, *frozen_text)).model, "fp32", (2, 4), "cpu")
+    assert not profile.text.replays
+    assert 0 < breakdown(profile, setting()).kept_graph == profile.image.graph.at(64)
+
+
 def test_adafactor_state_sizes_match_torch():
     module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Conv2d(2, 3, 3), torch.nn.LayerNorm(7))
     opt = torch.optim.Adafactor(module.parameters())

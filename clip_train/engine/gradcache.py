@@ -4,11 +4,12 @@ Activation memory depends on the chunk sizes, not on the batch size, and the gra
 the full-batch gradients of the global contrastive loss:
 
 1. encode every chunk without a graph, keeping only the (B, d) features per tower and the RNG state
-   each chunk started from;
+   each chunk started from; the very last chunk (of the last tower that trains) keeps its graph;
 2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache and the
    logit-scale gradient;
-3. replay each chunk with its RNG state restored (same dropout and drop-path masks) and backprop
-   the cached gradient into the tower; DDP syncs on the tower's last chunk only;
+3. backprop the kept chunk's cached gradient, then replay every other chunk with its RNG state
+   restored (same dropout and drop-path masks) and backprop its cached gradient into the tower;
+   DDP syncs on each tower's last backward only;
 4. average the logit-scale gradient across ranks (DDP does not own it).
 
 LiT: a tower with a frozen trunk (``has_frozen_trunk``) runs ``encode_frozen`` once per chunk and
@@ -105,6 +106,7 @@ class _Encoded:
     features: torch.Tensor | None = None
     rng: list[RngState] = field(default_factory=list)
     trunk_cache: tuple[torch.Tensor, ...] = ()
+    kept: torch.Tensor | None = None  # the last chunk's features, graph and all (see ``_encode``)
 
 
 class GradCache:
@@ -202,8 +204,11 @@ class GradCache:
         streams: list[ChunkStream] = []
 
         start = self._clock()
-        image = self._encode(self.image, image_inputs, rows, streams)
-        text = self._encode(self.text, text_inputs, rows, streams)
+        # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode).
+        replaying = [tower for tower in (self.image, self.text) if tower.replays]
+        keeps_graph = replaying[-1] if replaying else None
+        image = self._encode(self.image, image_inputs, rows, streams, keep_graph=self.image is keeps_graph)
+        text = self._encode(self.text, text_inputs, rows, streams, keep_graph=self.text is keeps_graph)
         encoded = self._clock()
         loss, image_grad, text_grad = self._loss(image.features, text.features, scaler)
         cached = [image.features, text.features, image_grad, text_grad, *image.trunk_cache, *text.trunk_cache]
@@ -213,8 +218,8 @@ class GradCache:
         lossed = self._clock()
         with preserved_rng(self.device):  # the step consumes the RNG like one forward pass
             for tower, cache, inputs, grad in (
-                (self.image, image, image_inputs, image_grad),
                 (self.text, text, text_inputs, text_grad),
+                (self.image, image, image_inputs, image_grad),
             ):
                 if grad is not None:
                     self._replay(tower, cache, inputs, grad, streams)
@@ -234,24 +239,43 @@ class GradCache:
     # -- stages --------------------------------------------------------------------------------
 
     def _encode(
-        self, tower: _Tower, inputs: Sequence[torch.Tensor], rows: int, streams: list[ChunkStream]
+        self,
+        tower: _Tower,
+        inputs: Sequence[torch.Tensor],
+        rows: int,
+        streams: list[ChunkStream],
+        keep_graph: bool,
     ) -> _Encoded:
-        """Stage 1: graph-less features; RNG snapshots and the frozen-trunk cache for replay."""
+        """Stage 1: graph-less features; RNG snapshots and the frozen-trunk cache for replay.
+
+        With ``keep_graph`` the last chunk is encoded with grad and keeps its graph, so replay
+        backpropagates it instead of encoding it again: one chunk forward less per step. Only the
+        last tower encoded does this, and replay starts with it, so the kept graph is gone before
+        any other chunk's graph exists and peak memory stays that of one chunk.
+        """
         out = _Encoded(chunk_bounds(rows, tower.chunk))
         keep_trunk_on_host = self.offload and self.device.type == "cuda"
+        kept_index = len(out.bounds) - 1 if keep_graph and tower.replays else None
 
         def encode(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
             start, end = out.bounds[index]
             with torch.no_grad(), self._autocast():
                 hidden = tower.module.encode_frozen(*chunk)
-                if tower.replays:
-                    out.rng.append(RngState.capture(self.device))
-                features = tower.module.encode_trainable(*hidden)
+            if index == kept_index:
+                # Its backward comes first in replay, so it syncs only when it is the only chunk.
+                with tower.sync_context(last=index == 0), self._autocast():
+                    out.kept = tower.head(*hidden)
+                features = out.kept.detach()
+            else:
+                with torch.no_grad(), self._autocast():
+                    if tower.replays:
+                        out.rng.append(RngState.capture(self.device))
+                    features = tower.module.encode_trainable(*hidden)
             if out.features is None:
                 dtype = torch.promote_types(features.dtype, torch.float32)  # the loss runs in >= fp32
                 out.features = _rows_like(features, rows, dtype=dtype)
             out.features[start:end] = features
-            if tower.caches_trunk:
+            if tower.caches_trunk and index != kept_index:
                 if not out.trunk_cache:
                     out.trunk_cache = tuple(_rows_like(h, rows, host=keep_trunk_on_host) for h in hidden)
                 for cached, h in zip(out.trunk_cache, hidden, strict=True):
@@ -306,7 +330,12 @@ class GradCache:
         streams: list[ChunkStream],
     ) -> None:
         """Stage 3: re-encode each chunk with grad under its stage-1 RNG state, backprop the cache."""
-        last = len(cache.bounds) - 1
+        bounds = cache.bounds
+        if cache.kept is not None:
+            start, end = bounds[-1]
+            cache.kept.backward(grad[start:end].to(cache.kept.dtype))
+            cache.kept, bounds = None, bounds[:-1]
+        last = len(bounds) - 1
 
         def replay(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
             start, end = cache.bounds[index]
@@ -319,7 +348,9 @@ class GradCache:
                     features = tower.head(*chunk)
                 features.backward(grad[start:end].to(features.dtype))
 
-        stream = ChunkStream(cache.trunk_cache or inputs, cache.bounds, self.device)
+        if not bounds:
+            return
+        stream = ChunkStream(cache.trunk_cache or inputs, bounds, self.device)
         stream.run(replay)
         streams.append(stream)
 
