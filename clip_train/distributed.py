@@ -1,4 +1,4 @@
-"""Process-group setup from torchrun's environment, and the few collectives the trainer needs."""
+"""Process-group setup from torchrun's environment, and the few collectives training and evaluation need."""
 
 from __future__ import annotations
 
@@ -80,3 +80,38 @@ def gather_to_main(obj: object) -> list[object] | None:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """This process's place in ``group`` (the default group), or (0, 1) without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate every rank's 2-D ``rows`` in rank order, and return each rank's row count.
+
+    ``all_gather`` needs equal shapes, so each rank pads to the largest block and the padding is
+    cut off after. A rank with no rows may pass a (0, 0) tensor: the width comes from the others.
+    """
+    _, world = rank_and_world(group)
+    if world == 1:
+        return rows, [rows.shape[0]]
+    shape = torch.tensor(rows.shape, dtype=torch.long, device=rows.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)
+    counts = [int(s[0]) for s in shapes]
+    width = max(int(s[1]) for s in shapes)
+    padded = rows.new_zeros((max(counts), width))
+    padded[: rows.shape[0], : rows.shape[1]] = rows
+    blocks = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(blocks, padded, group=group)
+    return torch.cat([block[:n] for block, n in zip(blocks, counts, strict=True)]), counts
+
+
+def sum_over_ranks(counts: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``counts`` summed in place over the ranks of ``group``."""
+    if rank_and_world(group)[1] > 1:
+        dist.all_reduce(counts, group=group)
+    return counts

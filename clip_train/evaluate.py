@@ -37,52 +37,6 @@ class EvalError(UserError):
 
 
 # --------------------------------------------------------------------------------------------
-# Collectives over uneven shards
-# --------------------------------------------------------------------------------------------
-
-
-def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """This process's place in ``group`` (the default group), or (0, 1) without torch.distributed."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Concatenate every rank's 2-D ``rows`` in rank order, and return each rank's row count.
-
-    ``all_gather`` needs equal shapes, so each rank pads to the largest block and the padding is
-    cut off after. A rank with no rows may pass a (0, 0) tensor: the width comes from the others.
-    """
-    import torch
-    import torch.distributed as dist
-
-    _, world = rank_and_world(group)
-    if world == 1:
-        return rows, [rows.shape[0]]
-    shape = torch.tensor(rows.shape, dtype=torch.long, device=rows.device)
-    shapes = [torch.empty_like(shape) for _ in range(world)]
-    dist.all_gather(shapes, shape, group=group)
-    counts = [int(s[0]) for s in shapes]
-    width = max(int(s[1]) for s in shapes)
-    padded = rows.new_zeros((max(counts), width))
-    padded[: rows.shape[0], : rows.shape[1]] = rows
-    blocks = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(blocks, padded, group=group)
-    return torch.cat([block[:n] for block, n in zip(blocks, counts, strict=True)]), counts
-
-
-def sum_over_ranks(counts: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if rank_and_world(group)[1] > 1:
-        dist.all_reduce(counts, group=group)
-    return counts
-
-
-# --------------------------------------------------------------------------------------------
 # Ranking
 # --------------------------------------------------------------------------------------------
 
@@ -130,6 +84,8 @@ def retrieval_recall(
     the result is the single-process one on the concatenated features. Ties: see ``hits_at_k``.
     """
     import torch
+
+    from clip_train.distributed import gather_rows, rank_and_world, sum_over_ranks
 
     rank, _ = rank_and_world(group)
     all_images, counts = gather_rows(image_features, group)
@@ -286,6 +242,8 @@ def build_zeroshot_classifier(
     import torch
     import torch.nn.functional as F
 
+    from clip_train.distributed import gather_rows, rank_and_world
+
     fill = [t if callable(t) else t.format for t in templates]
     rank, world = rank_and_world(group)
     first, stop = rank * len(classnames) // world, (rank + 1) * len(classnames) // world
@@ -311,6 +269,8 @@ def zeroshot_from_features(
 ) -> dict[str, float]:
     """Top-1/top-5 accuracy of this rank's features, counts summed over ranks."""
     import torch
+
+    from clip_train.distributed import sum_over_ranks
 
     num_classes = classifier.shape[0]
     if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
@@ -439,6 +399,8 @@ def evaluate(
     Call on every rank with the unwrapped model (not the DDP wrapper). When zero-shot reads
     ``data.val`` too, one pass over it serves both.
     """
+    from clip_train.distributed import rank_and_world
+
     rank, world = rank_and_world(group)
     zeroshot_source = eval_cfg.zeroshot_data or data_cfg.val
     if eval_cfg.zeroshot and not zeroshot_source:

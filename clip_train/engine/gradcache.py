@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from clip_train.config import Config
+from clip_train.distributed import rank_and_world
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
@@ -145,7 +146,7 @@ class GradCache:
         self.loss_impl = loss_impl
         self.tile_size = tile_size
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = rank_and_world(group)[1]
         self.image = self._tower("image", model.visual, image_ddp, image_chunk)
         self.text = self._tower("text", model.text, text_ddp, text_chunk)
 

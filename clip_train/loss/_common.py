@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from clip_train.distributed import rank_and_world
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -24,11 +26,11 @@ class Batch:
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
-    """``group`` or the default group when torch.distributed is up; ``(None, 0, 1)`` otherwise."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return None, 0, 1
-    group = group if group is not None else dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    """``group`` or the default group when torch.distributed is up, with this rank and the world size."""
+    rank, world = rank_and_world(group)
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    return group, rank, world
 
 
 def check_inputs(
