@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +116,11 @@ def sum_over_ranks(counts: torch.Tensor, group: dist.ProcessGroup | None = None)
     if rank_and_world(group)[1] > 1:
         dist.all_reduce(counts, group=group)
     return counts
+
+
+def sum_counts_over_ranks(
+    counts: Mapping[str, int], keys: Sequence[str], device: torch.device
+) -> dict[str, int]:
+    """``counts[key]`` (0 where missing) summed over all ranks, for every key; a collective."""
+    values = torch.tensor([counts.get(key, 0) for key in keys], dtype=torch.long, device=device)
+    return dict(zip(keys, sum_over_ranks(values).tolist(), strict=True))

@@ -23,8 +23,8 @@ from clip_train.checkpoint import (
     set_rng_state,
 )
 from clip_train.config import Config, save_config
-from clip_train.data import build_train_loader
-from clip_train.distributed import DistEnv, all_ranks_true, barrier, gather_to_main
+from clip_train.data import SKIP_REASONS, build_train_loader
+from clip_train.distributed import DistEnv, all_ranks_true, barrier, gather_to_main, sum_counts_over_ranks
 from clip_train.engine import GradCache, StepStats, wrap_ddp
 from clip_train.engine.rng import preserved_rng
 from clip_train.errors import UserError
@@ -46,6 +46,7 @@ class Trainer:
         self.step = 0
         self.bad_in_a_row = 0
         self.bad_total = 0
+        self.skipped = dict.fromkeys(SKIP_REASONS, 0)  # every rank's skipped samples, as of the last log
 
         if env.device.type == "cuda" and cfg.train.precision != "fp64":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -117,8 +118,11 @@ class Trainer:
                 self.scheduler.step()
                 self.step += 1
                 finished = time.perf_counter()
+                at_log = self.step % cfg.log.every_steps == 0 or self.step == cfg.train.max_steps
+                if at_log:  # every rank joins: each counts only the samples its own loader skipped
+                    self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS, env.device)
                 if monitor is not None:
-                    self._report(monitor, stats, grad_norm, fetched - started, finished - started)
+                    self._report(monitor, stats, grad_norm, fetched - started, finished - started, at_log)
                 at_checkpoint = (
                     self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
                 )
@@ -219,8 +223,15 @@ class Trainer:
     # -- reporting -----------------------------------------------------------------------------
 
     def _report(
-        self, monitor: RunMonitor, stats: StepStats, grad_norm: float, data_s: float, step_s: float
+        self,
+        monitor: RunMonitor,
+        stats: StepStats,
+        grad_norm: float,
+        data_s: float,
+        step_s: float,
+        log: bool,
     ) -> None:
+        """Advance the progress bar; on log steps also write the metrics (skip counts: all ranks)."""
         samples_per_s = self.cfg.batch.global_size / step_s
         scale = float(self.model.logit_scale.detach().exp())
         lr = self.optimizer.param_groups[0]["lr"]
@@ -236,10 +247,10 @@ class Trainer:
                 "scale": scale,
                 "enc/loss/rep/opt s": "/".join(f"{t:.2f}" for t in split),
                 "mem GiB": round(peak_bytes / 2**30, 2),
-                "skipped": sum(self.loader.skip_counts().values()),
+                "skipped": sum(self.skipped.values()),
             },
         )
-        if self.step % self.cfg.log.every_steps and self.step != self.cfg.train.max_steps:
+        if not log:
             return
         metrics = {
             "train/loss": stats.loss,
@@ -257,7 +268,7 @@ class Trainer:
             "memory/cache_bytes": stats.cache_bytes,
             "train/skipped_steps": self.bad_total,
         }
-        metrics.update({f"data/skipped_{reason}": n for reason, n in self.loader.skip_counts().items()})
+        metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
         monitor.log(self.step, metrics)
 
     def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:

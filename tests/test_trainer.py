@@ -7,6 +7,7 @@ end with bit-identical weights.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -25,6 +26,7 @@ from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE, STATE_FILE, complete_checkpoints
+from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
 from clip_train.trainer import Trainer, TrainingAborted
 
@@ -91,7 +93,10 @@ def test_two_rank_run_writes_checkpoints_metrics_and_wandb(reference):
     assert len(state["data"]) == 2
     lines = (reference / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == STEPS
-    assert all(math.isfinite(float(line.split('"train/loss": ')[1].split(",")[0])) for line in lines)
+    records = [json.loads(line) for line in lines]
+    assert all(math.isfinite(record["train/loss"]) for record in records)
+    # skipped samples are summed over both ranks and logged for every reason, zeros included
+    assert all(record[f"data/skipped_{reason}"] == 0 for record in records for reason in SKIP_REASONS)
     assert (reference / "config.yaml").is_file()
     assert load_config(reference / "config.yaml").batch.global_size == 16
     assert list((reference / "wandb").glob("offline-run-*")), "no offline wandb run directory"
