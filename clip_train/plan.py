@@ -3,7 +3,7 @@
     M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)
 
 * static — fp32 weights, gradients and optimizer state of the trainable parameters (LiT-frozen
-  ones have neither), plus DDP's gradient buckets on more than one GPU.
+  ones have neither). DDP's buckets add nothing: the gradients are views into them.
 * M_data — the raw per-rank batch (uint8 images, int64 ids and mask); with offload only two
   chunks of the stream being consumed are on the device.
 * M_cache — Gradient Cache's fp32 features and their gradients (2 towers × n × d each) and a LiT
@@ -374,7 +374,6 @@ class Breakdown:
     weights: float
     grads: float
     optimizer: float
-    ddp_buckets: float
     data: float
     cache: float
     loss: float
@@ -384,7 +383,7 @@ class Breakdown:
 
     @property
     def static(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.ddp_buckets
+        return self.weights + self.grads + self.optimizer
 
     @property
     def transient(self) -> float:
@@ -446,7 +445,6 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         weights=profile.weight_bytes,
         grads=trainable,
         optimizer=optimizer,
-        ddp_buckets=trainable if setting.gpus > 1 else 0,
         data=data,
         cache=features + feature_grads + trunk,
         loss=loss_workspace(setting.impl, setting.batch, setting.gpus, profile.embed_dim, setting.tile),
@@ -714,8 +712,8 @@ def _report(
             f"{_fmt(tower.encode.per_sample)}/sample, {replay}{trunk}"
         )
     lines.append(
-        f"  static per GPU: weights {_fmt(first['weights'])}, grads {_fmt(first['grads'])}, optimizer "
-        f"{_fmt(first['optimizer'])}, DDP buckets {_fmt(first['ddp_buckets'])}"
+        f"  static per GPU: weights {_fmt(first['weights'])}, grads {_fmt(first['grads'])} (DDP's buckets "
+        f"hold them), optimizer {_fmt(first['optimizer'])}"
     )
     lines.append(
         f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "

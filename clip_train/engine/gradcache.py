@@ -75,14 +75,15 @@ def wrap_ddp(tower: nn.Module, **ddp_kwargs) -> DistributedDataParallel | None:
     Each tower gets its own DDP so each syncs once, on its own last replay chunk. Every trainable
     parameter is used in every replay, so ``find_unused_parameters=False``. Buffers are synced
     once at construction, not before every forward: the towers' buffers are constants (Gradient
-    Cache cannot be exact with batch-norm statistics anyway). Returns None for a fully frozen
+    Cache cannot be exact with batch-norm statistics anyway). Gradients are views into DDP's
+    buckets, so the trainable gradients are not held twice. Returns None for a fully frozen
     tower (DDP rejects those).
     """
     if tower.is_frozen:
         return None
-    return DistributedDataParallel(
-        TrainableHead(tower), find_unused_parameters=False, **{"forward_sync_buffers": False, **ddp_kwargs}
-    )
+    defaults = {"forward_sync_buffers": False, "gradient_as_bucket_view": True}
+    head = TrainableHead(tower)
+    return DistributedDataParallel(head, find_unused_parameters=False, **{**defaults, **ddp_kwargs})
 
 
 @dataclass(frozen=True)
