@@ -11,7 +11,7 @@
 * M_loss — the loss implementation's workspace: b×b matrices for vanilla, n×b for local, O(n·d)
   plus tile² for inf (n = b / gpus).
 * M_kept — the graph of the last chunk encoded, which Gradient Cache keeps through the loss
-  instead of replaying that chunk.
+  instead of replaying that chunk; only beside the inf loss, whose workspace is small.
 * M_backbone — the peak of one chunk's graph-less encode or with-grad replay, *measured* with
   torch's MemTracker at two small chunk sizes on the device at hand and extrapolated linearly.
 
@@ -440,7 +440,8 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )
     replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
-    kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if replaying else 0.0
+    keeps = replaying and setting.impl == "inf"
+    kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if keeps else 0.0
     return Breakdown(
         weights=profile.weight_bytes,
         grads=trainable,

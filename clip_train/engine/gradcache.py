@@ -4,7 +4,8 @@ Activation memory depends on the chunk sizes, not on the batch size, and the gra
 the full-batch gradients of the global contrastive loss:
 
 1. encode every chunk without a graph, keeping only the (B, d) features per tower and the RNG state
-   each chunk started from; the very last chunk (of the last tower that trains) keeps its graph;
+   each chunk started from; with the tiled loss, the very last chunk (of the last tower that
+   trains) keeps its graph;
 2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache and the
    logit-scale gradient;
 3. backprop the kept chunk's cached gradient, then replay every other chunk with its RNG state
@@ -206,9 +207,10 @@ class GradCache:
         streams: list[ChunkStream] = []
 
         start = self._clock()
-        # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode).
+        # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode),
+        # unless a materialising loss's b×b workspace would sit beside that graph.
         replaying = [tower for tower in (self.image, self.text) if tower.replays]
-        keeps_graph = replaying[-1] if replaying else None
+        keeps_graph = replaying[-1] if replaying and self.loss_impl in ("auto", "inf") else None
         image = self._encode(self.image, image_inputs, rows, streams, keep_graph=self.image is keeps_graph)
         text = self._encode(self.text, text_inputs, rows, streams, keep_graph=self.text is keeps_graph)
         encoded = self._clock()
