@@ -94,6 +94,7 @@ class BatchConfig:
     image_chunk: int = 0  # per-rank Gradient Cache sub-batch; 0 = the whole per-rank batch
     text_chunk: int = 0  # the same for the text tower (text chunks can be much larger)
     offload: bool = False  # keep the raw batch in pinned host memory, one chunk on device
+    keep_last_graph: bool = True  # inf loss: the last chunk keeps its graph, not replayed; off for max batch
 
 
 @dataclass

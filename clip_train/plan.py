@@ -11,7 +11,7 @@
 * M_loss — the loss implementation's workspace: b×b matrices for vanilla, n×b for local, O(n·d)
   plus tile² for inf (n = b / gpus).
 * M_kept — the graph of the last chunk encoded, which Gradient Cache keeps through the loss
-  instead of replaying that chunk; only beside the inf loss, whose workspace is small.
+  instead of replaying that chunk (inf loss and ``batch.keep_last_graph`` only).
 * M_backbone — the peak of one chunk's graph-less encode or with-grad replay, *measured* with
   torch's MemTracker at two small chunk sizes on the device at hand and extrapolated linearly.
 
@@ -357,6 +357,7 @@ class Setting:
     impl: str
     optimizer: str = "adamw"
     tile: int = 4096  # loss.tile_size, or the CUDA default of the tiled loss
+    keep_last_graph: bool = True  # batch.keep_last_graph
 
     @property
     def per_rank(self) -> int:
@@ -440,7 +441,7 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )
     replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
-    keeps = replaying and setting.impl == "inf"
+    keeps = replaying and setting.impl == "inf" and setting.keep_last_graph
     kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if keeps else 0.0
     return Breakdown(
         weights=profile.weight_bytes,
@@ -603,6 +604,7 @@ def _settings(cfg: Config, args: argparse.Namespace, batch: int, tile: int) -> l
             impl=impl,
             optimizer=cfg.optim.name,
             tile=tile,
+            keep_last_graph=cfg.batch.keep_last_graph,
         )
         for impl in IMPLS
         for offload in (False, True)

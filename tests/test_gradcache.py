@@ -165,17 +165,20 @@ def test_lit_runs_the_frozen_trunk_once_per_chunk_and_stays_exact():
     assert_grads_close(got, want, rtol=1e-10)
 
 
-@pytest.mark.parametrize(("frozen_text", "impl"), [(False, "inf"), (True, "inf"), (False, "vanilla")])
-def test_last_encoded_chunk_keeps_its_graph_instead_of_replaying(frozen_text, impl):
+@pytest.mark.parametrize(
+    ("frozen_text", "impl", "keep"),
+    [(False, "inf", True), (True, "inf", True), (False, "vanilla", True), (False, "inf", False)],
+)
+def test_last_encoded_chunk_keeps_its_graph_instead_of_replaying(frozen_text, impl, keep):
     """With the tiled loss, the last chunk of the last tower that trains (text, or images when
     text is frozen) is encoded once, with its graph; every other chunk is encoded twice. Beside
-    the materialising vanilla loss every chunk is replayed."""
+    the materialising vanilla loss, or with ``keep_last_graph=False``, every chunk is replayed."""
     frozen = ("model.text.lock=true", "model.text.lock_head=true") if frozen_text else ()
     model, batch = make_model(*DROPOUT, *frozen), make_batch()
     image_calls, text_calls = count_calls(model.visual.proj), count_calls(model.text.proj)
-    got = gc_grads(model, batch, image_chunk=3, text_chunk=4, loss_impl=impl)
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=4, loss_impl=impl, keep_last_graph=keep)
     image_chunks, text_chunks = 4, 3  # ceil(10 / 3), ceil(10 / 4)
-    if impl == "vanilla":
+    if impl == "vanilla" or not keep:
         assert (image_calls[0], text_calls[0]) == (2 * image_chunks, 2 * text_chunks)
     elif frozen_text:
         assert (image_calls[0], text_calls[0]) == (2 * image_chunks - 1, text_chunks)
@@ -296,9 +299,14 @@ def test_from_config_reads_batch_train_and_loss_sections():
             "batch.text_chunk=4",
             "batch.offload=true",
             "train.precision=bf16",
-            "loss.impl=vanilla",
+            "loss.impl=inf",
+            "batch.keep_last_graph=false",
         ],
     )
     engine = GradCache.from_config(make_model(*NO_DROPOUT), config)
     assert (engine.image.chunk, engine.text.chunk, engine.offload) == (3, 4, True)
-    assert (engine.precision, engine.loss_impl, engine.tile_size) == ("bf16", "vanilla", None)
+    assert (engine.precision, engine.loss_impl, engine.tile_size) == ("bf16", "inf", None)
+    assert not engine.keep_last_graph
+    assert GradCache.from_config(
+        make_model(*NO_DROPOUT), load_config(TINY, ["loss.impl=inf"])
+    ).keep_last_graph

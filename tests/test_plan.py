@@ -161,6 +161,11 @@ def test_kept_graph_is_the_last_training_towers_forward_beside_the_loss(tiny_pro
     assert breakdown(tiny_profile, setting(batch=8192)).kept_graph == part.kept_graph
     assert part.transient >= part.loss + part.kept_graph
     assert breakdown(tiny_profile, setting(impl="vanilla")).kept_graph == 0  # b×b loss: every chunk replays
+    assert breakdown(tiny_profile, setting(keep_last_graph=False)).kept_graph == 0
+    cap = usable_bytes(0.5)
+    assert max_batch(tiny_profile, setting(keep_last_graph=False), cap) >= max_batch(
+        tiny_profile, setting(), cap
+    )
     frozen_text = ("model.text.lock=true", "model.text.lock_head=true")
     profile = profile_model(load_config(TINY, (*SMALL, *frozen_text)).model, "fp32", (2, 4), "cpu")
     assert not profile.text.replays

@@ -5,7 +5,8 @@ on CPU, ``max_memory_allocated`` on CUDA. Modes: ``gc`` (Gradient Cache), ``dire
 and backward of the whole batch, where it fits) and, with ``--lit``, ``gc-lit`` (Gradient Cache with
 the image trunk locked). Peak memory is split into the baseline (runtime and model, measured before
 the batch exists), the raw batch, the O(B·d) feature cache and the rest (activations, gradients):
-Gradient Cache should keep "rest" flat in B.
+Gradient Cache should keep "rest" flat in B. The step-time ratios come from one more process per
+batch size in which the modes take turns step by step, so drift on a shared machine cancels out.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lit", action="store_true", help="also time a locked image trunk (model.image.lock)"
     )
     parser.add_argument("--offload", action="store_true", help="keep the batch in host memory, stream chunks")
+    parser.add_argument(
+        "--keep-last-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch.keep_last_graph: the last chunk keeps its graph instead of being replayed",
+    )
     parser.add_argument("--no-direct", action="store_true", help="skip the direct full-batch baseline")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (after one warm-up)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -55,10 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    from multiprocessing import get_context
-
     try:
         sizes = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -72,70 +75,100 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise UserError(str(err)) from None
     modes = ["gc", *(["gc-lit"] if args.lit else []), *([] if args.no_direct else ["direct"])]
-    results = []
+    results, paired = [], []
     print(HEADER, flush=True)
     for batch in sizes:
+        spec = {**vars(args), "json": None, "plot": None, "batch": batch, "modes": modes}
         for mode in modes:
-            spec = {**vars(args), "json": None, "plot": None, "mode": mode, "batch": batch}
-            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-                try:
-                    result = pool.submit(measure, spec).result()
-                except BrokenProcessPool:  # killed, e.g. by the kernel's OOM killer
-                    result = {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"}
-            results.append(result)
-            print(_row(result), flush=True)
-    print(_summary(results))
+            result = _in_fresh_process(measure, {**spec, "mode": mode})
+            results.append(result or {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"})
+            print(_row(results[-1]), flush=True)
+        if len(modes) > 1:
+            paired.append(_in_fresh_process(measure_paired, spec) or {"batch": batch, "median_s": {}})
+    print(_summary(results, paired))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({"points": results, "paired": paired}, indent=2))
     if args.plot:
         _plot(results, args.plot)
     return 0
 
 
-def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """One (mode, batch) point, in a fresh process: median step time and the memory breakdown."""
+def _in_fresh_process(fn, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """``fn(spec)`` in a new process (its memory peak is its own); None if the process died."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, spec).result()
+        except BrokenProcessPool:  # killed, e.g. by the kernel's OOM killer
+            return None
+
+
+def _setup(spec: dict[str, Any]):
+    """Threads and the device for a worker process."""
+    import torch
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    use_cuda = spec["device"] == "cuda" or (spec["device"] == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def _model_and_step(spec: dict[str, Any], mode: str, device):
+    """A fresh model for ``mode`` and its step function: Gradient Cache, or the direct baseline."""
     import torch
 
     from clip_train.config import load_config
     from clip_train.engine import GradCache
     from clip_train.model import build_model
 
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    device = torch.device(
-        "cuda"
-        if spec["device"] == "cuda" or (spec["device"] == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
-    overrides = [*spec["set"], *(["model.image.lock=true"] if spec["mode"] == "gc-lit" else [])]
+    overrides = [*spec["set"], *(["model.image.lock=true"] if mode == "gc-lit" else [])]
     torch.manual_seed(0)
     model = build_model(load_config(spec["model"], overrides).model).to(device).train()
+    if mode == "direct":
+        return model, _direct_step(model, spec["precision"], spec["loss_impl"], device)
+    engine = GradCache(
+        model,
+        image_chunk=spec["image_chunk"],
+        text_chunk=spec["text_chunk"],
+        precision=spec["precision"],
+        offload=spec["offload"],
+        keep_last_graph=spec["keep_last_graph"],
+        loss_impl=spec["loss_impl"],
+    )
+    return model, engine.step
+
+
+def _timed(model, step, batch, device):
+    """Wall and process-CPU seconds of one step, and what it returned."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    out = step(*batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, time.process_time() - cpu_start, out
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One (mode, batch) point, in a fresh process: median step time and the memory breakdown."""
+    import torch
+
+    device = _setup(spec)
+    model, step = _model_and_step(spec, spec["mode"], device)
     base = _memory_now(device)
     batch = _synthetic_batch(model, spec["batch"])
-    if spec["mode"] == "direct":
-        step = _direct_step(model, spec["precision"], spec["loss_impl"], device)
-    else:
-        engine = GradCache(
-            model,
-            image_chunk=spec["image_chunk"],
-            text_chunk=spec["text_chunk"],
-            precision=spec["precision"],
-            offload=spec["offload"],
-            loss_impl=spec["loss_impl"],
-        )
-        step = engine.step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, cpu_times, stats = [], [], None
     try:
         for _ in range(spec["repeats"] + 1):
-            model.zero_grad(set_to_none=True)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            stats = step(*batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
+            wall, cpu, stats = _timed(model, step, batch, device)
+            times.append(wall)
+            cpu_times.append(cpu)
     except torch.OutOfMemoryError:
         return {"mode": spec["mode"], "batch": spec["batch"], "error": "out of memory"}
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
@@ -155,6 +188,25 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "rest_bytes": peak - batch_bytes - cache_bytes,  # what must stay flat in B under Gradient Cache
         "activation_bytes": peak - base - batch_bytes - cache_bytes,
     }
+
+
+def measure_paired(spec: dict[str, Any]) -> dict[str, Any]:
+    """Median step time of every mode at one batch size, the modes taking turns step by step in one
+    process: a shared machine's drift then slows them alike, so their ratios are steadier than
+    those of the separate fresh processes (which the memory figures need)."""
+    import torch
+
+    device = _setup(spec)
+    runners = {mode: _model_and_step(spec, mode, device) for mode in spec["modes"]}
+    batch = _synthetic_batch(next(iter(runners.values()))[0], spec["batch"])
+    times: dict[str, list[float]] = {mode: [] for mode in runners}
+    for _ in range(spec["repeats"] + 1):
+        for mode in list(runners):
+            try:
+                times[mode].append(_timed(*runners[mode], batch, device)[0])
+            except torch.OutOfMemoryError:  # the direct step where it does not fit
+                del runners[mode], times[mode]
+    return {"batch": spec["batch"], "median_s": {mode: statistics.median(t[1:]) for mode, t in times.items()}}
 
 
 def _direct_step(model, precision: str, loss_impl: str, device):
@@ -225,7 +277,7 @@ def _row(r: dict[str, Any]) -> str:
     )
 
 
-def _summary(results: list[dict[str, Any]]) -> str:
+def _summary(results: list[dict[str, Any]], paired: list[dict[str, Any]]) -> str:
     ok = {(r["mode"], r["batch"]): r for r in results if "error" not in r}
     lines = ["", "summary:"]
     gc = sorted(b for m, b in ok if m == "gc")
@@ -236,18 +288,13 @@ def _summary(results: list[dict[str, Any]]) -> str:
             f"{high['rest_bytes'] / low['rest_bytes']:.3f} (activations alone: "
             f"{high['activation_bytes'] / MIB:.1f} vs {low['activation_bytes'] / MIB:.1f} MiB)"
         )
-    for batch in gc:
-        for other, label in (("direct", "gc / direct step time"), ("gc-lit", "gc-lit / gc step time")):
-            if (other, batch) in ok:
-                a, b = (
-                    (ok["gc", batch], ok[other, batch])
-                    if other == "direct"
-                    else (ok[other, batch], ok["gc", batch])
-                )
-                lines.append(
-                    f"  B={batch:<6} {label}: {a['median_s'] / b['median_s']:.3f} wall, "
-                    f"{a['cpu_s'] / b['cpu_s']:.3f} cpu"
-                )
+    lines.append("  step-time ratios: modes alternating in one process (separate fresh processes)")
+    for point in paired:
+        batch, times = point["batch"], point["median_s"]
+        for a, b in (("gc", "direct"), ("gc-lit", "gc")):
+            if a in times and b in times and (a, batch) in ok and (b, batch) in ok:
+                separate = ok[a, batch]["median_s"] / ok[b, batch]["median_s"]
+                lines.append(f"  B={batch:<6} {a} / {b}: {times[a] / times[b]:.3f} ({separate:.3f})")
     return "\n".join(lines)
 
 

@@ -4,8 +4,8 @@ Activation memory depends on the chunk sizes, not on the batch size, and the gra
 the full-batch gradients of the global contrastive loss:
 
 1. encode every chunk without a graph, keeping only the (B, d) features per tower and the RNG state
-   each chunk started from; with the tiled loss, the very last chunk (of the last tower that
-   trains) keeps its graph;
+   each chunk started from; with the tiled loss and ``keep_last_graph``, the very last chunk (of
+   the last tower that trains) keeps its graph;
 2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache and the
    logit-scale gradient;
 3. backprop the kept chunk's cached gradient, then replay every other chunk with its RNG state
@@ -133,6 +133,7 @@ class GradCache:
         text_chunk: int = 0,
         precision: Precision = "fp32",
         offload: bool = False,
+        keep_last_graph: bool = True,
         loss_impl: str = "auto",
         tile_size: int | None = None,
         group: dist.ProcessGroup | None = None,
@@ -146,6 +147,8 @@ class GradCache:
         self.precision = precision
         self.offload = offload
         self.loss_impl = loss_impl
+        # Beside a materialising loss the kept graph would share the peak with a b×b workspace.
+        self.keep_last_graph = keep_last_graph and loss_impl in ("auto", "inf")
         self.tile_size = tile_size
         self.group = group
         self.world_size = rank_and_world(group)[1]
@@ -162,6 +165,7 @@ class GradCache:
             text_chunk=config.batch.text_chunk,
             precision=config.train.precision,
             offload=config.batch.offload,
+            keep_last_graph=config.batch.keep_last_graph,
             loss_impl=config.loss.impl,
             tile_size=config.loss.tile_size or None,
             **kwargs,
@@ -207,10 +211,9 @@ class GradCache:
         streams: list[ChunkStream] = []
 
         start = self._clock()
-        # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode),
-        # unless a materialising loss's b×b workspace would sit beside that graph.
+        # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode).
         replaying = [tower for tower in (self.image, self.text) if tower.replays]
-        keeps_graph = replaying[-1] if replaying and self.loss_impl in ("auto", "inf") else None
+        keeps_graph = replaying[-1] if replaying and self.keep_last_graph else None
         image = self._encode(self.image, image_inputs, rows, streams, keep_graph=self.image is keeps_graph)
         text = self._encode(self.text, text_inputs, rows, streams, keep_graph=self.text is keeps_graph)
         encoded = self._clock()
@@ -255,7 +258,9 @@ class GradCache:
         With ``keep_graph`` the last chunk is encoded with grad and keeps its graph, so replay
         backpropagates it instead of encoding it again: one chunk forward less per step. Only the
         last tower encoded does this, and replay starts with it, so the kept graph is gone before
-        any other chunk's graph exists and peak memory stays that of one chunk.
+        any other chunk's graph exists. It does live through the loss, though: at the largest
+        batches the loss's O(n·d) workspace beside it can outweigh one chunk's forward, which is
+        what ``batch.keep_last_graph: false`` is for (``clip-train plan`` shows both).
         """
         out = _Encoded(chunk_bounds(rows, tower.chunk))
         keep_trunk_on_host = self.offload and self.device.type == "cuda"
