@@ -17,7 +17,7 @@ over ranks that is every tile exactly once, so the per-rank values average to âˆ
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -65,9 +65,15 @@ def _kernels(device: torch.device, dtype: torch.dtype) -> tuple[Callable[..., No
     return tiled.block_forward, tiled.block_backward
 
 
-def _full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+def _without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The kernels pick their own precision; autocast must not lower it under them."""
-    return torch.autocast(device.type, enabled=False)
+
+    @functools.wraps(fn)
+    def run(ctx: Any, tensor: torch.Tensor, *args: Any) -> Any:
+        with torch.autocast(tensor.device.type, enabled=False):
+            return fn(ctx, tensor, *args)
+
+    return run
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,19 +98,8 @@ def _shift(lse: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 class _InfLoss(torch.autograd.Function):
     @staticmethod
+    @_without_autocast
     def forward(  # type: ignore[override]
-        ctx: Any,
-        image_features: torch.Tensor,
-        text_features: torch.Tensor,
-        logit_scale: torch.Tensor,
-        batch: Batch,
-        tile: int,
-    ) -> torch.Tensor:
-        with _full_precision(image_features.device):
-            return _InfLoss._forward(ctx, image_features, text_features, logit_scale, batch, tile)
-
-    @staticmethod
-    def _forward(
         ctx: Any,
         image_features: torch.Tensor,
         text_features: torch.Tensor,
@@ -155,12 +150,8 @@ class _InfLoss(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @_without_autocast
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        with _full_precision(grad_loss.device):
-            return _InfLoss._backward(ctx, grad_loss)
-
-    @staticmethod
-    def _backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         images, scaled_images, block, scale, row_lse, col_lse = ctx.saved_tensors
         # The hand-over's buffer is overwritten here; a second backward (retain_graph) recomputes.
         last_tile, ctx.last_tile = ctx.last_tile, None
