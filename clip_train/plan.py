@@ -503,9 +503,10 @@ def measure_cpu_step(
     memory stays in the heap and RSS counts memory no tensor holds (measured: ~1.6x the live peak).
     """
     import ctypes
-    import resource
 
     import torch
+
+    from clip_train.memory import peak_bytes, used_bytes
 
     ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
 
@@ -529,24 +530,18 @@ def measure_cpu_step(
         loss_impl=setting.impl,
         tile_size=setting.tile,
     )
-    baseline = _current_rss()
+    cpu = torch.device("cpu")
+    baseline = used_bytes(cpu)
     images = _random_inputs(model, "image", setting.batch, length)
     text = _random_inputs(model, "text", setting.batch, length)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         engine.step(*images, *text)
         opt.step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    return peak_bytes(cpu) - baseline
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
-def _current_rss() -> int:
-    import os
-
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_cpu(cfg: Config, setting: Setting, chunks: tuple[int, int]) -> dict[str, float]:

@@ -6,7 +6,6 @@ checkpoints with exact resume, logging and periodic evaluation.
 from __future__ import annotations
 
 import math
-import resource
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from clip_train.distributed import DistEnv, all_ranks_true, barrier, gather_to_m
 from clip_train.engine import GradCache, StepStats, wrap_ddp
 from clip_train.engine.rng import preserved_rng
 from clip_train.errors import UserError
+from clip_train.memory import peak_bytes
 from clip_train.model import build_model
 from clip_train.monitor import RunMonitor
 from clip_train.optim import build_optimizer, build_scheduler
@@ -235,7 +235,7 @@ class Trainer:
         samples_per_s = self.cfg.batch.global_size / step_s
         scale = float(self.model.logit_scale.detach().exp())
         lr = self.optimizer.param_groups[0]["lr"]
-        peak_bytes = stats.peak_mem or _peak_rss_bytes()
+        peak = stats.peak_mem or peak_bytes(self.env.device)
         optimizer_s = step_s - data_s - stats.encode_s - stats.loss_s - stats.replay_s
         split = (stats.encode_s, stats.loss_s, stats.replay_s, optimizer_s)
         monitor.advance(
@@ -246,7 +246,7 @@ class Trainer:
                 "lr": lr,
                 "scale": scale,
                 "enc/loss/rep/opt s": "/".join(f"{t:.2f}" for t in split),
-                "mem GiB": round(peak_bytes / 2**30, 2),
+                "mem GiB": round(peak / 2**30, 2),
                 "skipped": sum(self.skipped.values()),
             },
         )
@@ -264,7 +264,7 @@ class Trainer:
             "time/loss_s": stats.loss_s,
             "time/replay_s": stats.replay_s,
             "time/optimizer_s": optimizer_s,
-            "memory/peak_bytes": peak_bytes,
+            "memory/peak_bytes": peak,
             "memory/cache_bytes": stats.cache_bytes,
             "train/skipped_steps": self.bad_total,
         }
@@ -288,7 +288,3 @@ class Trainer:
             monitor.log(self.step, metrics)
             monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -192,14 +192,12 @@ def _rank_main(rank: int, world: int, spec: dict[str, Any], tmp: str) -> None:
 
 
 def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    import resource
-
-    import psutil
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from clip_train.loss import contrastive_loss
+    from clip_train.memory import peak_bytes, used_bytes
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     rows = spec["batch"] // world
@@ -227,9 +225,7 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = psutil.Process().memory_info().rss
+    base = used_bytes(device)
     times = []
     step()  # warm-up (lazy initialisation, first-touch page faults); its memory still counts
     for _ in range(max(1, spec["repeats"])):
@@ -238,10 +234,7 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
         step()
         sync()
         times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = peak_bytes(device) - base
     return {"time_s": statistics.median(times), "times_s": times, "peak_mib": max(peak, 0) / MIB}
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -157,9 +156,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One (mode, batch) point, in a fresh process: median step time and the memory breakdown."""
     import torch
 
+    from clip_train.memory import peak_bytes, used_bytes
+
     device = _setup(spec)
     model, step = _model_and_step(spec, spec["mode"], device)
-    base = _memory_now(device)
+    base = used_bytes(device)
     batch = _synthetic_batch(model, spec["batch"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -173,7 +174,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         return {"mode": spec["mode"], "batch": spec["batch"], "error": "out of memory"}
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     cache_bytes = stats.cache_bytes if spec["mode"] != "direct" else 0
-    peak = _peak_memory(device)
+    peak = peak_bytes(device)
     return {
         "mode": spec["mode"],
         "batch": spec["batch"],
@@ -239,25 +240,6 @@ def _synthetic_batch(model, rows: int):
     if torch.cuda.is_available():
         return tuple(t.pin_memory() for t in (images, input_ids, attention_mask))
     return images, input_ids, attention_mask
-
-
-def _memory_now(device) -> int:
-    import psutil
-    import torch
-
-    return (
-        torch.cuda.memory_allocated(device) if device.type == "cuda" else psutil.Process().memory_info().rss
-    )
-
-
-def _peak_memory(device) -> int:
-    import resource
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 HEADER = (

@@ -1,0 +1,26 @@
+"""This process's memory, now and at its high-water mark, on the device being measured.
+
+On CUDA these are the caching allocator's counts; on CPU the resident set size, whose peak
+(``ru_maxrss``) is process-wide: a measurement that needs a peak of its own runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import psutil
+import torch
+
+
+def used_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    kib_or_bytes = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib_or_bytes
