@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from clip_train.errors import UserError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -23,6 +25,15 @@ class DistEnv:
         return self.rank == 0
 
 
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` is CUDA when there is a GPU, else the CPU; ``cuda`` without a GPU is a user error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("device cuda: no CUDA device is available here")
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested)
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistEnv:
     """Join the torchrun group (``env://``) if there is one, else run as a single process.
 
@@ -32,7 +43,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = resolve_device(device).type == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank)
         torch_device = torch.device("cuda", local_rank)

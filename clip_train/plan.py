@@ -625,20 +625,11 @@ def _validate_args(args: argparse.Namespace, batch: int) -> None:
         raise UserError(f"--check-cpu runs one process on this machine: use --gpus 1, not {args.gpus}")
 
 
-def _resolve_device(requested: str) -> str:
-    import torch
-
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available here")
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from clip_train.config import load_config
+    from clip_train.distributed import resolve_device
     from clip_train.loss.tiled import default_tile
 
     cfg = load_config(args.config, args.overrides)
@@ -647,7 +638,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.batch.global_size = batch
     cfg.validate(world_size=args.gpus)
     chunks = tuple(args.measure_chunks)
-    profile = profile_model(cfg.model, cfg.train.precision, chunks, _resolve_device(args.device))
+    profile = profile_model(cfg.model, cfg.train.precision, chunks, resolve_device(args.device).type)
     capacity = usable_bytes(args.gpu_mem)
     tile = cfg.loss.tile_size or default_tile(torch.device("cuda"))
     rows = [_row(profile, setting, capacity) for setting in _settings(cfg, args, batch, tile)]

@@ -1,11 +1,14 @@
-"""The process-group helpers on real gloo ranks: where a rank sits, and counters summed over ranks."""
+"""The process-group helpers (on real gloo ranks: where a rank sits, counters summed over ranks) and the
+device choice."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_distributed
 
-from clip_train.distributed import rank_and_world, sum_counts_over_ranks
+from clip_train.distributed import rank_and_world, resolve_device, sum_counts_over_ranks
+from clip_train.errors import UserError
 
 KEYS = ("bad_image", "bad_json", "truncated_tar")
 
@@ -30,3 +33,12 @@ def test_one_process_is_rank_zero_of_one():
         "bad_json": 2,
         "truncated_tar": 0,
     }
+
+
+def test_auto_device_is_the_gpu_when_there_is_one_and_a_missing_gpu_is_a_user_error():
+    has_gpu = torch.cuda.is_available()
+    assert resolve_device("auto").type == ("cuda" if has_gpu else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not has_gpu:
+        with pytest.raises(UserError, match="no CUDA device"):
+            resolve_device("cuda")

@@ -43,10 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from clip_train.distributed import resolve_device
 
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    device = "cpu" if device == "auto" else device
+    device = resolve_device(args.device).type
     batches = [int(b) for b in args.batch.split(",")]
     impls = [i.strip() for i in args.impl.split(",")]
     for impl in impls:

@@ -73,11 +73,14 @@ def run(args: argparse.Namespace) -> int:
         load_config(args.model, args.set)
     except ConfigError as err:
         raise UserError(str(err)) from None
+    from clip_train.distributed import resolve_device
+
+    device = resolve_device(args.device).type
     modes = ["gc", *(["gc-lit"] if args.lit else []), *([] if args.no_direct else ["direct"])]
     results, paired = [], []
     print(HEADER, flush=True)
     for batch in sizes:
-        spec = {**vars(args), "json": None, "plot": None, "batch": batch, "modes": modes}
+        spec = {**vars(args), "json": None, "plot": None, "batch": batch, "modes": modes, "device": device}
         for mode in modes:
             result = _in_fresh_process(measure, {**spec, "mode": mode})
             results.append(result or {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"})
@@ -111,8 +114,7 @@ def _setup(spec: dict[str, Any]):
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    use_cuda = spec["device"] == "cuda" or (spec["device"] == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if use_cuda else "cpu")
+    return torch.device(spec["device"])
 
 
 def _model_and_step(spec: dict[str, Any], mode: str, device):
