@@ -28,10 +28,14 @@ PARTIAL_BUDGET = 1 << 24  # floats in the forward's per-tile partial LSE buffers
 
 
 @triton.jit
-def _logits_tile(
-    images, texts, rows, cols, row_mask, col_mask, dim, stride_images, stride_texts,
+def _program_tile(
+    images, texts, n, m, dim, stride_images, stride_texts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """This program's tile of X: its rows and columns, their masks, and the fp32 logits."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < n, cols < m
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_offsets = rows.to(tl.int64)[:, None] * stride_images
     col_offsets = cols.to(tl.int64)[:, None] * stride_texts
@@ -41,7 +45,7 @@ def _logits_tile(
         a = tl.load(images + row_offsets + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(texts + col_offsets + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-    return acc
+    return rows, cols, row_mask, col_mask, acc
 
 
 @triton.jit
@@ -50,24 +54,19 @@ def _forward_kernel(
     HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < n, cols < m
-    x = _logits_tile(
-        images, texts, rows, cols, row_mask, col_mask, dim, stride_images, stride_texts,
-        BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-    )  # fmt: skip
+    rows, cols, row_mask, col_mask, x = _program_tile(
+        images, texts, n, m, dim, stride_images, stride_texts, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
+    )
     x = tl.where(row_mask[:, None] & col_mask[None, :], x, float("-inf"))
     row_max = tl.where(row_mask, tl.max(x, axis=1), 0.0)
     row_sums = tl.where(row_mask, tl.sum(tl.exp(x - row_max[:, None]), axis=1), 1.0)
     row_lse = row_max + tl.log(row_sums)
-    tl.store(row_part + pid_n.to(tl.int64) * n + rows, row_lse, mask=row_mask)
+    tl.store(row_part + tl.program_id(1).to(tl.int64) * n + rows, row_lse, mask=row_mask)
     if HAS_COLS:
         col_max = tl.where(col_mask, tl.max(x, axis=0), 0.0)
         col_sums = tl.where(col_mask, tl.sum(tl.exp(x - col_max[None, :]), axis=0), 1.0)
         col_lse = col_max + tl.log(col_sums)
-        tl.store(col_part + pid_m.to(tl.int64) * m + cols, col_lse, mask=col_mask)
+        tl.store(col_part + tl.program_id(0).to(tl.int64) * m + cols, col_lse, mask=col_mask)
 
 
 @triton.jit
@@ -77,14 +76,9 @@ def _backward_kernel(
     HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < n, cols < m
-    x = _logits_tile(
-        images, texts, rows, cols, row_mask, col_mask, dim, stride_images, stride_texts,
-        BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-    )  # fmt: skip
+    rows, cols, row_mask, col_mask, x = _program_tile(
+        images, texts, n, m, dim, stride_images, stride_texts, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
+    )
     # Out-of-range rows/columns get an infinite shift, so their exponentials are exactly 0.
     shift_rows = tl.load(row_shift + rows, mask=row_mask, other=float("inf"))
     grad = row_sign * tl.exp(x - shift_rows[:, None])
