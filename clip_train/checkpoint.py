@@ -73,11 +73,7 @@ def complete_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
     root = checkpoint_root(out_dir)
     if not root.is_dir():
         return []
-    found = [
-        d
-        for d in root.iterdir()
-        if _STEP_DIR.match(d.name) and (d / MODEL_FILE).is_file() and (d / STATE_FILE).is_file()
-    ]
+    found = [d for d in root.iterdir() if _STEP_DIR.match(d.name) and _is_complete(d)]
     return sorted(found, key=lambda d: int(_STEP_DIR.match(d.name).group(1)))
 
 
@@ -89,11 +85,15 @@ def resolve_resume(resume: str, out_dir: str | os.PathLike) -> Path | None:
         found = complete_checkpoints(out_dir)
         return found[-1] if found else None
     path = Path(resume)
-    if not ((path / MODEL_FILE).is_file() and (path / STATE_FILE).is_file()):
+    if not _is_complete(path):
         raise UserError(
             f"checkpoint.resume={resume}: not a complete checkpoint (needs {MODEL_FILE}, {STATE_FILE})"
         )
     return path
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / MODEL_FILE).is_file() and (path / STATE_FILE).is_file()
 
 
 def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
