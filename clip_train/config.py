@@ -84,7 +84,8 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    impl: Literal["vanilla", "local", "inf", "auto"] = "auto"  # auto = inf (Triton on CUDA)
+    impl: Literal["vanilla", "local", "inf", "auto"] = "auto"  # auto = inf (tiles and a ring of ranks)
+    kernel: Literal["auto", "torch", "triton"] = "auto"  # inf's tiles: auto = torch (see README, loss kernels)
     tile_size: int = 0  # 0 picks a size for the device
 
 

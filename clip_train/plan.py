@@ -402,9 +402,10 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> flo
 
     vanilla: 4 b×b matrices (logits, both softmaxes, their gradient: Inf-CL measures CLIP at
     16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus all-gathered
-    features of both towers; inf: n×d blocks (scaled images, gradient accumulators and, across
-    GPUs, the ring's text blocks in hand and in flight: 4 on one GPU, 7 on several, as measured with
-    MemTracker on the PyTorch path), one t×t tile and a strip of it, and O(n) log-sum-exp vectors. The
+    features of both towers; inf: n×d blocks (row dot-product temporaries and, across GPUs, the
+    ring's text blocks and gradient accumulators in hand and in flight: 2 on one GPU, 9 on several,
+    as measured with MemTracker on the PyTorch path at W = 1, 3 and 4; 8 at W = 2), one t×t tile
+    and a strip of it, and O(n) log-sum-exp vectors. The
     reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6 n·b (local) on CPU, gradients included.
     """
     n = batch // gpus
@@ -416,7 +417,7 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> flo
     if impl == "inf":
         from clip_train.loss.tiled import STRIP_ELEMENTS
 
-        blocks = 7 if gpus > 1 else 4
+        blocks = 9 if gpus > 1 else 2
         side = min(tile, n)
         strip = min(side * side, STRIP_ELEMENTS)
         return (blocks * n * dim + side * side + strip + 8 * n) * FP32

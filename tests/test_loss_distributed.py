@@ -7,6 +7,8 @@ gives its features W × ∂L_global/∂(its rows); the per-rank scale gradients 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,9 @@ from tests.dist_utils import run_distributed
 
 IMPLS_AND_TILES = [("vanilla", None), ("local", None), ("inf", 3), ("inf", 64)]
 N_PER_RANK, M_PER_RANK, DIM, SCALE = 5, 7, 6, 20.0
+# Upstream gradients that differ by rank (rank r backpropagates weight[r] · its loss), zero and
+# negative ones included: each rank's features must get the gradient of Σ_r weight[r] · loss_r.
+WEIGHTS = {2: [(1.0, 0.0), (0.5, -1.5)], 3: [(0.7, 0.0, -1.5)], 4: [(1.0, -0.25, 0.0, 2.0)]}
 
 
 def _global_batch(world: int) -> dict[str, torch.Tensor]:
@@ -33,11 +38,11 @@ def _global_batch(world: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _loss_and_grads(images, texts, scale, **kwargs) -> tuple[torch.Tensor, ...]:
+def _loss_and_grads(images, texts, scale, weight: float = 1.0, **kwargs) -> tuple[torch.Tensor, ...]:
     images, texts = images.clone().requires_grad_(), texts.clone().requires_grad_()
     scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
     loss = contrastive_loss(images, texts, scale, **kwargs)
-    loss.backward()
+    (weight * loss).backward()
     return loss.detach(), images.grad, texts.grad, scale.grad
 
 
@@ -47,17 +52,20 @@ def _worker(rank: int, world: int) -> dict:
     own_negatives = slice(rank * M_PER_RANK, (rank + 1) * M_PER_RANK)
     results = {}
     for impl, tile in IMPLS_AND_TILES:
-        results[("clip", impl, tile)] = _loss_and_grads(
-            data["images"][own], data["texts"][own], SCALE, impl=impl, tile_size=tile
-        )
-        results[("hard", impl, tile)] = _loss_and_grads(
-            data["images"][own],
-            data["negatives"][own_negatives],
-            SCALE,
-            labels=data["labels"][own],
-            impl=impl,
-            tile_size=tile,
-        )
+        for weights in [None, *WEIGHTS[world]]:
+            weight = 1.0 if weights is None else weights[rank]
+            results[("clip", impl, tile, weights)] = _loss_and_grads(
+                data["images"][own], data["texts"][own], SCALE, weight, impl=impl, tile_size=tile
+            )
+            results[("hard", impl, tile, weights)] = _loss_and_grads(
+                data["images"][own],
+                data["negatives"][own_negatives],
+                SCALE,
+                weight,
+                labels=data["labels"][own],
+                impl=impl,
+                tile_size=tile,
+            )
     if world == 2:  # ranks disagreeing on n must fail loudly on every rank, not hang or mis-index
         try:
             contrastive_loss(data["images"][: 3 + rank], data["texts"][: 3 + rank], torch.tensor(SCALE))
@@ -66,8 +74,9 @@ def _worker(rank: int, world: int) -> dict:
     return results
 
 
-def _reference(images, texts, scale, labels=None) -> tuple[torch.Tensor, ...]:
-    """Single-process global loss straight from the formula, with autograd gradients."""
+def _reference(images, texts, scale, labels=None, weights=None) -> tuple[torch.Tensor, ...]:
+    """Single-process loss straight from the formula, with autograd gradients: the global mean,
+    or with ``weights`` the sum over ranks of weight[r] · (mean over rank r's rows)."""
     images, texts = images.clone().requires_grad_(), texts.clone().requires_grad_()
     scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
     logits = scale * images @ texts.t()
@@ -76,7 +85,11 @@ def _reference(images, texts, scale, labels=None) -> tuple[torch.Tensor, ...]:
         per_row = (logits.logsumexp(1) - diagonal + logits.logsumexp(0) - diagonal) / 2
     else:
         per_row = logits.logsumexp(1) - logits.gather(1, labels[:, None]).squeeze(1)
-    per_row.mean().backward()
+    if weights is None:
+        per_row.mean().backward()
+    else:
+        rank_losses = per_row.view(len(weights), -1).mean(1)
+        (torch.tensor(weights, dtype=torch.float64) * rank_losses).sum().backward()
     return per_row.detach(), images.grad, texts.grad, scale.grad
 
 
@@ -93,22 +106,58 @@ def test_ranks_match_full_batch(world: int) -> None:
         "clip": (data["texts"], None, N_PER_RANK),
         "hard": (data["negatives"], data["labels"], M_PER_RANK),
     }
-    for mode, (texts, labels, m) in modes.items():
-        per_row, grad_images, grad_texts, grad_scale = _reference(data["images"], texts, SCALE, labels)
+    for (mode, (texts, labels, m)), weights in itertools.product(modes.items(), [None, *WEIGHTS[world]]):
+        per_row, grad_images, grad_texts, grad_scale = _reference(
+            data["images"], texts, SCALE, labels, weights
+        )
+        # Unweighted, every rank backpropagates its share of the global mean: W × its gradient.
+        factor = world if weights is None else 1
         for impl, tile in IMPLS_AND_TILES:
             scale_grads = []
             for rank, result in enumerate(results):
-                loss, rank_grad_images, rank_grad_texts, rank_grad_scale = result[(mode, impl, tile)]
+                loss, rank_grad_images, rank_grad_texts, rank_grad_scale = result[(mode, impl, tile, weights)]
                 own, own_texts = (
                     slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK),
                     slice(rank * m, (rank + 1) * m),
                 )
                 _close(loss, per_row[own].mean())
-                _close(rank_grad_images, world * grad_images[own])
-                _close(rank_grad_texts, world * grad_texts[own_texts])
+                _close(rank_grad_images, factor * grad_images[own])
+                _close(rank_grad_texts, factor * grad_texts[own_texts])
                 scale_grads.append(rank_grad_scale)
-            _close(torch.stack(scale_grads).mean(), grad_scale)
+            _close(torch.stack(scale_grads).sum() / factor, grad_scale)
     if world == 2:
         for result in results:
             assert "same number of rows" in result["mismatch"]
             assert "rank 0: n=3" in result["mismatch"] and "rank 1: n=4" in result["mismatch"]
+
+
+BAD_ON_ONE_RANK = {  # what rank 1 passes while rank 0's inputs are fine
+    "no_rows": lambda images, texts, labels: (images[:0], texts[:0], None),
+    "labels_out_of_range": lambda images, texts, labels: (images, texts, labels + 1000),
+    "not_2d": lambda images, texts, labels: (images[0], texts[0], None),
+}
+
+
+def _one_bad_rank(rank: int, world: int, case: str) -> str:
+    data = _global_batch(world)
+    images, texts = data["images"][:N_PER_RANK], data["negatives"][:M_PER_RANK]
+    labels = data["labels"][:N_PER_RANK] % M_PER_RANK if case == "labels_out_of_range" else None
+    if case != "labels_out_of_range":
+        texts = texts[:N_PER_RANK]
+    if rank == 1:
+        images, texts, labels = BAD_ON_ONE_RANK[case](images, texts, labels)
+    try:
+        contrastive_loss(images, texts, torch.tensor(SCALE, dtype=torch.float64), labels=labels, impl="inf")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD_ON_ONE_RANK)
+def test_rank_local_bad_input_fails_every_rank_alike(case: str) -> None:
+    """Both ranks raise the same one-line error naming rank 1; a rank left waiting in a
+    collective would instead hit the 20 s timeout and fail differently."""
+    messages = run_distributed(_one_bad_rank, 2, case, timeout_s=20)
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("contrastive_loss: rank 1: ") and "\n" not in messages[0]

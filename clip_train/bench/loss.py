@@ -31,6 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=512, help="embedding dimension")
     parser.add_argument("--impl", default="vanilla,local,inf", help="comma-separated: vanilla, local, inf")
     parser.add_argument(
+        "--kernel", default="auto", help="comma-separated kernels for inf's tiles: auto, torch, triton"
+    )
+    parser.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA fp32: TF32 matmuls, as training sets them (default on)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=5, help="timed forward+backward runs (median reported)"
     )
     parser.add_argument("--world", type=int, default=1, help="ranks (gloo processes on CPU), b/W rows each")
@@ -44,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clip_train.distributed import resolve_device
+    from clip_train.loss.ring import KERNELS
 
     device = resolve_device(args.device).type
     batches = [int(b) for b in args.batch.split(",")]
@@ -51,26 +61,32 @@ def run(args: argparse.Namespace) -> int:
     for impl in impls:
         if impl not in ("vanilla", "local", "inf"):
             raise SystemExit(f"bench loss: unknown impl {impl!r}; choose from vanilla, local, inf")
+    kernels = [k.strip() for k in args.kernel.split(",")]
+    for kernel in kernels:
+        if kernel not in KERNELS:
+            raise SystemExit(f"bench loss: unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+    runs = [(impl, kernel) for impl in impls for kernel in (kernels if impl == "inf" else ["auto"])]
     if device == "cuda" and args.world > 1:
         raise SystemExit("bench loss: --world runs gloo ranks on CPU; use torchrun for multi-GPU")
     if any(b % args.world for b in batches):
         raise SystemExit(f"bench loss: every batch must be divisible by --world {args.world}")
 
     results = []
+    tf32 = ", TF32" if device == "cuda" and args.dtype == "float32" and args.tf32 else ""
     print(
-        f"contrastive loss, dim={args.dim}, {args.dtype}, device={device}, world={args.world}, "
+        f"contrastive loss, dim={args.dim}, {args.dtype}{tf32}, device={device}, world={args.world}, "
         f"repeats={args.repeats}"
     )
-    header = f"{'batch':>7} {'impl':>8} {'time_s':>8} {'x_floor':>8} {'peak_MiB':>9}  note"
+    header = f"{'batch':>7} {'impl':>12} {'time_s':>8} {'x_floor':>8} {'peak_MiB':>9}  note"
     print(header)
     for batch in batches:
         floor = _measure(_spec(args, "floor", batch, device, world=1), device)
         results.append(floor)
         print(
-            f"{batch:>7} {'matmul':>8} {floor['time_s']:>8.3f} {1.0:>8.2f} {'':>9}  one b×b×d matmul (floor)"
+            f"{batch:>7} {'matmul':>12} {floor['time_s']:>8.3f} {1.0:>8.2f} {'':>9}  one b×b×d matmul (floor)"
         )
-        for impl in impls:
-            spec = _spec(args, impl, batch, device, args.world)
+        for impl, kernel in runs:
+            spec = {**_spec(args, impl, batch, device, args.world), "kernel": kernel}
             need, have = _estimate_bytes(spec), _available_bytes(device)
             if need > 0.85 * have:
                 result = {**_public(spec), "time_s": None, "peak_mib": None, "oom": True}
@@ -86,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 if time_s is not None
                 else f"{'-':>8} {'-':>8} {'-':>9}"
             )
-            print(f"{batch:>7} {impl:>8} {cells}  {result.get('note', '')}", flush=True)
+            print(f"{batch:>7} {_label(result):>12} {cells}  {result.get('note', '')}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.plot:
@@ -98,16 +114,22 @@ def _spec(args: argparse.Namespace, kind: str, batch: int, device: str, world: i
     """Everything a measuring subprocess needs, as plain JSON-able values."""
     return {
         "kind": kind,
+        "kernel": "auto",
         "batch": batch,
         "device": device,
         "world": world,
-        **{key: getattr(args, key) for key in ("dim", "repeats", "tile", "dtype", "scale")},
+        **{key: getattr(args, key) for key in ("dim", "repeats", "tile", "dtype", "scale", "tf32")},
     }
 
 
 def _public(spec: dict[str, Any]) -> dict[str, Any]:
-    keys = ("kind", "batch", "dim", "world", "dtype", "device", "tile", "repeats")
+    keys = ("kind", "kernel", "batch", "dim", "world", "dtype", "device", "tile", "repeats", "tf32")
     return {key: spec[key] for key in keys}
+
+
+def _label(result: dict[str, Any]) -> str:
+    """``inf/torch`` or ``inf/triton`` where a kernel was chosen, else the implementation."""
+    return f"{result['kind']}/{result['kernel']}" if result["kernel"] != "auto" else result["kind"]
 
 
 def _estimate_bytes(spec: dict[str, Any]) -> float:
@@ -199,6 +221,8 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
     from clip_train.memory import peak_bytes, used_bytes
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = spec["tf32"]
     rows = spec["batch"] // world
     gen = torch.Generator().manual_seed(rank)
     images = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
@@ -211,7 +235,9 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
         scale = torch.tensor(spec["scale"], device=device, requires_grad=True)
 
         def step() -> None:
-            loss = contrastive_loss(images, texts, scale, impl=spec["kind"], tile_size=spec["tile"] or None)
+            loss = contrastive_loss(
+                images, texts, scale, impl=spec["kind"], kernel=spec["kernel"], tile_size=spec["tile"] or None
+            )
             loss.backward()
             images.grad = texts.grad = scale.grad = None
 
@@ -259,8 +285,8 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for color, kind in enumerate(dict.fromkeys(r["kind"] for r in results)):
-        done = [r for r in results if r["kind"] == kind and r["time_s"] is not None]
+    for color, kind in enumerate(dict.fromkeys(_label(r) for r in results)):
+        done = [r for r in results if _label(r) == kind and r["time_s"] is not None]
         if not done:
             continue
         batches = [r["batch"] for r in done]

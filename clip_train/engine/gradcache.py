@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from clip_train.config import Config
+from clip_train.config import Config, ConfigError
 from clip_train.distributed import rank_and_world
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
+from clip_train.loss.ring import select_kernels
 from clip_train.precision import PRECISIONS, autocast
 
 Precision = Literal["fp32", "fp64", "bf16", "fp16"]
@@ -135,6 +136,7 @@ class GradCache:
         offload: bool = False,
         keep_last_graph: bool = True,
         loss_impl: str = "auto",
+        loss_kernel: str = "auto",
         tile_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         image_ddp: DistributedDataParallel | None = None,
@@ -147,6 +149,7 @@ class GradCache:
         self.precision = precision
         self.offload = offload
         self.loss_impl = loss_impl
+        self.loss_kernel = loss_kernel
         # Beside a materialising loss the kept graph would share the peak with a b×b workspace.
         self.keep_last_graph = keep_last_graph and loss_impl in ("auto", "inf")
         self.tile_size = tile_size
@@ -158,7 +161,13 @@ class GradCache:
     @classmethod
     def from_config(cls, model: nn.Module, config: Config, **kwargs) -> GradCache:
         """Chunks, offload, precision and loss options from a run config; ``kwargs`` adds the
-        process group and the DDP wrappers."""
+        process group and the DDP wrappers. An unusable ``loss.kernel`` fails here, at start-up."""
+        if config.loss.impl in ("auto", "inf"):
+            dtype = torch.float64 if config.train.precision == "fp64" else torch.float32
+            try:
+                select_kernels(config.loss.kernel, model.logit_scale.device, dtype, config.model.embed_dim)
+            except ValueError as err:
+                raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
         return cls(
             model,
             image_chunk=config.batch.image_chunk,
@@ -167,6 +176,7 @@ class GradCache:
             offload=config.batch.offload,
             keep_last_graph=config.batch.keep_last_graph,
             loss_impl=config.loss.impl,
+            loss_kernel=config.loss.kernel,
             tile_size=config.loss.tile_size or None,
             **kwargs,
         )
@@ -310,6 +320,7 @@ class GradCache:
             leaves[1],
             leaves[2].exp(),
             impl=self.loss_impl,
+            kernel=self.loss_kernel,
             group=self.group,
             tile_size=self.tile_size,
         )

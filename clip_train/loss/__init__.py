@@ -24,8 +24,9 @@ from clip_train.loss.reference import local_loss, vanilla_loss
 
 Impl = Literal["auto", "inf", "vanilla", "local"]
 IMPLS: tuple[str, ...] = ("auto", "inf", "vanilla", "local")
+Kernel = Literal["auto", "torch", "triton"]
 
-__all__ = ["IMPLS", "Impl", "contrastive_loss"]
+__all__ = ["IMPLS", "Impl", "Kernel", "contrastive_loss"]
 
 
 def contrastive_loss(
@@ -37,6 +38,7 @@ def contrastive_loss(
     impl: Impl = "auto",
     group: dist.ProcessGroup | None = None,
     tile_size: int | None = None,
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """CLIP loss of this rank's rows against the whole (all-rank) batch.
 
@@ -52,6 +54,8 @@ def contrastive_loss(
         group: process group; ``None`` means the default group if torch.distributed is
             initialised, else a single process.
         tile_size: rows/columns per tile of the tiled loss; ``None`` or 0 picks one per device.
+        kernel: the tiled loss's in-device kernels: ``"torch"`` (PyTorch tiles), ``"triton"``
+            (fused kernels on CUDA) or ``"auto"``; see ``ring.select_kernels`` for what auto picks.
 
     Returns:
         The mean loss over this rank's rows (a 0-dim tensor).
@@ -73,4 +77,4 @@ def contrastive_loss(
         return local_loss(image_features, text_features, logit_scale, batch)
     from clip_train.loss.ring import ring_loss
 
-    return ring_loss(image_features, text_features, logit_scale, batch, tile_size or None)
+    return ring_loss(image_features, text_features, logit_scale, batch, tile_size or None, kernel)

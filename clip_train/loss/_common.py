@@ -40,70 +40,93 @@ def check_inputs(
     labels: torch.Tensor | None,
     group: dist.ProcessGroup | None,
 ) -> Batch:
-    """Validate shapes (across ranks too) and return this rank's place in the global batch."""
+    """Validate shapes (across ranks too) and return this rank's place in the global batch.
+
+    Every rank takes part in one agreement collective before anything can raise, so a problem
+    on one rank (no rows, labels out of range) fails every rank with the same message instead of
+    leaving the others waiting in the loss's collectives until the timeout.
+    """
+    group, rank, world = resolve_group(group)
+    problem = _local_problem(image_features, text_features, logit_scale, labels, world)
+    if world > 1:
+        problem = _agree(problem, image_features, text_features, group, world)
+    if problem:
+        raise ValueError(f"contrastive_loss: {problem}")
+    n = image_features.shape[0]
+    if labels is None:
+        diagonal = torch.arange(n, device=image_features.device) + rank * n
+        return Batch(group, rank, world, diagonal, symmetric=True)
+    return Batch(group, rank, world, labels.to(image_features.device), symmetric=False)
+
+
+def _local_problem(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor,
+    labels: torch.Tensor | None,
+    world: int,
+) -> str:
+    """What is wrong with this rank's inputs ("" if nothing)."""
     if image_features.dim() != 2 or text_features.dim() != 2:
-        raise ValueError(
-            "contrastive_loss: features must be 2-D (rows, dim); got image "
+        return (
+            "features must be 2-D (rows, dim); got image "
             f"{tuple(image_features.shape)} and text {tuple(text_features.shape)}"
         )
     (n, d), (m, d_text) = image_features.shape, text_features.shape
     if d != d_text:
-        raise ValueError(f"contrastive_loss: image dim {d} != text dim {d_text}")
+        return f"image dim {d} != text dim {d_text}"
     if n == 0:
-        raise ValueError("contrastive_loss: no rows (image_features has 0 rows)")
+        return "no rows (image_features has 0 rows)"
     if image_features.dtype != text_features.dtype or image_features.device != text_features.device:
-        raise ValueError(
-            "contrastive_loss: image and text features must share dtype and device; got "
+        return (
+            "image and text features must share dtype and device; got "
             f"{image_features.dtype}/{image_features.device} and {text_features.dtype}/{text_features.device}"
         )
     if not image_features.is_floating_point():
-        raise ValueError(f"contrastive_loss: features must be floating point, got {image_features.dtype}")
+        return f"features must be floating point, got {image_features.dtype}"
     if logit_scale.numel() != 1:
-        raise ValueError(
-            f"contrastive_loss: logit_scale must be a scalar, got shape {tuple(logit_scale.shape)}"
-        )
-    group, rank, world = resolve_group(group)
-    if world > 1:
-        _check_same_shapes(n, m, d, image_features.device, group, world)
+        return f"logit_scale must be a scalar, got shape {tuple(logit_scale.shape)}"
     if labels is None:
         if m != n:
-            raise ValueError(
-                "contrastive_loss: symmetric CLIP loss needs as many text rows as image rows, "
-                f"got {n} and {m}"
-                " (pass labels= for hard negatives)"
+            return (
+                f"symmetric CLIP loss needs as many text rows as image rows, got {n} and {m} "
+                "(pass labels= for hard negatives)"
             )
-        diagonal = torch.arange(n, device=image_features.device) + rank * n
-        return Batch(group, rank, world, diagonal, symmetric=True)
+        return ""
     if labels.shape != (n,) or labels.dtype != torch.long:
-        raise ValueError(
-            f"contrastive_loss: labels must be a LongTensor of shape ({n},), "
-            f"got {labels.dtype} of shape {tuple(labels.shape)}"
+        return (
+            f"labels must be a LongTensor of shape ({n},), got {labels.dtype} of shape {tuple(labels.shape)}"
         )
     if m < n:
-        raise ValueError(
-            f"contrastive_loss: hard-negative mode needs text rows m >= image rows n, got {m} < {n}"
-        )
+        return f"hard-negative mode needs text rows m >= image rows n, got {m} < {n}"
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= world * m:
-        raise ValueError(
-            f"contrastive_loss: labels must lie in [0, {world * m}) (global text columns), "
-            f"got [{low}, {high}]"
-        )
-    return Batch(group, rank, world, labels.to(image_features.device), symmetric=False)
+        return f"labels must lie in [0, {world * m}) (global text columns), got [{low}, {high}]"
+    return ""
 
 
-def _check_same_shapes(
-    n: int, m: int, d: int, device: torch.device, group: dist.ProcessGroup, world: int
-) -> None:
-    mine = torch.tensor([n, m, d], dtype=torch.long, device=device)
-    shapes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(shapes, mine, group=group)
-    shapes_list = [tuple(s.tolist()) for s in shapes]
-    if len(set(shapes_list)) > 1:
-        described = ", ".join(f"rank {r}: n={s[0]} m={s[1]} d={s[2]}" for r, s in enumerate(shapes_list))
-        raise ValueError(
-            f"contrastive_loss: every rank must hold the same number of rows and dim, got {described}"
-        )
+def _agree(
+    problem: str,
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    group: dist.ProcessGroup,
+    world: int,
+) -> str:
+    """The first rank's problem, or a disagreement about shapes, the same on every rank ("" if none)."""
+    shape = (0, 0, 0) if problem else (*image_features.shape, text_features.shape[0])
+    mine = torch.tensor([bool(problem), *shape], device=image_features.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if any(int(t[0]) for t in every):
+        problems: list[str] = [""] * world
+        dist.all_gather_object(problems, problem, group=group)
+        rank, first = next((r, p) for r, p in enumerate(problems) if p)
+        return f"rank {rank}: {first}"
+    shapes = [tuple(t[1:].tolist()) for t in every]  # (n, d, m)
+    if len(set(shapes)) > 1:
+        described = ", ".join(f"rank {r}: n={s[0]} m={s[2]} d={s[1]}" for r, s in enumerate(shapes))
+        return f"every rank must hold the same number of rows and dim, got {described}"
+    return ""
 
 
 def gather_with_grad(tensor: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Tiled PyTorch kernels for one text block against this rank's image rows (the CPU path).
 
-Each function walks the (n × m) similarity block ``X = (s·I) Tᵀ`` in t×t tiles and holds one
-tile at a time. A tile's logits come from one matmul into a tile buffer; the elementwise work
+Each function walks the (n × m) similarity block ``X = s·I Tᵀ`` in t×t tiles and holds one
+tile at a time. A tile's logits come from one matmul into a tile buffer (the scale rides along
+as the matmul's ``alpha``, so it costs nothing); the elementwise work
 then runs over strips of its rows small enough to stay in cache, so a tile crosses main memory
 about twice however many elementwise steps it takes. The forward feeds both directions from the
 same exponentials. The backward spends two more matmuls per tile on the gradients of both
@@ -41,9 +42,15 @@ class LastTile:
 
 
 def default_tile(device: torch.device) -> int:
-    """Tile edge. On CPU large tiles keep the BLAS matmuls efficient (4096² fp32 is 64 MiB per
-    buffer, still O(1) in the batch); on CUDA it is the Triton forward's column chunk."""
+    """Tile edge. Large tiles keep the BLAS matmuls efficient (4096² fp32 is 64 MiB per buffer,
+    still O(1) in the batch); on CUDA, 8192² keeps cuBLAS near its peak."""
     return 4096 if device.type == "cpu" else 8192
+
+
+def default_strip(device: torch.device) -> int:
+    """Elements per strip: cache-sized on CPU; on CUDA the whole tile (each strip op is a kernel
+    launch there, and a tile's elementwise pass is bandwidth-bound either way)."""
+    return STRIP_ELEMENTS if device.type == "cpu" else 1 << 62
 
 
 def _tiles(size: int, tile: int) -> list[slice]:
@@ -84,14 +91,15 @@ def _exp_sums(
 
 
 def block_forward(
-    scaled_images: torch.Tensor,
+    images: torch.Tensor,
     texts: torch.Tensor,
+    scale: float,
     row_lse: torch.Tensor,
     col_lse: torch.Tensor | None,
     tile: int,
     strip_elements: int = STRIP_ELEMENTS,
 ) -> LastTile:
-    """Merge the log-sum-exps of ``X = scaled_images @ textsᵀ`` into ``row_lse`` and ``col_lse``.
+    """Merge the log-sum-exps of ``X = scale · images @ textsᵀ`` into ``row_lse`` and ``col_lse``.
 
     Rows are shifted by their maximum in the tile, so row sums lie in [1, t]. Columns reuse the
     same exponentials, rescaled per row by ``exp(shift - max shift)`` ≤ 1 in the column sum;
@@ -99,15 +107,14 @@ def block_forward(
     underflow. Such columns (rare, only at large scales in fp32) are recomputed on their own.
     Returns the last tile's logits for :func:`block_backward`.
     """
-    finfo = torch.finfo(scaled_images.dtype)
-    n, m = scaled_images.shape[0], texts.shape[0]
-    buffer = scaled_images.new_empty(min(tile, n) * min(tile, m))
-    strip = _strip_buffer(scaled_images, min(tile, n), min(tile, m), strip_elements)
+    finfo = torch.finfo(images.dtype)
+    n, m = images.shape[0], texts.shape[0]
+    buffer = images.new_empty(min(tile, n) * min(tile, m))
+    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
     for rows in _tiles(n, tile):
         for cols in _tiles(m, tile):
-            images_tile, texts_tile = scaled_images[rows], texts[cols]
-            logits = _view(buffer, len(images_tile), len(texts_tile))
-            torch.mm(images_tile, texts_tile.t(), out=logits)
+            images_tile, texts_tile = images[rows], texts[cols]
+            logits = _logits(buffer, images_tile, texts_tile, scale)
             shift = logits.amax(dim=1)
             top = shift.max()
             col_weights = (shift - top).exp_() if col_lse is not None else None
@@ -125,14 +132,28 @@ def block_forward(
     return LastTile(rows, cols, buffer)
 
 
+def _logits(buffer: torch.Tensor, images: torch.Tensor, texts: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · images @ textsᵀ`` into the front of ``buffer`` (beta=0: its old contents are ignored)."""
+    return _view(buffer, len(images), len(texts)).addmm_(images, texts.t(), beta=0.0, alpha=scale)
+
+
+def _fold(lse: torch.Tensor | None, coef: float) -> tuple[torch.Tensor | None, float]:
+    """``lse - log|coef|`` and ``sign(coef)``: a softmax gradient's coefficient moved into its shift,
+    so neither exponential can overflow. A term that is absent or has a zero coefficient is None."""
+    if lse is None or coef == 0:
+        return None, 1.0
+    return lse - math.log(abs(coef)), -1.0 if coef < 0 else 1.0
+
+
 def _softmax_grads_(
     logits: torch.Tensor,
-    row_shift: torch.Tensor,
+    row_shift: torch.Tensor | None,
     col_shift: torch.Tensor | None,
     col_coef: float,
     strip: torch.Tensor,
 ) -> torch.Tensor:
-    """Overwrite ``logits`` with ``exp(X - row_shift[:, None]) + col_coef·exp(X - col_shift[None, :])``.
+    """Overwrite ``logits`` with ``exp(X - row_shift[:, None]) + col_coef·exp(X - col_shift[None, :])``
+    (either term may be absent).
 
     When the shifts are within a safe range of each other, the column term is the row term
     times the rank-one factor ``exp(row_shift_i - col_shift_j)``: one ``exp`` per element.
@@ -140,15 +161,18 @@ def _softmax_grads_(
     cols = logits.shape[1]
     # Past this gap a row term could underflow where the column term still matters.
     max_gap = -math.log(torch.finfo(logits.dtype).tiny) / 3
-    top = row_shift.max()
-    rank_one = col_shift is not None and (top - col_shift.min()).item() <= max_gap
+    both = row_shift is not None and col_shift is not None
+    rank_one = both and (row_shift.max() - col_shift.min()).item() <= max_gap
     if rank_one:
+        top = row_shift.max()
         row_factor = (row_shift - top).exp_().mul_(col_coef)
         col_factor = (top - col_shift).exp_()
     for part in _strips(logits, strip):
         grads = logits[part]
         other = _view(strip, part.stop - part.start, cols)
-        if col_shift is None:
+        if row_shift is None:
+            grads.sub_(col_shift).exp_()
+        elif col_shift is None:
             grads.sub_(row_shift[part, None]).exp_()
         elif rank_one:
             grads.sub_(row_shift[part, None]).exp_()
@@ -160,40 +184,47 @@ def _softmax_grads_(
 
 
 def block_backward(
-    scaled_images: torch.Tensor,
+    images: torch.Tensor,
     texts: torch.Tensor,
-    row_shift: torch.Tensor,
-    row_sign: float,
-    col_shift: torch.Tensor | None,
-    col_sign: float,
+    scale: float,
+    row_lse: torch.Tensor,
+    row_coef: float,
+    col_lse: torch.Tensor | None,
+    col_coef: float,
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
     last_tile: LastTile | None = None,
     strip_elements: int = STRIP_ELEMENTS,
 ) -> None:
-    """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ scaled_images`` into ``grad_texts``.
+    """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts``.
 
-    ``G = row_sign·exp(X - row_shift[:, None]) + col_sign·exp(X - col_shift[None, :])``: the
-    softmax gradients of both directions, with each direction's upstream coefficient α folded
-    into its shift as ``lse - log|α|`` (so neither exponential can overflow). ``last_tile``,
-    the forward's hand-over for this same block, is processed first and not recomputed.
+    ``G = row_coef·exp(X - row_lse[:, None]) + col_coef·exp(X - col_lse[None, :])``: the softmax
+    gradients of both directions, each with its upstream coefficient. ``last_tile``, the
+    forward's hand-over for this same block, is processed first and not recomputed.
     """
-    n, m = scaled_images.shape[0], texts.shape[0]
+    n, m = images.shape[0], texts.shape[0]
+    row_shift, row_sign = _fold(row_lse, row_coef)
+    col_shift, col_sign = _fold(col_lse, col_coef)
+    if row_shift is None and col_shift is None:
+        return  # both coefficients are zero: G is zero
+    sign = row_sign if row_shift is not None else col_sign  # G's overall sign; the other is relative
     order = [(rows, cols) for rows in _tiles(n, tile) for cols in _tiles(m, tile)]
     if last_tile is None:
-        buffer = scaled_images.new_empty(min(tile, n) * min(tile, m))
+        buffer = images.new_empty(min(tile, n) * min(tile, m))
     else:
         buffer = last_tile.buffer
         order.remove((last_tile.rows, last_tile.cols))
         order.insert(0, (last_tile.rows, last_tile.cols))
-    strip = _strip_buffer(scaled_images, min(tile, n), min(tile, m), strip_elements)
+    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
     for index, (rows, cols) in enumerate(order):
-        images_tile, texts_tile = scaled_images[rows], texts[cols]
-        logits = _view(buffer, len(images_tile), len(texts_tile))
+        images_tile, texts_tile = images[rows], texts[cols]
         if index > 0 or last_tile is None:  # the hand-over already holds the first tile's logits
-            torch.mm(images_tile, texts_tile.t(), out=logits)
+            logits = _logits(buffer, images_tile, texts_tile, scale)
+        else:
+            logits = last_tile.logits
+        row_shift_tile = row_shift[rows] if row_shift is not None else None
         col_shift_tile = col_shift[cols] if col_shift is not None else None
-        grads = _softmax_grads_(logits, row_shift[rows], col_shift_tile, row_sign * col_sign, strip)
-        grad_images[rows].addmm_(grads, texts_tile, alpha=row_sign)
-        grad_texts[cols].addmm_(grads.t(), images_tile, alpha=row_sign)
+        grads = _softmax_grads_(logits, row_shift_tile, col_shift_tile, row_sign * col_sign, strip)
+        grad_images[rows].addmm_(grads, texts_tile, alpha=sign)
+        grad_texts[cols].addmm_(grads.t(), images_tile, alpha=sign)

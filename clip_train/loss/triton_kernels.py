@@ -1,38 +1,106 @@
 """Triton kernels for one text block against this rank's image rows (the CUDA path).
 
 Same contract as ``tiled.block_forward`` / ``tiled.block_backward`` (except that the forward
-hands no last tile to the backward); fp32 operands with fp32
-accumulation (TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set). Each program
-owns one (BLOCK_M × BLOCK_N) tile of ``X = (s·I) Tᵀ``:
+hands no last tile to the backward). Features may be fp32, bf16 or fp16; logits, exponentials
+and every accumulator are fp32 (fp32 operands use TF32 only when
+``torch.backends.cuda.matmul.allow_tf32`` is set).
 
-* forward: one pass over the tiles writes each tile's row and column log-sum-exps; the host
-  merges them (a 1/BLOCK-sized reduction), column chunk by column chunk to bound that buffer.
-* backward: recomputes the tile, forms the gradient of both directions and adds ``G @ T``
-  and ``Gᵀ @ (s·I)`` into fp32 accumulators with atomics (so fp32 sums are not bitwise
-  deterministic).
+* Forward: each program owns one (BLOCK_M × BLOCK_N) tile of ``X = s·I Tᵀ`` and writes the tile's
+  row and column log-sum-exps; the host merges them (a 1/BLOCK-sized reduction), column chunk by
+  column chunk to bound that buffer.
+* Backward: no atomics. ``dI = G T`` and ``dT = Gᵀ I`` are two launches of one *owner* kernel:
+  each program owns a block of rows of one side (image rows for dI, text rows for dT), keeps
+  them and their whole gradient (BLOCK × the padded dim, fp32) in registers, and streams every
+  row of the other side past them: one load of each streamed block serves both the logits
+  (``a bᵀ``) and the gradient (``g b``). Each program then writes its own rows once. A tile-grid
+  backward, where every tile adds its (64 × d) partial gradients into both outputs, does
+  n·m·d/32 global atomic read-modify-writes: 275 GB at n = m = 65,536, d = 512. The owner
+  layout trades that for recomputing the logits once more (5 matmul-equivalents for the whole
+  loss instead of 4), and is why the Triton path takes d ≤ 1024 (≤ 512 for fp32 features).
 
 Plain ``tl`` operations only — no inline PTX — with masked loads for ragged edges and int64
-offsets, so the kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them).
+offsets, so the kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them)
+and compile ahead of time for sm_80/sm_90 on a machine without a GPU (``tests/test_triton_aot.py``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_D = 64, 64, 32
 PARTIAL_BUDGET = 1 << 24  # floats in the forward's per-tile partial LSE buffers
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Block sizes and launch options of one kernel specialisation."""
+
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: TF32 for fp32 only when PyTorch allows it (never interpreted)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreted
+    return "tf32" if tf32 else "ieee"
+
+
+def forward_launch(dtype: torch.dtype, has_cols: bool, precision: str) -> Launch:
+    """16-bit operands take twice the rows and depth for the same shared memory; the fp32 logits
+    tile and its exponentials bound the rest (128 × 128 spills)."""
+    rows, depth = (128, 64) if dtype != torch.float32 else (64, 32)
+    constexprs = {
+        "HAS_COLS": has_cols,
+        "BLOCK_M": rows,
+        "BLOCK_N": 64,
+        "BLOCK_D": depth,
+        "PRECISION": precision,
+    }
+    return Launch(constexprs, num_warps=8, num_stages=3)
+
+
+# (owned rows, streamed rows) per program, by operand bytes and padded dim, all at 8 warps and 2
+# stages: the largest owned blocks whose fp32 gradient rows, operands and logits fit 255 registers
+# without spilling on sm_80 and sm_90 (ptxas -v, tests/test_triton_aot.py). fp32 operands at
+# d = 1024 spill in every layout, hence the lower limit for fp32.
+OWNER_BLOCKS = {
+    2: {64: (64, 64), 128: (64, 32), 256: (32, 16), 512: (16, 32), 1024: (16, 16)},
+    4: {64: (64, 32), 128: (64, 16), 256: (32, 16), 512: (16, 16)},
+}
+
+
+def max_dim(dtype: torch.dtype) -> int:
+    """The widest embedding the backward can hold on chip for features of ``dtype``."""
+    return max(OWNER_BLOCKS[torch.empty((), dtype=dtype).element_size()])
+
+
+def owner_launch(dtype: torch.dtype, dim: int, precision: str) -> Launch:
+    dim_block = max(64, triton.next_power_of_2(dim))
+    owned, streamed = OWNER_BLOCKS[torch.empty((), dtype=dtype).element_size()][dim_block]
+    constexprs = {
+        "BLOCK_OWNED": owned,
+        "BLOCK_STREAMED": streamed,
+        "BLOCK_DIM": dim_block,
+        "PRECISION": precision,
+    }
+    return Launch(constexprs, num_warps=8, num_stages=2)
 
 
 @triton.jit
-def _program_tile(
-    images, texts, n, m, dim, stride_images, stride_texts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+def _forward_kernel(
+    images, texts, row_part, col_part, n, m, dim, stride_images, stride_texts, scale,
+    HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """This program's tile of X: its rows and columns, their masks, and the fp32 logits."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < n, cols < m
@@ -45,23 +113,10 @@ def _program_tile(
         a = tl.load(images + row_offsets + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(texts + col_offsets + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-    return rows, cols, row_mask, col_mask, acc
-
-
-@triton.jit
-def _forward_kernel(
-    images, texts, row_part, col_part, n, m, dim, stride_images, stride_texts,
-    HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    rows, cols, row_mask, col_mask, x = _program_tile(
-        images, texts, n, m, dim, stride_images, stride_texts, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
-    )
-    x = tl.where(row_mask[:, None] & col_mask[None, :], x, float("-inf"))
+    x = tl.where(row_mask[:, None] & col_mask[None, :], acc * scale, float("-inf"))
     row_max = tl.where(row_mask, tl.max(x, axis=1), 0.0)
     row_sums = tl.where(row_mask, tl.sum(tl.exp(x - row_max[:, None]), axis=1), 1.0)
-    row_lse = row_max + tl.log(row_sums)
-    tl.store(row_part + tl.program_id(1).to(tl.int64) * n + rows, row_lse, mask=row_mask)
+    tl.store(row_part + tl.program_id(1).to(tl.int64) * n + rows, row_max + tl.log(row_sums), mask=row_mask)
     if HAS_COLS:
         col_max = tl.where(col_mask, tl.max(x, axis=0), 0.0)
         col_sums = tl.where(col_mask, tl.sum(tl.exp(x - col_max[None, :]), axis=0), 1.0)
@@ -70,80 +125,85 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
-    images, texts, row_shift, col_shift, grad_images, grad_texts, n, m, dim,
-    stride_images, stride_texts, row_sign, col_sign,
-    HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _owner_kernel(
+    owned, streamed, owned_lse, streamed_lse, grad, n_owned, n_streamed, dim,
+    stride_owned, stride_streamed, scale, owned_coef, streamed_coef, grad_scale,
+    BLOCK_OWNED: tl.constexpr, BLOCK_STREAMED: tl.constexpr, BLOCK_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    rows, cols, row_mask, col_mask, x = _program_tile(
-        images, texts, n, m, dim, stride_images, stride_texts, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
+    """``grad[rows] += grad_scale · Σ_j g_ij streamed_j`` for this program's owned rows, where
+    ``g_ij = owned_coef·exp(x_ij - owned_lse_i) + streamed_coef·exp(x_ij - streamed_lse_j)`` and
+    ``x_ij = scale · owned_i · streamed_j``. The coefficients arrive divided by ``grad_scale`` so
+    that |g| ≤ 2 survives the cast to a 16-bit dot operand."""
+    rows = tl.program_id(0) * BLOCK_OWNED + tl.arange(0, BLOCK_OWNED)
+    ks = tl.arange(0, BLOCK_DIM)
+    row_mask, k_mask = rows < n_owned, ks < dim
+    owned_block = tl.load(
+        owned + rows.to(tl.int64)[:, None] * stride_owned + ks[None, :],
+        mask=row_mask[:, None] & k_mask[None, :],
+        other=0.0,
     )
-    # Out-of-range rows/columns get an infinite shift, so their exponentials are exactly 0.
-    shift_rows = tl.load(row_shift + rows, mask=row_mask, other=float("inf"))
-    grad = row_sign * tl.exp(x - shift_rows[:, None])
-    if HAS_COLS:
-        shift_cols = tl.load(col_shift + cols, mask=col_mask, other=float("inf"))
-        grad += col_sign * tl.exp(x - shift_cols[None, :])
-    grad = tl.where(row_mask[:, None] & col_mask[None, :], grad, 0.0)
-    row_offsets = rows.to(tl.int64)[:, None] * stride_images
-    col_offsets = cols.to(tl.int64)[:, None] * stride_texts
-    grad_row_offsets = rows.to(tl.int64)[:, None] * dim
-    grad_col_offsets = cols.to(tl.int64)[:, None] * dim
-    for start in range(0, dim, BLOCK_D):
-        ks = start + tl.arange(0, BLOCK_D)
-        k_mask = ks < dim
-        row_k_mask = row_mask[:, None] & k_mask[None, :]
-        col_k_mask = col_mask[:, None] & k_mask[None, :]
-        t = tl.load(texts + col_offsets + ks[None, :], mask=col_k_mask, other=0.0)
-        tl.atomic_add(
-            grad_images + grad_row_offsets + ks[None, :],
-            tl.dot(grad, t, input_precision=PRECISION),
-            mask=row_k_mask,
+    row_lse = tl.load(owned_lse + rows, mask=row_mask, other=float("inf"))
+    acc = tl.zeros((BLOCK_OWNED, BLOCK_DIM), dtype=tl.float32)
+    for start in range(0, n_streamed, BLOCK_STREAMED):
+        cols = start + tl.arange(0, BLOCK_STREAMED)
+        col_mask = cols < n_streamed
+        block = tl.load(
+            streamed + cols.to(tl.int64)[:, None] * stride_streamed + ks[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
         )
-        a = tl.load(images + row_offsets + ks[None, :], mask=row_k_mask, other=0.0)
-        tl.atomic_add(
-            grad_texts + grad_col_offsets + ks[None, :],
-            tl.dot(tl.trans(grad), a, input_precision=PRECISION),
-            mask=col_k_mask,
-        )
+        x = tl.dot(owned_block, tl.trans(block), input_precision=PRECISION) * scale
+        col_lse = tl.load(streamed_lse + cols, mask=col_mask, other=float("inf"))
+        g = owned_coef * tl.exp(x - row_lse[:, None]) + streamed_coef * tl.exp(x - col_lse[None, :])
+        # Padding is zero, so x = 0 there, and exp(0 - lse) may overflow: inf·0 would be NaN.
+        g = tl.where(row_mask[:, None] & col_mask[None, :], g, 0.0)
+        acc = tl.dot(g.to(block.dtype), block, acc, input_precision=PRECISION)
+    out = grad + rows.to(tl.int64)[:, None] * dim + ks[None, :]
+    out_mask = row_mask[:, None] & k_mask[None, :]
+    tl.store(out, tl.load(out, mask=out_mask, other=0.0) + acc * grad_scale, mask=out_mask)
 
 
-def _precision() -> str:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreted else "ieee"
-
-
-def _check(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"triton loss kernels take contiguous float32 tensors, got {t.dtype}")
+def _check(features: tuple[torch.Tensor, ...], accumulators: tuple[torch.Tensor, ...] = ()) -> None:
+    dtypes = {t.dtype for t in features}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
+        raise ValueError(f"triton loss kernels take fp32, bf16 or fp16 features of one dtype, got {dtypes}")
+    for t in accumulators:
+        if t.dtype != torch.float32:
+            raise ValueError(f"triton loss kernels accumulate in float32, got a {t.dtype} accumulator")
+    for t in (*features, *accumulators):
+        if not t.is_contiguous():
+            raise ValueError(f"triton loss kernels take contiguous tensors, got strides {t.stride()}")
+    if features[0].shape[1] > max_dim(features[0].dtype):
+        limit = max_dim(features[0].dtype)
+        raise ValueError(f"triton loss kernels take {features[0].dtype} features with d <= {limit}")
 
 
 def block_forward(
-    scaled_images: torch.Tensor,
+    images: torch.Tensor,
     texts: torch.Tensor,
+    scale: float,
     row_lse: torch.Tensor,
     col_lse: torch.Tensor | None,
     tile: int,
 ) -> None:
-    """Merge the row (and column) log-sum-exps of ``scaled_images @ textsᵀ`` into the accumulators."""
-    _check(scaled_images, texts)
-    (n, dim), m = scaled_images.shape, texts.shape[0]
-    row_tiles = triton.cdiv(n, BLOCK_M)
+    """Merge the row (and column) log-sum-exps of ``scale · images @ textsᵀ`` into the accumulators."""
+    _check((images, texts))
+    (n, dim), m = images.shape, texts.shape[0]
+    launch = forward_launch(images.dtype, col_lse is not None, _precision(images.dtype))
+    block_m, block_n = launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"]
+    row_tiles = triton.cdiv(n, block_m)
     # Partial LSEs per column of a chunk: one per row tile, plus n/BLOCK_N per row.
-    floats_per_column = row_tiles + triton.cdiv(n, BLOCK_N)
-    chunk = max(BLOCK_N, min(tile, PARTIAL_BUDGET // floats_per_column) // BLOCK_N * BLOCK_N)
+    floats_per_column = row_tiles + triton.cdiv(n, block_n)
+    chunk = max(block_n, min(tile, PARTIAL_BUDGET // floats_per_column) // block_n * block_n)
     for start in range(0, m, chunk):
         part = texts[start : start + chunk]
-        grid = (row_tiles, triton.cdiv(len(part), BLOCK_N))
-        row_part = scaled_images.new_empty(grid[1], n)
-        col_part = scaled_images.new_empty(grid[0], len(part)) if col_lse is not None else row_part
+        grid = (row_tiles, triton.cdiv(len(part), block_n))
+        row_part = row_lse.new_empty(grid[1], n)
+        col_part = row_lse.new_empty(grid[0], len(part)) if col_lse is not None else row_part
         _forward_kernel[grid](
-            scaled_images, part, row_part, col_part, n, len(part), dim,
-            scaled_images.stride(0), part.stride(0),
-            HAS_COLS=col_lse is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            PRECISION=_precision(),
+            images, part, row_part, col_part, n, len(part), dim, images.stride(0), part.stride(0), scale,
+            **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
         torch.logaddexp(row_lse, torch.logsumexp(row_part, dim=0), out=row_lse)
         if col_lse is not None:
@@ -151,30 +211,81 @@ def block_forward(
             torch.logaddexp(cols, torch.logsumexp(col_part, dim=0), out=cols)
 
 
+def _owner_pass(
+    owned: torch.Tensor,
+    streamed: torch.Tensor,
+    scale: float,
+    owned_lse: torch.Tensor | None,
+    owned_coef: float,
+    streamed_lse: torch.Tensor | None,
+    streamed_coef: float,
+    grad: torch.Tensor,
+) -> None:
+    """One launch of the owner kernel: ``grad += G @ streamed`` with G oriented owned × streamed.
+
+    An absent term (no column LSE in hard-negative mode) gets a zero coefficient and an infinite
+    LSE, so its exponentials are exactly 0 rather than 0 · (whatever overflowed)."""
+    if owned_lse is None:
+        owned_lse, owned_coef = owned.new_full((owned.shape[0],), float("inf"), dtype=torch.float32), 0.0
+    if streamed_lse is None:
+        streamed_lse, streamed_coef = (
+            owned.new_full((streamed.shape[0],), float("inf"), dtype=torch.float32),
+            0.0,
+        )
+    grad_scale = max(abs(owned_coef), abs(streamed_coef))
+    if grad_scale == 0:
+        return
+    launch = owner_launch(owned.dtype, owned.shape[1], _precision(owned.dtype))
+    grid = (triton.cdiv(owned.shape[0], launch.constexprs["BLOCK_OWNED"]),)
+    _owner_kernel[grid](
+        owned, streamed, owned_lse, streamed_lse, grad, owned.shape[0], streamed.shape[0], owned.shape[1],
+        owned.stride(0), streamed.stride(0), scale, owned_coef / grad_scale, streamed_coef / grad_scale,
+        grad_scale, **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+
+
 def block_backward(
-    scaled_images: torch.Tensor,
+    images: torch.Tensor,
     texts: torch.Tensor,
-    row_shift: torch.Tensor,
-    row_sign: float,
-    col_shift: torch.Tensor | None,
-    col_sign: float,
+    scale: float,
+    row_lse: torch.Tensor,
+    row_coef: float,
+    col_lse: torch.Tensor | None,
+    col_coef: float,
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
     last_tile: None = None,
 ) -> None:
-    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ scaled_images`` to ``grad_texts`` (see tiled.py).
+    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ images`` to ``grad_texts`` (see tiled.py).
 
     ``last_tile`` is always ``None``: the Triton forward keeps no logits to hand over.
     """
-    del tile, last_tile  # each program owns one tile; nothing to chunk or reuse
-    _check(scaled_images, texts, grad_images, grad_texts)
-    (n, dim), m = scaled_images.shape, texts.shape[0]
-    grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(m, BLOCK_N))
-    _backward_kernel[grid](
-        scaled_images, texts, row_shift.contiguous(),
-        col_shift.contiguous() if col_shift is not None else row_shift, grad_images, grad_texts,
-        n, m, dim, scaled_images.stride(0), texts.stride(0), float(row_sign), float(col_sign),
-        HAS_COLS=col_shift is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        PRECISION=_precision(),
-    )  # fmt: skip
+    del tile, last_tile  # each program streams the whole other side; nothing to chunk or reuse
+    _check((images, texts), (row_lse, grad_images, grad_texts))
+    if col_lse is not None:
+        _check((images, texts), (col_lse,))
+    _owner_pass(images, texts, scale, row_lse, row_coef, col_lse, col_coef, grad_images)
+    _owner_pass(texts, images, scale, col_lse, col_coef, row_lse, row_coef, grad_texts)
+
+
+def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
+    """Every specialisation the functions above can launch, with its argument types: what
+    ``tests/test_triton_aot.py`` compiles for each GPU architecture."""
+    precisions = {torch.float32: ("tf32", "ieee"), torch.bfloat16: ("ieee",), torch.float16: ("ieee",)}
+    for dtype, name in DTYPES.items():
+        feature = f"*{name}"
+        for precision in precisions[dtype]:
+            for has_cols in (True, False):
+                yield "_forward_kernel", forward_launch(dtype, has_cols, precision), {
+                    "images": feature, "texts": feature, "row_part": "*fp32", "col_part": "*fp32",
+                    "n": "i32", "m": "i32", "dim": "i32", "stride_images": "i32", "stride_texts": "i32",
+                    "scale": "fp32",
+                }  # fmt: skip
+            for dim_block in OWNER_BLOCKS[torch.empty((), dtype=dtype).element_size()]:
+                yield "_owner_kernel", owner_launch(dtype, dim_block, precision), {
+                    "owned": feature, "streamed": feature, "owned_lse": "*fp32", "streamed_lse": "*fp32",
+                    "grad": "*fp32", "n_owned": "i32", "n_streamed": "i32", "dim": "i32",
+                    "stride_owned": "i32", "stride_streamed": "i32", "scale": "fp32", "owned_coef": "fp32",
+                    "streamed_coef": "fp32", "grad_scale": "fp32",
+                }  # fmt: skip
