@@ -5,9 +5,13 @@ import importlib
 from clip_train.config import Config, ConfigError, load_config
 
 # torch, timm and transformers load on first use, so `clip-train --help` stays fast.
-_LAZY = {"build_model": "clip_train.model", "contrastive_loss": "clip_train.loss"}
+_LAZY = {
+    "build_model": "clip_train.model",
+    "contrastive_loss": "clip_train.loss",
+    "load": "clip_train.loading",
+}
 
-__all__ = ["Config", "ConfigError", "build_model", "contrastive_loss", "load_config"]
+__all__ = ["Config", "ConfigError", "build_model", "contrastive_loss", "load", "load_config"]
 
 
 def __getattr__(name: str):

@@ -26,6 +26,7 @@ COMMANDS = (
     Command("train", "clip_train.train", "train a CLIP model from a YAML config"),
     Command("eval", "clip_train.evaluate", "zero-shot and retrieval eval of a checkpoint"),
     Command("make-shards", "clip_train.make_shards", "write WebDataset shards (folder, csv, digits)"),
+    Command("export", "clip_train.export", "export a checkpoint for open_clip (clip_benchmark, HF Hub)"),
     Command("plan", "clip_train.plan", "per-GPU memory plan and the largest batch that fits"),
 )
 BENCH_COMMANDS = (

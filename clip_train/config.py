@@ -67,6 +67,7 @@ class ModelConfig:
     init_logit_scale: float = 2.6592600369262695  # ln(1/0.07), as in CLIP
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
+    init_from: str = ""  # a checkpoint or run dir to fine-tune from: weights only, no optimizer/step/data
 
 
 @dataclass
@@ -85,7 +86,7 @@ class DataConfig:
 @dataclass
 class LossConfig:
     impl: Literal["vanilla", "local", "inf", "auto"] = "auto"  # auto = inf (tiles and a ring of ranks)
-    kernel: Literal["auto", "torch", "triton"] = "auto"  # inf's tiles: auto = torch (see README, loss kernels)
+    kernel: Literal["auto", "torch", "triton"] = "auto"  # inf's tiles: auto = torch (README: loss on GPUs)
     tile_size: int = 0  # 0 picks a size for the device
 
 

@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint: ``clip-train eval CHECKPOINT CONFIG [key=value ...]``.
+"""Evaluate a checkpoint: ``clip-train eval CHECKPOINT [CONFIG] [key=value ...]``.
 
 Zero-shot classification (class names × prompt templates → one text embedding per class) and
 image↔text retrieval recall@k. Every rank encodes its own share of the data; features, or just
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch import nn
 
-    from clip_train.config import DataConfig, EvalConfig
+    from clip_train.config import Config, DataConfig, EvalConfig
 
 RECALL_KS = (1, 5, 10)
 ZEROSHOT_KS = (1, 5)
@@ -455,9 +455,15 @@ def evaluate(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "checkpoint", help="checkpoint directory (with model.safetensors) or a .safetensors file"
+        "checkpoint",
+        help="checkpoint directory, run directory (its newest checkpoint) or a .safetensors file",
     )
-    parser.add_argument("config", help="YAML run config; its model, data and eval sections are used")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help="YAML run config whose model, data and eval sections are used; without it, the "
+        "checkpoint's own model config and the other sections of its run's config.yaml",
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -466,42 +472,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def weights_file(checkpoint: str) -> Path:
-    """The weights file of a checkpoint directory, or the file itself."""
-    from clip_train.checkpoint import MODEL_FILE
+def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Config:
+    """``config`` with ``overrides``; without one, the checkpoint's own model section and, for the
+    rest (data, eval, train), the config.yaml of the run it belongs to, if it is still beside it."""
+    from clip_train.checkpoint import checkpoint_model_config, run_config_file
+    from clip_train.config import load_config
 
-    path = Path(checkpoint)
-    file = path / MODEL_FILE if path.is_dir() else path
-    if not file.is_file():
-        what = f"{path} has no {MODEL_FILE}" if path.is_dir() else f"{path} does not exist"
-        raise EvalError(f"checkpoint not found: {what}; pass a checkpoint directory or a .safetensors file")
-    return file
+    if config is not None:
+        return load_config(config, overrides)
+    model_overrides = [item for item in overrides if item.startswith("model.")]
+    if model_overrides:
+        raise EvalError(
+            f"override {model_overrides[0]}: without a CONFIG the checkpoint's own model config is used; "
+            "give the config to change the model"
+        )
+    cfg = load_config(run_config_file(weights.parent), overrides)
+    cfg.model = checkpoint_model_config(weights.parent)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from clip_train.checkpoint import load_weights
-    from clip_train.config import load_config
+    from clip_train.checkpoint import find_weights, load_weights
     from clip_train.distributed import init_distributed, shutdown_distributed
     from clip_train.model import build_model
 
-    cfg = load_config(args.config, args.overrides)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).is_file():  # CONFIG left out
+        config, overrides = None, [config, *overrides]
+    file = find_weights(args.checkpoint)
+    cfg = eval_config(file, config, overrides)
     if cfg.eval.batch_size <= 0:
         raise EvalError(f"eval.batch_size={cfg.eval.batch_size} must be > 0")
     if not cfg.eval.zeroshot and not (cfg.eval.retrieval and cfg.data.val):
         raise EvalError("nothing to evaluate: set eval.zeroshot=FILE|imagenet and/or data.val=SHARDS")
-    file = weights_file(args.checkpoint)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     try:
-        model = build_model(cfg.model).to(env.device)
+        model = build_model(cfg.model, load_pretrained=False).to(env.device)
         if cfg.train.precision == "fp64":
             model = model.to(torch.float64)
-        try:
-            load_weights(file, model)
-        except RuntimeError as err:
-            reason = " ".join(str(err).split())  # load_state_dict's report, on one line
-            raise EvalError(f"{file} does not fit the model in {args.config}: {reason}") from None
+        load_weights(file, model)
         metrics = evaluate(model, cfg.eval, cfg.data, device=env.device, precision=cfg.train.precision)
         if env.is_main:
             for key, value in metrics.items():

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from clip_train.checkpoint import (
+    RUN_CONFIG_FILE,
     complete_checkpoints,
+    find_weights,
     load_train_state,
     load_weights,
     resolve_resume,
@@ -51,7 +53,7 @@ class Trainer:
         if env.device.type == "cuda" and cfg.train.precision != "fp64":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, load_pretrained=not cfg.model.init_from)
         self.model = (model.double() if cfg.train.precision == "fp64" else model).to(env.device)
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.max_steps)
@@ -65,6 +67,8 @@ class Trainer:
                 "checkpoint.resume=auto or pick a new train.out_dir"
             )
         data_state = self._restore(resume_from) if resume_from is not None else None
+        if resume_from is None and cfg.model.init_from:
+            self._init_weights(cfg.model.init_from)
 
         ddp = {}
         if env.world_size > 1:
@@ -96,7 +100,7 @@ class Trainer:
         monitor = None
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
+            save_config(cfg, self.run_dir / RUN_CONFIG_FILE)
             monitor = RunMonitor(cfg, self.run_dir, self.step)
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
@@ -198,8 +202,16 @@ class Trainer:
                 "rng": rngs,
                 "data": data,
             }
-            save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.checkpoint.keep)
+            keep = self.cfg.checkpoint.keep
+            save_checkpoint(self.run_dir, self.step, self.model, self.cfg.model, state, keep)
         barrier()
+
+    def _init_weights(self, source: str) -> None:
+        """Fine-tuning: another run's weights and nothing else; a resumed run skips this (its own win)."""
+        try:
+            load_weights(find_weights(source), self.model)
+        except UserError as err:
+            raise UserError(f"model.init_from={source}: {err}") from None
 
     def _restore(self, path: Path) -> dict | None:
         """Load a checkpoint into the model, optimizer and RNG; returns this rank's data position."""

@@ -19,3 +19,23 @@ def digits(tmp_path_factory) -> Path:
     command = [sys.executable, "-m", "clip_train", "make-shards", "digits", str(out), "--size", "16"]
     subprocess.run(command, check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_run(digits, tmp_path_factory) -> Path:
+    """A short real run of the demo recipe (tiny model, mean pooling) by the real CLI: checkpoints at
+    steps 20 and 40, and a run config whose eval section is digits zero-shot on the val shards."""
+    from small_runs import DEMO_CONFIG, run_overrides
+
+    out = tmp_path_factory.mktemp("demo_run")
+    overrides = run_overrides(
+        digits,
+        out,
+        40,
+        "checkpoint.every_steps=20",
+        f"eval.zeroshot={digits}/zeroshot.json",
+        f"eval.zeroshot_data={digits}/val",
+    )
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    return out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs/demo-digits.yaml"
+TINY_MODEL_CONFIG = ROOT / "configs/model/tiny.yaml"  # TINY_MODEL overrides apply to it too
 
 TINY_MODEL = [
     "model.embed_dim=16",

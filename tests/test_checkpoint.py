@@ -1,14 +1,24 @@
+import dataclasses
+import json
+import os
 import random
+import re
+import stat
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch import nn
+import yaml
+from safetensors.torch import load_file, save_file
+from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 
+from clip_train import load_config
 from clip_train.checkpoint import (
+    MODEL_CONFIG_FILE,
     MODEL_FILE,
     STATE_FILE,
+    TEXT_DIR,
     complete_checkpoints,
+    find_weights,
     load_train_state,
     load_weights,
     resolve_resume,
@@ -17,44 +27,101 @@ from clip_train.checkpoint import (
     set_rng_state,
 )
 from clip_train.errors import UserError
+from clip_train.model import CLIP, build_model
+
+MODEL_CFG = load_config(TINY_MODEL_CONFIG, TINY_MODEL).model
 
 
 def _state(step: int) -> dict:
     return {"step": step, "rng": [rng_state()], "data": {"epoch": 0, "consumed": [3, 4]}}
 
 
-def test_save_load_round_trip_weights_only(tmp_path):
-    model = nn.Linear(3, 2)
+@pytest.fixture(scope="module")
+def model() -> CLIP:
+    torch.manual_seed(0)
+    return build_model(MODEL_CFG)
+
+
+def test_save_load_round_trip_weights_only(tmp_path, model):
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 3)).sum().backward()
+    model.logit_scale.grad = torch.ones(())
     optimizer.step()
-    path = save_checkpoint(tmp_path, 7, model, {**_state(7), "optimizer": optimizer.state_dict()}, keep=2)
+    state = {**_state(7), "optimizer": optimizer.state_dict()}
+    path = save_checkpoint(tmp_path, 7, model, MODEL_CFG, state, keep=2)
     assert path.name == "step_00000007"
     raw = load_file(path / MODEL_FILE)  # readable without project code
-    assert torch.equal(raw["weight"], model.weight.detach())
+    assert raw.keys() == model.state_dict().keys()
+    assert all(torch.equal(raw[k], v) for k, v in model.state_dict().items())
     state = torch.load(path / STATE_FILE, weights_only=True)
     assert state["step"] == 7 and state["data"]["consumed"] == [3, 4]
-    other = nn.Linear(3, 2)
+    torch.manual_seed(1)
+    other = build_model(MODEL_CFG)
+    assert not torch.equal(other.visual.proj.weight, model.visual.proj.weight)
     load_weights(path, other)
-    assert torch.equal(other.weight, model.weight)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
     restored = torch.optim.AdamW(other.parameters())
     restored.load_state_dict(load_train_state(path)["optimizer"])
-    assert torch.equal(
-        restored.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    want, got = optimizer.state_dict()["state"], restored.state_dict()["state"]
+    assert len(want) == 1 and got.keys() == want.keys()
+    assert all(torch.equal(got[i]["exp_avg"], want[i]["exp_avg"]) for i in want)
+
+
+def test_checkpoint_holds_the_model_config_and_text_encoder_config(tmp_path, model):
+    path = save_checkpoint(tmp_path, 3, model, MODEL_CFG, _state(3), keep=1)
+    assert yaml.safe_load((path / MODEL_CONFIG_FILE).read_text()) == {"model": dataclasses.asdict(MODEL_CFG)}
+    encoder = json.loads((path / TEXT_DIR / "config.json").read_text())
+    assert encoder["model_type"] == "bert" and encoder["hidden_size"] == 32
+    assert encoder["vocab_size"] == model.tokenizer.vocab_size  # filled in from the tokenizer
+    assert not list((tmp_path / "checkpoints").glob(".tmp*"))
+
+
+def test_weights_are_as_readable_as_the_train_state(tmp_path, model):
+    """safetensors creates its file 0600; a checkpoint's files all follow the umask, like torch.save's."""
+    previous = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, 1, model, MODEL_CFG, _state(1), keep=1)
+    finally:
+        os.umask(previous)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (path / MODEL_FILE, path / STATE_FILE)}
+    assert modes == {MODEL_FILE: 0o644, STATE_FILE: 0o644}
+
+
+def test_keep_prunes_oldest_and_auto_picks_newest(tmp_path, model):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert resolve_resume("auto", tmp_path).name == "step_00000004"
+    newest = tmp_path / "checkpoints" / "step_00000004" / MODEL_FILE
+    assert find_weights(tmp_path) == find_weights(newest.parent) == find_weights(newest) == newest
+
+
+def test_find_weights_names_what_is_missing(tmp_path):
+    message = (
+        "checkpoint not found: {} {}; pass a checkpoint directory, a run directory or a .safetensors file"
+    )
+    with pytest.raises(UserError, match=re.escape(message.format(tmp_path / "nope", "does not exist"))):
+        find_weights(tmp_path / "nope")
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path} has no {MODEL_FILE} and no complete")):
+        find_weights(tmp_path)
+
+
+def test_weights_that_do_not_fit_are_one_line_naming_the_keys(tmp_path, model):
+    weights = dict(model.state_dict())
+    weights.pop("logit_scale")
+    weights["visual.proj.weight"] = torch.zeros(8, 32)
+    weights["extra.bias"] = torch.zeros(2)
+    save_file({k: v.contiguous() for k, v in weights.items()}, tmp_path / "bad.safetensors")
+    with pytest.raises(UserError) as err:
+        load_weights(tmp_path / "bad.safetensors", model)
+    assert str(err.value) == (
+        f"{tmp_path / 'bad.safetensors'} does not fit the model: Missing key(s) logit_scale; "
+        "Unexpected key(s) extra.bias; "
+        "Size mismatch visual.proj.weight (8, 32) in the file, (16, 32) in the model"
     )
 
 
-def test_keep_prunes_oldest_and_auto_picks_newest(tmp_path):
-    model = nn.Linear(2, 2)
-    for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, step, model, _state(step), keep=2)
-    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
-    assert resolve_resume("auto", tmp_path).name == "step_00000004"
-
-
-def test_half_written_checkpoints_are_ignored(tmp_path):
-    model = nn.Linear(2, 2)
-    save_checkpoint(tmp_path, 5, model, _state(5), keep=3)
+def test_half_written_checkpoints_are_ignored(tmp_path, model):
+    save_checkpoint(tmp_path, 5, model, MODEL_CFG, _state(5), keep=3)
     root = tmp_path / "checkpoints"
     (root / ".tmp_step_00000009_123").mkdir()  # killed before the rename
     (root / ".tmp_step_00000009_123" / MODEL_FILE).write_bytes(b"partial")

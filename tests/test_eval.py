@@ -378,12 +378,33 @@ def test_eval_cli_on_a_tiny_checkpoint(tmp_path, tiny_config, tiny_model):
     assert expected["zeroshot/n"] == expected["retrieval/n"] == NUM_SAMPLES
 
 
+@pytest.mark.slow
+def test_eval_cli_without_a_config_uses_the_checkpoints_own(demo_run):
+    """A run directory alone: the newest checkpoint's model.yaml and the run's eval section give the
+    numbers the run itself logged at its end."""
+    result = clip_train("eval", str(demo_run))
+    assert result.returncode == 0, result.stderr
+    reported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert reported.pop("checkpoint") == str(demo_run / "checkpoints" / "step_00000040" / "model.safetensors")
+    logged = [json.loads(line) for line in (demo_run / "metrics.jsonl").read_text().splitlines()]
+    final = [metrics for metrics in logged if "zeroshot/top1" in metrics][-1]
+    assert reported == {key: final[key] for key in ("zeroshot/top1", "zeroshot/top5", "zeroshot/n")}
+
+
+def test_eval_cli_without_a_config_keeps_the_checkpoints_model(demo_run, capsys):
+    assert cli_main(["eval", str(demo_run), "model.embed_dim=8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "clip-train: error: override model.embed_dim=8: without a CONFIG the checkpoint's own model config "
+        "is used; give the config to change the model"
+    ]
+
+
 def test_eval_cli_rejects_missing_and_mismatched_checkpoints(tmp_path, tiny_config, tiny_model, capsys):
     """In-process through the CLI's ``main`` (the subprocess path is covered above): exit 2, one line."""
     assert cli_main(["eval", str(tmp_path / "nope"), str(tiny_config)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"clip-train: error: checkpoint not found: {tmp_path / 'nope'} does not exist; "
-        "pass a checkpoint directory or a .safetensors file"
+        "pass a checkpoint directory, a run directory or a .safetensors file"
     ]
     weights = dict(tiny_model.state_dict())
     weights.pop("logit_scale")

@@ -32,11 +32,16 @@ def train_transform(image_size: int, scale: Sequence[float], ratio: Sequence[flo
 
 
 def eval_transform(image_size: int) -> ImageTransform:
-    """Resize the short side, then take the centre square."""
+    """Resize the short side, take the centre square, convert to RGB (any PIL mode in).
+
+    The steps, their order and PIL's bicubic resize are open_clip's, so both give the same pixels
+    (resizing before the conversion matters for RGBA, which PIL resizes with premultiplied alpha).
+    """
     return v2.Compose(
         [
             v2.Resize(image_size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
             v2.CenterCrop(image_size),
+            v2.RGB(),
             v2.PILToTensor(),
         ]
     )

@@ -70,14 +70,20 @@ class CLIP(nn.Module):
         return (p for _, p in self.named_trainable_parameters())
 
 
-def build_model(model_cfg: ModelConfig) -> CLIP:
-    """Build both towers and the tokenizer; missing weights raise ``ModelLoadError`` with a fix."""
+def build_model(model_cfg: ModelConfig, *, load_pretrained: bool = True) -> CLIP:
+    """Build both towers and the tokenizer; missing weights raise ``ModelLoadError`` with a fix.
+
+    ``load_pretrained=False`` builds the architectures without loading the towers' pretrained
+    weights, for a full checkpoint that replaces every weight anyway (eval, ``load``, ``init_from``).
+    """
     text_cfg = model_cfg.text
     if text_cfg.tokenizer:
         tokenizer = build_tokenizer(text_cfg.tokenizer, text_cfg.context_length)
     else:
         tokenizer = build_tokenizer(text_cfg.hf, text_cfg.context_length, key="model.text.hf")
-    text = build_text_tower(text_cfg, model_cfg.embed_dim, vocab_size=tokenizer.vocab_size)
+    text = build_text_tower(
+        text_cfg, model_cfg.embed_dim, vocab_size=tokenizer.vocab_size, load_pretrained=load_pretrained
+    )
     rows = text.encoder.get_input_embeddings().num_embeddings
     if rows < tokenizer.vocab_size:
         raise ConfigError(
@@ -90,5 +96,5 @@ def build_model(model_cfg: ModelConfig) -> CLIP:
             f"model.text.context_length={text_cfg.context_length} exceeds the encoder's "
             f"max_position_embeddings={max_positions}"
         )
-    visual = build_image_tower(model_cfg.image, model_cfg.embed_dim)
+    visual = build_image_tower(model_cfg.image, model_cfg.embed_dim, load_pretrained=load_pretrained)
     return CLIP(visual, text, tokenizer, model_cfg.init_logit_scale)

@@ -115,12 +115,15 @@ def _trainable_modules(trunk: nn.Module, unlocked_layers: int, head: list[nn.Mod
     return [*trunk.blocks[depth - unlocked_layers :], *pooling, *head]
 
 
-def create_trunk(cfg: ImageTowerConfig) -> nn.Module:
-    """The timm model with its classifier removed (``num_classes=0``: pooled features out)."""
+def create_trunk(cfg: ImageTowerConfig, *, load_pretrained: bool = True) -> nn.Module:
+    """The timm model with its classifier removed (``num_classes=0``: pooled features out).
+
+    ``load_pretrained=False`` skips ``model.image.pretrained``: a full checkpoint supplies the weights.
+    """
     if not timm.is_model(cfg.timm):
         raise ConfigError(f"model.image.timm={cfg.timm!r} is not a timm model name (see timm.list_models())")
+    hub = load_pretrained and cfg.pretrained == "hub"
     try:
-        hub = cfg.pretrained == "hub"
         trunk = timm.create_model(cfg.timm, pretrained=hub, **cfg.timm_kwargs, num_classes=0)
     except TypeError as err:
         raise ConfigError(f"model.image.timm_kwargs={cfg.timm_kwargs}: {err}") from None
@@ -131,10 +134,10 @@ def create_trunk(cfg: ImageTowerConfig) -> nn.Module:
             f"is unreachable; {download_hint(hub_id, 'model.image.pretrained')}"
         ) from None
     except RuntimeError as err:  # e.g. no pretrained weights exist for this name
-        if cfg.pretrained != "hub":
+        if not hub:
             raise
         raise ModelLoadError(f"model.image.pretrained=hub: {err}") from None
-    if cfg.pretrained not in ("", "hub"):
+    if load_pretrained and cfg.pretrained not in ("", "hub"):
         load_local_weights(trunk, cfg.pretrained)
     if cfg.grad_checkpointing:
         trunk.set_grad_checkpointing(True)
@@ -187,11 +190,11 @@ def _as_tuple(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def build_image_tower(cfg: ImageTowerConfig, embed_dim: int) -> ImageTower:
+def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained: bool = True) -> ImageTower:
     if cfg.lock_head and not cfg.lock:
         raise ConfigError("model.image.lock_head=true needs model.image.lock=true")
     return ImageTower(
-        create_trunk(cfg),
+        create_trunk(cfg, load_pretrained=load_pretrained),
         embed_dim,
         lock=cfg.lock,
         unlocked_layers=cfg.unlocked_layers,

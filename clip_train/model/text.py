@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
 from clip_train.config import ConfigError, TextTowerConfig
@@ -114,24 +114,22 @@ class TextTower(LockableTower):
         return F.normalize(self.proj(pooled), dim=-1)
 
 
-def create_encoder(cfg: TextTowerConfig, vocab_size: int | None = None) -> PreTrainedModel:
-    """Random init from ``hf_config`` when given (``vocab_size`` fills a missing one), else pretrained."""
-    if cfg.hf_config:
-        kwargs = dict(cfg.hf_config)
-        model_type = kwargs.pop("model_type", "bert")
-        try:
-            default = AutoConfig.for_model(model_type)
-        except ValueError:
-            key = "model.text.hf_config.model_type"
-            raise ConfigError(f"{key}={model_type!r} is not a transformers model type") from None
-        unknown = sorted(k for k in kwargs if not hasattr(default, k))
-        if unknown:
-            names = ", ".join(unknown)
-            raise ConfigError(f"model.text.hf_config: unknown {model_type} config key(s) {names}")
-        if vocab_size is not None:
-            kwargs.setdefault("vocab_size", vocab_size)
-        config = AutoConfig.for_model(model_type, **kwargs)
-        encoder = AutoModel.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+def create_encoder(
+    cfg: TextTowerConfig, vocab_size: int | None = None, *, load_pretrained: bool = True
+) -> PreTrainedModel:
+    """Random init from ``hf_config`` when given (``vocab_size`` fills a missing one), else pretrained.
+
+    ``load_pretrained=False`` reads only the config of ``model.text.hf``: a full checkpoint supplies
+    the weights.
+    """
+    if cfg.hf_config or not load_pretrained:
+        config = (
+            _config_from_keys(cfg.hf_config, vocab_size)
+            if cfg.hf_config
+            else load_hf(AutoConfig, cfg.hf, "model.text.hf")
+        )
+        # from_config would take the dtype recorded in the config; training wants fp32 master weights
+        encoder = AutoModel.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
     else:
         encoder = load_hf(
             AutoModel, cfg.hf, "model.text.hf", attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32
@@ -142,11 +140,31 @@ def create_encoder(cfg: TextTowerConfig, vocab_size: int | None = None) -> PreTr
     return encoder
 
 
-def build_text_tower(cfg: TextTowerConfig, embed_dim: int, vocab_size: int | None = None) -> TextTower:
+def _config_from_keys(hf_config: dict, vocab_size: int | None) -> PreTrainedConfig:
+    """``model.text.hf_config`` as a transformers config; unknown keys are a ConfigError."""
+    kwargs = dict(hf_config)
+    model_type = kwargs.pop("model_type", "bert")
+    try:
+        default = AutoConfig.for_model(model_type)
+    except ValueError:
+        key = "model.text.hf_config.model_type"
+        raise ConfigError(f"{key}={model_type!r} is not a transformers model type") from None
+    unknown = sorted(k for k in kwargs if not hasattr(default, k))
+    if unknown:
+        names = ", ".join(unknown)
+        raise ConfigError(f"model.text.hf_config: unknown {model_type} config key(s) {names}")
+    if vocab_size is not None:
+        kwargs.setdefault("vocab_size", vocab_size)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def build_text_tower(
+    cfg: TextTowerConfig, embed_dim: int, vocab_size: int | None = None, *, load_pretrained: bool = True
+) -> TextTower:
     if cfg.lock_head and not cfg.lock:
         raise ConfigError("model.text.lock_head=true needs model.text.lock=true")
     return TextTower(
-        create_encoder(cfg, vocab_size),
+        create_encoder(cfg, vocab_size, load_pretrained=load_pretrained),
         embed_dim,
         pooling=cfg.pooling,
         lock=cfg.lock,

@@ -6,6 +6,8 @@ on whether the underlying library objects pickle.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from clip_train.model.hub import load_hf
@@ -18,6 +20,8 @@ class OpenCLIPTokenizer:
 
     The pad id 0 is also the id of "!", so the mask comes from the eot position, not from ``ids != 0``.
     """
+
+    pad_token_id = 0
 
     def __init__(self, context_length: int) -> None:
         from open_clip.tokenizer import SimpleTokenizer
@@ -32,29 +36,42 @@ class OpenCLIPTokenizer:
         attention_mask = (torch.arange(self.context_length) <= eot).long()
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
+    def save_pretrained(self, directory: Path) -> None:
+        """Nothing to write: the vocabulary ships with open_clip."""
+
     def __reduce__(self):
         return OpenCLIPTokenizer, (self.context_length,)
 
 
 class HFTokenizer:
-    """A transformers tokenizer (e.g. BERT WordPiece) padded and truncated to ``context_length``."""
+    """A transformers tokenizer (e.g. BERT WordPiece) padded and truncated to ``context_length``.
+
+    Captions are cleaned first as open_clip's ``HFTokenizer`` cleans them (ftfy, HTML entities,
+    runs of whitespace), so training, eval and an open_clip export all see the same tokens.
+    """
 
     def __init__(self, source: str, context_length: int, key: str = "model.text.tokenizer") -> None:
+        from open_clip.tokenizer import get_clean_fn
         from transformers import AutoTokenizer
 
         self.source, self.context_length, self.key = source, context_length, key
         self._tok = load_hf(AutoTokenizer, source, key)
+        self._clean = get_clean_fn("whitespace")
         self.vocab_size: int = len(self._tok)
+        self.pad_token_id: int | None = self._tok.pad_token_id
 
     def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
         out = self._tok(
-            list(texts),
+            [self._clean(text) for text in texts],
             padding="max_length",
             truncation=True,
             max_length=self.context_length,
             return_tensors="pt",
         )
         return {"input_ids": out["input_ids"].long(), "attention_mask": out["attention_mask"].long()}
+
+    def save_pretrained(self, directory: Path) -> None:
+        self._tok.save_pretrained(directory)
 
     def __reduce__(self):
         return HFTokenizer, (self.source, self.context_length, self.key)

@@ -1,0 +1,312 @@
+"""Export a checkpoint for open_clip: ``clip-train export CHECKPOINT OUT --format open_clip``.
+
+``open_clip.create_model_and_transforms("local-dir:OUT")`` and ``open_clip.get_tokenizer("local-dir:OUT")``
+then give the embeddings clip_train gives, so clip_benchmark and anything else built on open_clip
+can use the model. OUT holds:
+
+* ``open_clip_config.json``: a ``CustomTextCLIP`` with a timm image tower (``timm_pool: ""`` keeps
+  the trunk's own pooling; a bias-free linear projection) and a transformers text tower (last
+  hidden state CLS or mask-aware mean pooling; a bias-free linear projection), and the
+  preprocessing (bicubic resize of the short side, centre crop, the trunk's mean and std);
+* ``open_clip_model.safetensors``: the weights under open_clip's names;
+* ``config.json``: both towers' architectures. open_clip resolves both tower names to this one
+  folder (or hub repo), so the file serves both: timm reads ``architecture``, ``model_args`` and
+  ``pretrained_cfg``, transformers the encoder's own keys;
+* the tokenizer's files when it is a transformers tokenizer (open_clip bundles its own BPE);
+* ``README.md``: a model card.
+
+open_clip reads the tower names in ``open_clip_config.json`` relative to the working directory,
+so an export names itself by its absolute path; export again after moving it. ``--push-to-hub
+REPO`` uploads the same files, with names that point at the repo.
+
+One difference cannot be configured: open_clip masks every token equal to the pad id, clip_train
+everything after the end token. With the bundled BPE, id 0 is padding and also "!" directly
+before certain punctuation in one word (e.g. "!(" or "!/"); such rare captions embed differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clip_train.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from huggingface_hub import RepoUrl
+
+    from clip_train.model import CLIP
+
+FORMATS = ("open_clip",)
+TOWERS_CONFIG = "config.json"
+MODEL_CARD = "README.md"
+POOLERS = {"cls": "cls_last_hidden_state_pooler", "mean": "mean_pooler"}  # open_clip's names
+RENAMES = (("visual.proj.", "visual.head.proj."), ("text.encoder.", "text.transformer."))  # ours, open_clip's
+VERIFY_TOLERANCE = 1e-4  # largest |difference| of unit-norm embeddings the export may show
+PROBE_CAPTIONS = ["a photo of a dog", "A handwritten digit seven,  on paper!", "zero " * 40]
+
+
+class ExportError(UserError):
+    """The model cannot be written in the asked format, or the copy does not reproduce it."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """How the libraries name an export: a local folder or a Hugging Face Hub repo."""
+
+    name: str  # for open_clip (create_model_and_transforms, get_tokenizer) and timm.create_model
+    hf_name: str  # for transformers' from_pretrained
+
+    @classmethod
+    def folder(cls, path: Path) -> Location:
+        return cls(f"local-dir:{path}", str(path))
+
+    @classmethod
+    def hub(cls, repo: str) -> Location:
+        return cls(f"hf-hub:{repo}", repo)
+
+
+# --------------------------------------------------------------------------------------------
+# What open_clip can express
+# --------------------------------------------------------------------------------------------
+
+
+def check_expressible(model: CLIP) -> None:
+    """One-line ``ExportError`` naming the config key for what open_clip's towers cannot build."""
+    from open_clip.hf_configs import arch_dict
+
+    encoder = model.text.encoder.config
+    if encoder.model_type not in arch_dict:
+        raise ExportError(
+            f"model.text.hf: open_clip's text tower supports {', '.join(sorted(arch_dict))} encoders, "
+            f"not {encoder.model_type}"
+        )
+    pad = model.tokenizer.pad_token_id
+    if pad != encoder.pad_token_id:
+        raise ExportError(
+            f"model.text.tokenizer pads with id {pad} but the encoder's pad_token_id is "
+            f"{encoder.pad_token_id}, from which open_clip derives the attention mask"
+        )
+    tokens = model.tokenizer(PROBE_CAPTIONS[:1])
+    if (tokens["input_ids"][tokens["attention_mask"].bool()] == pad).any():
+        raise ExportError(
+            f"model.text.tokenizer: its pad id {pad} also stands for a token of every caption (e.g. the "
+            "end token), which open_clip would mask as padding"
+        )
+
+
+def open_clip_config(model: CLIP, at: Location) -> dict:
+    """``open_clip_config.json``: the model and preprocessing, the towers named by ``at``."""
+    from clip_train.model import HFTokenizer
+
+    text_cfg = {
+        "hf_model_name": at.hf_name,
+        "hf_pooler_type": POOLERS[model.text.pooling],
+        "hf_proj_type": "linear",
+        "context_length": model.tokenizer.context_length,
+    }
+    if isinstance(model.tokenizer, HFTokenizer):
+        text_cfg["hf_tokenizer_name"] = at.hf_name
+    vision_cfg = {
+        "timm_model_name": at.name,
+        "timm_pool": "",
+        "timm_proj": "linear",
+        "timm_proj_bias": False,
+        "image_size": model.image_size,
+    }
+    preprocess = {
+        "mean": list(model.image_mean),
+        "std": list(model.image_std),
+        "interpolation": "bicubic",
+        "resize_mode": "shortest",
+    }
+    model_cfg = {"embed_dim": model.text.proj.out_features, "vision_cfg": vision_cfg, "text_cfg": text_cfg}
+    return {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
+
+
+def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
+    """The state dict under open_clip's names (``CustomTextCLIP`` with ``TimmModel``, ``HFTextEncoder``)."""
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        for ours, theirs in RENAMES:
+            if name.startswith(ours):
+                name = theirs + name.removeprefix(ours)
+                break
+        weights[name] = tensor.detach().contiguous().cpu()
+    return weights
+
+
+def write_towers_config(model: CLIP, path: Path) -> None:
+    """One ``config.json`` for both towers: timm's export of the trunk merged with the encoder's config."""
+    # timm's own writer (model_args from the factory, pretrained_cfg); timm.models does not re-export it
+    from timm.models._hub import save_config_for_hf
+
+    try:
+        save_config_for_hf(model.visual.trunk, path)
+    except ValueError as err:
+        raise ExportError(f"model.image.timm_kwargs: {err}") from None
+    image = json.loads(path.read_text())
+    text = model.text.encoder.config.to_dict() | {"dtype": "float32"}  # open_clip builds it from config
+    path.write_text(json.dumps(text | image, indent=2))
+
+
+def model_card(model: CLIP, at: Location) -> str:
+    """A Hugging Face model card (open_clip's generator): the towers and how to load the export."""
+    from open_clip.push_to_hf_hub import generate_readme
+
+    name = at.name
+    usage = (
+        "```python\nimport open_clip\n\n"
+        f'model, _, preprocess = open_clip.create_model_and_transforms("{name}")\n'
+        f'tokenizer = open_clip.get_tokenizer("{name}")\n```\n'
+    )
+    details = {
+        "Trained with": "clip_train",
+        "Image tower": f"timm {model.visual.trunk.pretrained_cfg['architecture']}, {model.image_size} px",
+        "Text tower": f"transformers {model.text.encoder.config.model_type}, {model.text.pooling} pooling",
+        "Embedding dimension": model.text.proj.out_features,
+    }
+    card = {"license": "other", "tags": ["clip", "clip_train"], "details": details, "usage": usage}
+    return generate_readme(card, name.split("/")[-1])
+
+
+def location_files(model: CLIP, at: Location) -> dict[str, bytes]:
+    """The files whose content depends on where the export lives."""
+    from open_clip.constants import HF_CONFIG_NAME
+
+    return {
+        HF_CONFIG_NAME: json.dumps(open_clip_config(model, at), indent=2).encode(),
+        MODEL_CARD: model_card(model, at).encode(),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Writing, checking, pushing
+# --------------------------------------------------------------------------------------------
+
+
+def write_export(model: CLIP, out: Path) -> None:
+    """Write the export into a temporary sibling of ``out`` and rename it into place."""
+    from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME
+
+    from clip_train.checkpoint import save_weights
+
+    if out.exists() and any(out.iterdir()) and not (out / HF_CONFIG_NAME).is_file():
+        raise ExportError(f"{out} exists and is not an export; pick a new or empty directory")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_weights(open_clip_weights(model), tmp / HF_SAFE_WEIGHTS_NAME)
+    write_towers_config(model, tmp / TOWERS_CONFIG)
+    model.tokenizer.save_pretrained(tmp)
+    for name, content in location_files(model, Location.folder(out)).items():
+        (tmp / name).write_bytes(content)
+    shutil.rmtree(out, ignore_errors=True)  # a previous export, or an empty directory
+    os.replace(tmp, out)
+
+
+def verify(model: CLIP, at: Location) -> tuple[float, float]:
+    """Largest |difference| between open_clip's image and text embeddings and clip_train's."""
+    import open_clip
+    import torch
+
+    theirs, _, _ = open_clip.create_model_and_transforms(at.name)
+    tokenizer = open_clip.get_tokenizer(at.name)
+    theirs.eval()
+    size = model.image_size
+    images = torch.randint(
+        0, 256, (4, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        image = model.encode_image(images) - theirs.encode_image(model.visual.prepare(images), normalize=True)
+        text = model.encode_text(**model.tokenizer(PROBE_CAPTIONS))
+        text -= theirs.encode_text(tokenizer(PROBE_CAPTIONS), normalize=True)
+    return float(image.abs().max()), float(text.abs().max())
+
+
+def hub_files(model: CLIP, out: Path, repo: str) -> dict[str, Path | bytes]:
+    """What ``--push-to-hub`` uploads: the export's files, with names that point at ``repo``."""
+    renamed = location_files(model, Location.hub(repo))
+    files: dict[str, Path | bytes] = {f.name: f for f in sorted(out.iterdir()) if f.name not in renamed}
+    return files | renamed
+
+
+def push_to_hub(model: CLIP, out: Path, repo: str, *, private: bool) -> RepoUrl:
+    """Upload to the Hugging Face Hub (a README already there is kept); returns the repo's URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    # OSError covers offline mode and HTTP errors; the bases add the HTTP client's own network errors
+    unreachable = (OSError, *HfHubHTTPError.__bases__)
+    api = HfApi()
+    try:
+        url = api.create_repo(repo, private=private, exist_ok=True)
+        keep_card = api.file_exists(url.repo_id, MODEL_CARD)
+        files = hub_files(model, out, url.repo_id)
+        operations = [
+            CommitOperationAdd(name, content if isinstance(content, bytes) else str(content))
+            for name, content in files.items()
+            if not (keep_card and name == MODEL_CARD)
+        ]
+        api.create_commit(url.repo_id, operations, commit_message="Export from clip_train")
+    except unreachable as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ExportError(
+            f"--push-to-hub {repo}: {reason}; the export in {out} is complete, rerun with --push-to-hub "
+            "when the hub is reachable"
+        ) from None
+    return url
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint",
+        help="checkpoint directory, run directory (its newest checkpoint) or a .safetensors file",
+    )
+    parser.add_argument("out", type=Path, help="output directory (new, empty, or an earlier export)")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="open_clip", help="export format (default open_clip)"
+    )
+    parser.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hugging Face Hub repo")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+
+
+def run(args: argparse.Namespace) -> int:
+    from clip_train.checkpoint import find_weights
+    from clip_train.loading import load
+    from clip_train.model import OpenCLIPTokenizer
+
+    source = find_weights(args.checkpoint)
+    model, _, _ = load(source)
+    check_expressible(model)
+    out = args.out.resolve()
+    write_export(model, out)
+    image, text = verify(model, Location.folder(out))
+    if max(image, text) > VERIFY_TOLERANCE:
+        shutil.rmtree(out)
+        tower = "model.image.timm" if image > VERIFY_TOLERANCE else "model.text.hf"
+        raise ExportError(
+            f"{tower}: open_clip's copy differs from the model by up to {max(image, text):.1e} "
+            f"(image {image:.1e}, text {text:.1e}); this tower cannot be exported exactly"
+        )
+    print(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
+    print(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
+    if isinstance(model.tokenizer, OpenCLIPTokenizer):
+        print(
+            'note: open_clip treats token id 0 as padding, which the bundled BPE also uses for "!" '
+            'directly before some punctuation (e.g. "!("); such captions embed slightly differently'
+        )
+    if args.push_to_hub:
+        url = push_to_hub(model, out, args.push_to_hub, private=args.private)
+        print(f'pushed to {url}: open_clip.create_model_and_transforms("hf-hub:{url.repo_id}")')
+    return 0

@@ -1,0 +1,90 @@
+"""``model.init_from``: a fresh run that starts from another run's weights and nothing else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from small_runs import DEMO_CONFIG, run_overrides
+
+from clip_train import load_config
+from clip_train.checkpoint import MODEL_FILE
+from clip_train.distributed import DistEnv
+from clip_train.errors import UserError
+from clip_train.trainer import Trainer
+
+CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def trainer(digits: Path, out_dir: Path, steps: int, *extra: str) -> Trainer:
+    overrides = run_overrides(digits, out_dir, steps, "data.workers=0", "optim.warmup_steps=0", *extra)
+    return Trainer(load_config(DEMO_CONFIG, overrides).validate(world_size=1), CPU)
+
+
+def source_weights(demo_run: Path) -> dict[str, torch.Tensor]:
+    return load_file(demo_run / "checkpoints" / "step_00000040" / MODEL_FILE)
+
+
+def test_weights_only_then_a_fresh_run(demo_run, digits, tmp_path):
+    run = trainer(digits, tmp_path, 2, f"model.init_from={demo_run}")  # a run dir: its newest checkpoint
+    start = source_weights(demo_run)
+    assert all(torch.equal(tensor, start[name]) for name, tensor in run.model.state_dict().items())
+    assert run.step == 0 and run.resumed_from is None
+    assert run.optimizer.state_dict()["state"] == {} and run.scheduler.last_epoch == 0
+    run.run()
+    assert run.step == 2 and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    trained = run.model.state_dict()
+    assert any(not torch.equal(trained[name], start[name]) for name in start)
+
+
+def test_lit_locking_keeps_the_initial_trunk(demo_run, digits, tmp_path):
+    start = source_weights(demo_run)
+    run = trainer(digits, tmp_path, 2, f"model.init_from={demo_run}", "model.image.lock=true")
+    run.run()
+    trained = run.model.state_dict()
+    trunk = [name for name in start if name.startswith("visual.trunk.")]
+    assert trunk and all(torch.equal(trained[name], start[name]) for name in trunk)
+    assert not torch.equal(trained["visual.proj.weight"], start["visual.proj.weight"])
+    assert not torch.equal(trained["text.proj.weight"], start["text.proj.weight"])
+
+
+def test_a_resumed_run_keeps_its_own_weights(demo_run, digits, tmp_path):
+    """A requeued job with init_from still set must resume, not start over from init_from."""
+    first = trainer(digits, tmp_path, 2, f"model.init_from={demo_run}")
+    first.run()
+    own = {name: tensor.clone() for name, tensor in first.model.state_dict().items()}
+    again = trainer(digits, tmp_path, 3, f"model.init_from={demo_run}", "checkpoint.resume=auto")
+    assert again.step == 2
+    assert all(torch.equal(tensor, own[name]) for name, tensor in again.model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        (
+            "model.embed_dim=8",
+            "Size mismatch text.proj.weight (16, 32) in the file, (8, 32) in the model, "
+            "visual.proj.weight (16, 32) in the file, (8, 32) in the model",
+        ),
+        (
+            "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 1, embed_dim: 32, num_heads: 2}",
+            "Unexpected key(s) visual.trunk.blocks.1.attn.proj.bias, visual.trunk.blocks.1.attn.proj.weight, "
+            "visual.trunk.blocks.1.attn.qkv.bias and 9 more",
+        ),
+    ],
+)
+def test_weights_that_do_not_fit_fail_at_start_up(demo_run, digits, tmp_path, override, problem):
+    weights = demo_run / "checkpoints" / "step_00000040" / MODEL_FILE
+    with pytest.raises(UserError) as err:
+        trainer(digits, tmp_path, 2, f"model.init_from={weights}", override)
+    assert str(err.value) == f"model.init_from={weights}: {weights} does not fit the model: {problem}"
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_missing_source_is_one_line(digits, tmp_path):
+    message = f"model.init_from={tmp_path / 'nope'}: checkpoint not found: {tmp_path / 'nope'} does not exist"
+    with pytest.raises(UserError, match=re.escape(message)):
+        trainer(digits, tmp_path, 2, f"model.init_from={tmp_path / 'nope'}")
