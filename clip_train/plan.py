@@ -415,7 +415,7 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> flo
     if impl == "local":
         return 4 * n * batch * FP32 + gathered
     if impl == "inf":
-        from clip_train.loss.tiled import STRIP_ELEMENTS
+        from clip_train.loss.tiles_torch import STRIP_ELEMENTS
 
         blocks = 9 if gpus > 1 else 2
         side = min(tile, n)
@@ -631,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
 
     from clip_train.config import load_config
     from clip_train.distributed import resolve_device
-    from clip_train.loss.tiled import default_tile
+    from clip_train.loss.tiles_torch import default_tile
 
     cfg = load_config(args.config, args.overrides)
     batch = args.batch if args.batch is not None else cfg.batch.global_size

@@ -18,7 +18,7 @@ from test_gradcache import NO_DROPOUT, make_batch, make_model
 
 from clip_train.checkpoint import complete_checkpoints
 from clip_train.engine import GradCache
-from clip_train.loss import contrastive_loss, triton_kernels
+from clip_train.loss import contrastive_loss, tiles_triton
 
 pytestmark = [
     pytest.mark.cuda,
@@ -82,7 +82,7 @@ def test_tiled_loss_on_gpu_matches_fp64(kernel, dtype, tf32, tolerance, dim, har
     def tiled(i, t, s, labels):
         return contrastive_loss(i, t, s, labels=labels, kernel=kernel, tile_size=512)
 
-    if kernel == "triton" and dim > triton_kernels.max_dim(dtype):
+    if kernel == "triton" and dim > tiles_triton.max_dim(dtype):
         with pytest.raises(ValueError, match="use kernel='torch'"):
             _loss_and_grads(tiled, images, texts, 50.0, labels, dtype, CUDA)
         return

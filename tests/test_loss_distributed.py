@@ -1,8 +1,9 @@
 """The loss across real gloo ranks against the single-process full-batch loss, in fp64.
 
 Convention under test (DESIGN.md §3): rank r returns the mean loss over its own rows; backward
-gives its features W × ∂L_global/∂(its rows); the per-rank scale gradients average to
-∂L_global/∂s. One spawn per world size checks every implementation and both loss modes.
+gives its features W × ∂L_global/∂(its rows); the per-rank scale (and sigmoid bias) gradients
+average to the global ones. One spawn per world size checks every implementation of the softmax
+loss (symmetric and hard negatives) and of the sigmoid loss.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from clip_train.loss import contrastive_loss
 from tests.dist_utils import run_distributed
 
 IMPLS_AND_TILES = [("vanilla", None), ("local", None), ("inf", 3), ("inf", 64)]
-N_PER_RANK, M_PER_RANK, DIM, SCALE = 5, 7, 6, 20.0
+N_PER_RANK, M_PER_RANK, DIM, SCALE, BIAS = 5, 7, 6, 20.0, -3.0
 # Upstream gradients that differ by rank (rank r backpropagates weight[r] · its loss), zero and
 # negative ones included: each rank's features must get the gradient of Σ_r weight[r] · loss_r.
 WEIGHTS = {2: [(1.0, 0.0), (0.5, -1.5)], 3: [(0.7, 0.0, -1.5)], 4: [(1.0, -0.25, 0.0, 2.0)]}
@@ -39,11 +40,15 @@ def _global_batch(world: int) -> dict[str, torch.Tensor]:
 
 
 def _loss_and_grads(images, texts, scale, weight: float = 1.0, **kwargs) -> tuple[torch.Tensor, ...]:
+    """Loss and gradients w.r.t. both feature sets, the scale and (sigmoid) the bias."""
     images, texts = images.clone().requires_grad_(), texts.clone().requires_grad_()
-    scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    loss = contrastive_loss(images, texts, scale, **kwargs)
+    scalars = [torch.tensor(scale, dtype=torch.float64, requires_grad=True)]
+    if kwargs.get("kind") == "sigmoid":
+        scalars.append(torch.tensor(BIAS, dtype=torch.float64, requires_grad=True))
+        kwargs["logit_bias"] = scalars[1]
+    loss = contrastive_loss(images, texts, scalars[0], **kwargs)
     (weight * loss).backward()
-    return loss.detach(), images.grad, texts.grad, scale.grad
+    return loss.detach(), images.grad, texts.grad, *(s.grad for s in scalars)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -66,6 +71,16 @@ def _worker(rank: int, world: int) -> dict:
                 impl=impl,
                 tile_size=tile,
             )
+            if impl != "local":  # the sigmoid loss has no local variant
+                results[("siglip", impl, tile, weights)] = _loss_and_grads(
+                    data["images"][own],
+                    data["texts"][own],
+                    SCALE,
+                    weight,
+                    kind="sigmoid",
+                    impl=impl,
+                    tile_size=tile,
+                )
     if world == 2:  # ranks disagreeing on n must fail loudly on every rank, not hang or mis-index
         try:
             contrastive_loss(data["images"][: 3 + rank], data["texts"][: 3 + rank], torch.tensor(SCALE))
@@ -74,13 +89,18 @@ def _worker(rank: int, world: int) -> dict:
     return results
 
 
-def _reference(images, texts, scale, labels=None, weights=None) -> tuple[torch.Tensor, ...]:
+def _reference(mode, images, texts, scale, labels=None, weights=None) -> tuple[torch.Tensor, ...]:
     """Single-process loss straight from the formula, with autograd gradients: the global mean,
     or with ``weights`` the sum over ranks of weight[r] · (mean over rank r's rows)."""
     images, texts = images.clone().requires_grad_(), texts.clone().requires_grad_()
-    scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    logits = scale * images @ texts.t()
-    if labels is None:
+    scalars = [torch.tensor(scale, dtype=torch.float64, requires_grad=True)]
+    logits = scalars[0] * images @ texts.t()
+    if mode == "siglip":  # per image: the sum over all texts of each pair's binary loss
+        scalars.append(torch.tensor(BIAS, dtype=torch.float64, requires_grad=True))
+        signs = 2 * torch.eye(len(images), dtype=torch.float64) - 1
+        margins = -signs * (logits + scalars[1])
+        per_row = (margins.clamp(min=0) + torch.log1p(torch.exp(-margins.abs()))).sum(1)
+    elif labels is None:
         diagonal = logits.diagonal()
         per_row = (logits.logsumexp(1) - diagonal + logits.logsumexp(0) - diagonal) / 2
     else:
@@ -90,7 +110,7 @@ def _reference(images, texts, scale, labels=None, weights=None) -> tuple[torch.T
     else:
         rank_losses = per_row.view(len(weights), -1).mean(1)
         (torch.tensor(weights, dtype=torch.float64) * rank_losses).sum().backward()
-    return per_row.detach(), images.grad, texts.grad, scale.grad
+    return per_row.detach(), images.grad, texts.grad, *(s.grad for s in scalars)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -105,17 +125,20 @@ def test_ranks_match_full_batch(world: int) -> None:
     modes = {
         "clip": (data["texts"], None, N_PER_RANK),
         "hard": (data["negatives"], data["labels"], M_PER_RANK),
+        "siglip": (data["texts"], None, N_PER_RANK),
     }
     for (mode, (texts, labels, m)), weights in itertools.product(modes.items(), [None, *WEIGHTS[world]]):
-        per_row, grad_images, grad_texts, grad_scale = _reference(
-            data["images"], texts, SCALE, labels, weights
+        per_row, grad_images, grad_texts, *grad_scalars = _reference(
+            mode, data["images"], texts, SCALE, labels, weights
         )
         # Unweighted, every rank backpropagates its share of the global mean: W × its gradient.
         factor = world if weights is None else 1
         for impl, tile in IMPLS_AND_TILES:
-            scale_grads = []
+            if (mode, impl, tile, weights) not in results[0]:
+                continue
+            rank_scalars = []
             for rank, result in enumerate(results):
-                loss, rank_grad_images, rank_grad_texts, rank_grad_scale = result[(mode, impl, tile, weights)]
+                loss, rank_grad_images, rank_grad_texts, *scalars = result[(mode, impl, tile, weights)]
                 own, own_texts = (
                     slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK),
                     slice(rank * m, (rank + 1) * m),
@@ -123,8 +146,8 @@ def test_ranks_match_full_batch(world: int) -> None:
                 _close(loss, per_row[own].mean())
                 _close(rank_grad_images, factor * grad_images[own])
                 _close(rank_grad_texts, factor * grad_texts[own_texts])
-                scale_grads.append(rank_grad_scale)
-            _close(torch.stack(scale_grads).sum() / factor, grad_scale)
+                rank_scalars.append(torch.stack(scalars))
+            _close(torch.stack(rank_scalars).sum(0) / factor, torch.stack(grad_scalars))
     if world == 2:
         for result in results:
             assert "same number of rows" in result["mismatch"]

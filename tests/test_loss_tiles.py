@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clip_train.loss import tiled
+from clip_train.loss import tiles_torch
 
 SHAPES = [(13, 11, 5), (1, 4, 3), (9, 9, 9), (6, 17, 4)]  # (n, m, tile)
 STRIPS = [1, 7, 1 << 20]  # elements per strip: one row, ragged rows, the whole tile
@@ -57,7 +57,7 @@ def test_forward_merges_exact_log_sum_exps(n, m, tile, strip_elements, symmetric
     col_lse = torch.linspace(50, -2, m, dtype=torch.float64)
     expected_rows = torch.logaddexp(row_lse, logits.logsumexp(1))
     expected_cols = torch.logaddexp(col_lse, logits.logsumexp(0))
-    last = tiled.block_forward(
+    last = tiles_torch.softmax_forward(
         images, texts, SCALE, row_lse, col_lse if symmetric else None, tile, strip_elements=strip_elements
     )
     torch.testing.assert_close(row_lse, expected_rows, rtol=1e-13, atol=0)
@@ -98,10 +98,10 @@ def test_backward_matches_formula(n, m, tile, strip_elements, path, hand_over) -
     row_lse = logits.logsumexp(1) + 2.0
     col_lse = logits.logsumexp(0) + col_offset if col_offset is not None else None
     no_lse = torch.full((n,), -torch.inf, dtype=torch.float64)
-    last = tiled.block_forward(images, texts, SCALE, no_lse, None, tile)
+    last = tiles_torch.softmax_forward(images, texts, SCALE, no_lse, None, tile)
     grad_images, grad_texts = torch.zeros_like(images), torch.zeros_like(texts)
     with _CountLogitMatmuls() as matmuls:
-        tiled.block_backward(
+        tiles_torch.softmax_backward(
             images, texts, SCALE, row_lse, row_coef, col_lse, col_coef, grad_images, grad_texts, tile,
             last if hand_over else None, strip_elements=strip_elements,
         )  # fmt: skip

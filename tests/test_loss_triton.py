@@ -33,7 +33,7 @@ def _check_blocks() -> None:
     for both terms, rows only (hard negatives) and a zero row coefficient (columns only)."""
     import torch
 
-    from clip_train.loss import tiled, triton_kernels
+    from clip_train.loss import tiles_torch, tiles_triton
 
     scale = 30.0
     for n, m, dim in [(70, 150, 40), (1, 5, 3), (20, 33, 130)]:
@@ -41,8 +41,8 @@ def _check_blocks() -> None:
         for with_cols in (True, False):
             lse = [torch.full((n,), -torch.inf), torch.full((m,), -torch.inf) if with_cols else None]
             expected = [t.clone() if t is not None else None for t in lse]
-            tiled.block_forward(images, texts, scale, *expected, 32)
-            triton_kernels.block_forward(images, texts, scale, *lse, 128)  # 128 < 150: two column chunks
+            tiles_torch.softmax_forward(images, texts, scale, *expected, 32)
+            tiles_triton.softmax_forward(images, texts, scale, *lse, 128)  # 128 < 150: two column chunks
             for a, e in zip(lse, expected, strict=True):
                 if e is not None:
                     torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
@@ -52,8 +52,8 @@ def _check_blocks() -> None:
                 expected_grads = [g.clone() + 1.0 for g in grads]  # both accumulate onto what is there
                 grads = [g + 1.0 for g in grads]
                 args = (scale, row_lse, row_coef, col_lse, col_coef)
-                tiled.block_backward(images, texts, *args, *expected_grads, 32)
-                triton_kernels.block_backward(images, texts, *args, *grads, 64)
+                tiles_torch.softmax_backward(images, texts, *args, *expected_grads, 32)
+                tiles_triton.softmax_backward(images, texts, *args, *grads, 64)
                 for a, e in zip(grads, expected_grads, strict=True):
                     torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
@@ -97,6 +97,49 @@ def _check_full_loss() -> None:
             torch.testing.assert_close(a.double(), e, rtol=tolerance, atol=tolerance * e.abs().max() + 5e-5)
 
 
+def _check_sigmoid() -> None:
+    """Sigmoid kernels: blocks against the PyTorch tiles (fp32), and the whole loss against the
+    formula in fp64 for fp32, bf16 and fp16 features (as for softmax: same rounded values)."""
+    import torch
+    import torch.nn.functional as F
+
+    from clip_train.loss import contrastive_loss, tiles_torch, tiles_triton
+
+    for n, m, dim in [(70, 150, 40), (1, 5, 3), (20, 33, 130)]:
+        images, texts = _features(n, dim, 0).float(), _features(m, dim, 1).float()
+        expected_total, _ = tiles_torch.sigmoid_forward(images, texts, 30.0, -5.0, 32)
+        total, _ = tiles_triton.sigmoid_forward(images, texts, 30.0, -5.0, 32)
+        torch.testing.assert_close(total, expected_total, rtol=1e-5, atol=1e-5)
+        grads = [torch.ones(n, dim), torch.ones(m, dim)]
+        expected_grads = [g.clone() for g in grads]
+        expected_sum = tiles_torch.sigmoid_backward(images, texts, 30.0, -5.0, -0.3, *expected_grads, 32)
+        grad_sum = tiles_triton.sigmoid_backward(images, texts, 30.0, -5.0, -0.3, *grads, 32)
+        torch.testing.assert_close(grad_sum, expected_sum, rtol=1e-5, atol=1e-6)
+        for a, e in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+    n, dim = 37, 24
+    for dtype, tolerance in [(torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)]:
+        images, texts = _features(n, dim, 3).to(dtype).double(), _features(n, dim, 4).to(dtype).double()
+        results = []
+        for run_dtype in (torch.float64, dtype):
+            i = images.detach().to(run_dtype).requires_grad_()
+            t = texts.detach().to(run_dtype).requires_grad_()
+            scalar = torch.float64 if run_dtype == torch.float64 else torch.float32
+            s = torch.tensor(10.0, dtype=scalar, requires_grad=True)
+            b = torch.tensor(-10.0, dtype=scalar, requires_grad=True)
+            if run_dtype == torch.float64:
+                signs = 2 * torch.eye(n, dtype=torch.float64) - 1
+                loss = -F.logsigmoid(signs * (s * i @ t.t() + b)).sum() / n
+            else:
+                loss = contrastive_loss(i, t, s, logit_bias=b, kind="sigmoid", kernel="triton", tile_size=16)
+            loss.backward()
+            results.append([loss.detach(), i.grad, t.grad, s.grad, b.grad])
+        for e, a in zip(*results, strict=True):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a.double(), e, rtol=tolerance, atol=tolerance * e.abs().max() + 5e-5)
+
+
 def _triton_loss(images, texts, scale, labels=None):
     from clip_train.loss import contrastive_loss
 
@@ -107,11 +150,11 @@ def _check_errors() -> None:
     """What the kernels refuse says what is wrong with the tensor."""
     import torch
 
-    from clip_train.loss import triton_kernels
+    from clip_train.loss import tiles_triton
 
     images, texts = _features(8, 4, 0).float(), _features(8, 4, 1).float()
     lse, strided = torch.zeros(8), torch.zeros(8, 8)[:, ::2]
-    backward, forward = triton_kernels.block_backward, triton_kernels.block_forward
+    backward, forward = tiles_triton.softmax_backward, tiles_triton.softmax_forward
     for call, message in [
         (lambda: backward(images, texts, 1.0, lse, 1.0, lse, 1.0, strided, strided, 8), "contiguous"),
         (lambda: forward(images.double(), texts.double(), 1.0, lse, lse, 8), "fp32, bf16 or fp16"),
@@ -164,6 +207,10 @@ def test_block_kernels_match_pytorch_tiles() -> None:
 
 def test_full_loss_with_triton_kernels_matches_formula() -> None:
     _run_interpreted("_check_full_loss")
+
+
+def test_sigmoid_kernels_match_pytorch_tiles_and_formula() -> None:
+    _run_interpreted("_check_sigmoid")
 
 
 def test_kernels_name_what_is_wrong_with_their_inputs() -> None:

@@ -2,7 +2,7 @@
 
 ``triton.compile`` needs no GPU to lower a kernel to PTX and cubin, and Triton ships NVIDIA's
 ``ptxas``, whose ``-v`` report gives registers and spills. Every specialisation the package can
-launch (``triton_kernels.launches()``: each dtype, TF32 or IEEE fp32 dots, with and without the
+launch (``tiles_triton.launches()``: each dtype, TF32 or IEEE fp32 dots, with and without the
 column term, every padded embedding width) must compile for both architectures without register
 spills and within the architecture's shared memory. The backward's global atomic traffic is
 derived from the PTX and the launch grid.
@@ -85,10 +85,11 @@ def compile_one(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from clip_train.loss import triton_kernels
+    from clip_train.loss import tiles_triton
 
-    fn = getattr(triton_kernels, kernel)
-    source = ASTSource(fn, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
+    fn = getattr(tiles_triton, kernel)
+    types = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    source = ASTSource(fn, {name: types[name] for name in fn.arg_names}, constexprs=constexprs)
     options = {"num_warps": warps, "num_stages": stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     ptx = compiled.asm["ptx"]
@@ -102,12 +103,12 @@ def compile_one(
 @pytest.fixture(scope="module")
 def compiled() -> list[Compiled]:
     """Every launchable specialisation for both architectures, compiled on all cores."""
-    from clip_train.loss import triton_kernels
+    from clip_train.loss import tiles_triton
 
     jobs = [
         (arch, kernel, signature, launch.constexprs, launch.num_warps, launch.num_stages)
         for arch in ARCHS
-        for kernel, launch, signature in triton_kernels.launches()
+        for kernel, launch, signature in tiles_triton.launches()
     ]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=context) as pool:
@@ -115,12 +116,14 @@ def compiled() -> list[Compiled]:
 
 
 def test_every_launchable_variant_compiles_without_spills_within_shared_memory(compiled) -> None:
-    from clip_train.loss import triton_kernels
+    from clip_train.loss import tiles_triton
 
-    assert len(compiled) == len(ARCHS) * len(list(triton_kernels.launches()))
+    assert len(compiled) == len(ARCHS) * len(list(tiles_triton.launches()))
     kinds = {(c.kernel, c.constexprs.get("HAS_COLS"), c.constexprs["PRECISION"]) for c in compiled}
-    assert {k for k in kinds if k[0] == "_forward_kernel"} == {
-        ("_forward_kernel", cols, precision) for cols in (True, False) for precision in ("tf32", "ieee")
+    assert {k for k in kinds if k[0] == "_softmax_forward_kernel"} == {
+        ("_softmax_forward_kernel", cols, precision)
+        for cols in (True, False)
+        for precision in ("tf32", "ieee")
     }
     over = [
         f"{c.kernel} sm_{c.arch} {c.constexprs}: {c.spilled} bytes spilled, {c.shared} bytes shared"
@@ -157,10 +160,10 @@ def test_atomic_counter_reproduces_a_known_workload() -> None:
 def test_backward_global_atomic_traffic_is_under_an_eighth_of_the_tile_grid(compiled) -> None:
     """Upper bound at n = m = 65,536, d = 512: every atomic instruction counted as if it ran on
     every trip of the streamed loop, in every program of the two owner launches."""
-    from clip_train.loss import triton_kernels
+    from clip_train.loss import tiles_triton
 
     backward = [c for c in compiled if c.kernel == "_owner_kernel" and c.constexprs["BLOCK_DIM"] == DIM]
-    assert len(backward) == len(ARCHS) * 4  # bf16, fp16, and fp32 with TF32 or IEEE dots
+    assert len(backward) == len(ARCHS) * 4 * 2  # bf16, fp16, fp32 with TF32 or IEEE dots; softmax, sigmoid
     for c in backward:
         programs = math.ceil(N / c.constexprs["BLOCK_OWNED"])
         trips = math.ceil(M / c.constexprs["BLOCK_STREAMED"])
@@ -168,6 +171,6 @@ def test_backward_global_atomic_traffic_is_under_an_eighth_of_the_tile_grid(comp
         assert traffic <= TILE_GRID_ATOMIC_BYTES / 8, (
             f"{c.kernel} sm_{c.arch} {c.constexprs}: {traffic:,} bytes"
         )
-    forward = [c for c in compiled if c.kernel == "_forward_kernel"]
+    forward = [c for c in compiled if c.kernel.endswith("_forward_kernel")]
     assert all(c.atomic_bytes_per_thread == 0 for c in forward)
-    assert all(triton_kernels.max_dim(dtype) >= DIM for dtype in triton_kernels.DTYPES)
+    assert all(tiles_triton.max_dim(dtype) >= DIM for dtype in tiles_triton.DTYPES)

@@ -5,6 +5,9 @@ that configuration's own; ``--world W`` runs W gloo ranks with b/W rows each. On
 is ``max_memory_allocated`` above the inputs. A configuration whose estimated memory exceeds
 what is available is reported as OOM without running. The compute floor is one plain b×b×d
 matmul (computed in row chunks, so it needs no b×b output), timed in the same run.
+
+``--kind sigmoid`` benchmarks the SigLIP loss; impl ``open_clip`` is open_clip's own
+``SigLipLoss`` (its neighbour exchange across ranks), run side by side in the same way.
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from pathlib import Path
 from typing import Any
 
 MIB = 2**20
+IMPLS = {"softmax": ("vanilla", "local", "inf"), "sigmoid": ("vanilla", "inf", "open_clip")}
 # Estimated peak extra bytes per rank, per element of the similarity matrix it materialises
-# (logits, both log-softmaxes and their gradients), measured at small sizes with headroom.
-MATRIX_COPIES = {"vanilla": 7, "local": 8}
+# (logits, log-softmaxes or log-sigmoids, labels and gradients), measured at small sizes with headroom.
+MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="4096,8192,16384,32768", help="comma-separated global batch sizes")
     parser.add_argument("--dim", type=int, default=512, help="embedding dimension")
-    parser.add_argument("--impl", default="vanilla,local,inf", help="comma-separated: vanilla, local, inf")
+    parser.add_argument("--kind", default="softmax", choices=["softmax", "sigmoid"], help="the loss")
+    parser.add_argument(
+        "--impl",
+        default="",
+        help="comma-separated: vanilla, local, inf (softmax); vanilla, inf, open_clip (sigmoid); default all",
+    )
     parser.add_argument(
         "--kernel", default="auto", help="comma-separated kernels for inf's tiles: auto, torch, triton"
     )
@@ -47,20 +56,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--scale", type=float, default=30.0, help="logit scale s")
+    parser.add_argument("--bias", type=float, default=-10.0, help="sigmoid: logit bias b")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write memory- and time-vs-batch figures here (PNG)")
 
 
 def run(args: argparse.Namespace) -> int:
     from clip_train.distributed import resolve_device
-    from clip_train.loss.ring import KERNELS
+    from clip_train.loss import KERNELS
 
     device = resolve_device(args.device).type
     batches = [int(b) for b in args.batch.split(",")]
-    impls = [i.strip() for i in args.impl.split(",")]
+    choices = IMPLS[args.kind]
+    impls = [i.strip() for i in args.impl.split(",")] if args.impl else list(choices)
     for impl in impls:
-        if impl not in ("vanilla", "local", "inf"):
-            raise SystemExit(f"bench loss: unknown impl {impl!r}; choose from vanilla, local, inf")
+        if impl not in choices:
+            raise SystemExit(
+                f"bench loss: unknown {args.kind} impl {impl!r}; choose from {', '.join(choices)}"
+            )
     kernels = [k.strip() for k in args.kernel.split(",")]
     for kernel in kernels:
         if kernel not in KERNELS:
@@ -74,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     tf32 = ", TF32" if device == "cuda" and args.dtype == "float32" and args.tf32 else ""
     print(
-        f"contrastive loss, dim={args.dim}, {args.dtype}{tf32}, device={device}, world={args.world}, "
+        f"{args.kind} loss, dim={args.dim}, {args.dtype}{tf32}, device={device}, world={args.world}, "
         f"repeats={args.repeats}"
     )
     header = f"{'batch':>7} {'impl':>12} {'time_s':>8} {'x_floor':>8} {'peak_MiB':>9}  note"
@@ -110,26 +123,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec(args: argparse.Namespace, kind: str, batch: int, device: str, world: int) -> dict[str, Any]:
+def _spec(args: argparse.Namespace, impl: str, batch: int, device: str, world: int) -> dict[str, Any]:
     """Everything a measuring subprocess needs, as plain JSON-able values."""
     return {
-        "kind": kind,
+        "impl": impl,
         "kernel": "auto",
         "batch": batch,
         "device": device,
         "world": world,
-        **{key: getattr(args, key) for key in ("dim", "repeats", "tile", "dtype", "scale", "tf32")},
+        **{
+            key: getattr(args, key)
+            for key in ("kind", "dim", "repeats", "tile", "dtype", "scale", "bias", "tf32")
+        },
     }
 
 
 def _public(spec: dict[str, Any]) -> dict[str, Any]:
-    keys = ("kind", "kernel", "batch", "dim", "world", "dtype", "device", "tile", "repeats", "tf32")
+    keys = ("kind", "impl", "kernel", "batch", "dim", "world", "dtype", "device", "tile", "repeats", "tf32")
     return {key: spec[key] for key in keys}
 
 
 def _label(result: dict[str, Any]) -> str:
     """``inf/torch`` or ``inf/triton`` where a kernel was chosen, else the implementation."""
-    return f"{result['kind']}/{result['kernel']}" if result["kernel"] != "auto" else result["kind"]
+    return f"{result['impl']}/{result['kernel']}" if result["kernel"] != "auto" else result["impl"]
 
 
 def _estimate_bytes(spec: dict[str, Any]) -> float:
@@ -137,11 +153,12 @@ def _estimate_bytes(spec: dict[str, Any]) -> float:
     b, w, d = spec["batch"], spec["world"], spec["dim"]
     itemsize = 8 if spec["dtype"] == "float64" else 4
     features = 16 * (b // w) * d * itemsize
-    if spec["kind"] == "inf":
+    if spec["impl"] == "inf":
         tile = spec["tile"] or 4096
         return features + 4 * tile * tile * itemsize
-    rows = b if spec["kind"] == "vanilla" else b // w
-    return features + MATRIX_COPIES[spec["kind"]] * rows * b * itemsize
+    # Rows of the matrix each rank builds: all of them for the softmax vanilla loss, its own otherwise.
+    rows = b if (spec["kind"], spec["impl"]) == ("softmax", "vanilla") else b // w
+    return features + MATRIX_COPIES[spec["impl"]] * rows * b * itemsize
 
 
 def _available_bytes(device: str) -> float:
@@ -179,7 +196,7 @@ def _measure(spec: dict[str, Any], device: str) -> dict[str, Any]:
 def _subprocess_main() -> None:
     """Entry point of the per-configuration subprocess: prints one JSON line of results."""
     spec = json.loads(sys.argv[1])
-    world = spec["world"] if spec["kind"] != "floor" else 1
+    world = spec["world"] if spec["impl"] != "floor" else 1
     if world == 1:
         print(json.dumps(_time_and_memory(spec, rank=0, world=1)))
         return
@@ -217,7 +234,6 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from clip_train.loss import contrastive_loss
     from clip_train.memory import peak_bytes, used_bytes
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
@@ -227,19 +243,17 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
     gen = torch.Generator().manual_seed(rank)
     images = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
     texts = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
-    if spec["kind"] == "floor":
+    if spec["impl"] == "floor":
         step = _matmul_floor(images, texts)
     else:
-        images.requires_grad_()
-        texts.requires_grad_()
-        scale = torch.tensor(spec["scale"], device=device, requires_grad=True)
+        leaves = [images.requires_grad_(), texts.requires_grad_()]
+        leaves += [torch.tensor(spec[key], device=device, requires_grad=True) for key in ("scale", "bias")]
+        loss_fn = _loss_fn(spec, rank, world)
 
         def step() -> None:
-            loss = contrastive_loss(
-                images, texts, scale, impl=spec["kind"], kernel=spec["kernel"], tile_size=spec["tile"] or None
-            )
-            loss.backward()
-            images.grad = texts.grad = scale.grad = None
+            loss_fn(*leaves).backward()
+            for leaf in leaves:
+                leaf.grad = None
 
     def sync() -> None:
         if device.type == "cuda":
@@ -261,6 +275,29 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
         times.append(time.perf_counter() - start)
     peak = peak_bytes(device) - base
     return {"time_s": statistics.median(times), "times_s": times, "peak_mib": max(peak, 0) / MIB}
+
+
+def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
+    """``(images, texts, scale, bias) -> loss`` for the benchmarked implementation."""
+    from clip_train.loss import contrastive_loss
+
+    if spec["impl"] == "open_clip":
+        from open_clip.loss import SigLipLoss
+
+        return SigLipLoss(rank=rank, world_size=world)
+    options = {
+        "kind": spec["kind"],
+        "impl": spec["impl"],
+        "kernel": spec["kernel"],
+        "tile_size": spec["tile"] or None,
+    }
+
+    def loss(images: Any, texts: Any, scale: Any, bias: Any) -> Any:
+        return contrastive_loss(
+            images, texts, scale, logit_bias=bias if spec["kind"] == "sigmoid" else None, **options
+        )
+
+    return loss
 
 
 def _matmul_floor(images: Any, texts: Any) -> Any:
@@ -285,15 +322,15 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for color, kind in enumerate(dict.fromkeys(_label(r) for r in results)):
-        done = [r for r in results if _label(r) == kind and r["time_s"] is not None]
+    for color, impl in enumerate(dict.fromkeys(_label(r) for r in results)):
+        done = [r for r in results if _label(r) == impl and r["time_s"] is not None]
         if not done:
             continue
         batches = [r["batch"] for r in done]
-        label = "b×b×d matmul" if kind == "floor" else kind
-        if kind != "floor":
-            mem_ax.plot(batches, [r["peak_mib"] for r in done], "o-", color=f"C{color}", label=kind)
-        style = "o--" if kind == "floor" else "o-"
+        label = "b×b×d matmul" if impl == "floor" else impl
+        if impl != "floor":
+            mem_ax.plot(batches, [r["peak_mib"] for r in done], "o-", color=f"C{color}", label=impl)
+        style = "o--" if impl == "floor" else "o-"
         time_ax.plot(batches, [r["time_s"] for r in done], style, color=f"C{color}", label=label)
     for ax, ylabel in ((mem_ax, "peak extra memory per rank (MiB)"), (time_ax, "forward+backward time (s)")):
         ax.set_xscale("log", base=2)
@@ -302,7 +339,7 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    world = results[0]["world"] if results else 1
-    fig.suptitle(f"contrastive loss, world={world} (OOM-skipped configurations omitted)")
+    world, kind = (results[0]["world"], results[0]["kind"]) if results else (1, "softmax")
+    fig.suptitle(f"{kind} loss, world={world} (OOM-skipped configurations omitted)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

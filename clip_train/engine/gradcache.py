@@ -36,7 +36,7 @@ from clip_train.distributed import rank_and_world
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
-from clip_train.loss.ring import select_kernels
+from clip_train.loss.kernels import select_kernels
 from clip_train.precision import PRECISIONS, autocast
 
 Precision = Literal["fp32", "fp64", "bf16", "fp16"]

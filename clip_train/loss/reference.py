@@ -3,6 +3,7 @@
 * ``vanilla_loss`` — CLIP's original: gather both towers with grad, build the full b×b logits.
 * ``local_loss`` — open_clip's ``local_loss=True, gather_with_grad=True``: this rank's rows
   against all gathered columns, (n × b) in each direction.
+* ``vanilla_sigmoid_loss`` — SigLIP: this rank's rows against all gathered texts (n × b).
 
 Both return the mean loss over this rank's own rows (and, in symmetric mode, own columns), so
 the average over ranks is the global loss and the gathers' summed backward hands each rank
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clip_train.loss._common import Batch, gather_with_grad
+from clip_train.loss.checks import Batch, gather_with_grad
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -49,3 +50,19 @@ def local_loss(
     all_images = gather_with_grad(image_features, batch)
     text_to_image = _cross_entropy(logit_scale * text_features @ all_images.t(), batch.labels)
     return (image_to_text + text_to_image) / 2
+
+
+def vanilla_sigmoid_loss(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor,
+    batch: Batch,
+) -> torch.Tensor:
+    all_texts = gather_with_grad(text_features, batch)
+    logits = logit_scale * image_features @ all_texts.t() + logit_bias  # (n, W·n)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    signs = -torch.ones_like(logits)
+    signs[torch.arange(len(logits), device=logits.device), batch.labels] = 1.0
+    return -F.logsigmoid(signs * logits).sum() / image_features.shape[0]

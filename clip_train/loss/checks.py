@@ -1,4 +1,4 @@
-"""Argument checks and process-group plumbing shared by every loss implementation."""
+"""Argument checks, process-group plumbing and small helpers shared by every loss implementation."""
 
 from __future__ import annotations
 
@@ -136,3 +136,8 @@ def gather_with_grad(tensor: torch.Tensor, batch: Batch) -> torch.Tensor:
     from torch.distributed.nn.functional import all_gather
 
     return torch.cat(all_gather(tensor, group=batch.group), dim=0)
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Row-wise dot products, accumulated in ``dtype``."""
+    return (a.to(dtype) * b.to(dtype)).sum(dim=1)

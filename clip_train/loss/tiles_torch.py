@@ -1,14 +1,14 @@
-"""Tiled PyTorch kernels for one text block against this rank's image rows (the CPU path).
+"""PyTorch tiles: one text block against this rank's image rows, on any device.
 
 Each function walks the (n × m) similarity block ``X = s·I Tᵀ`` in t×t tiles and holds one
 tile at a time. A tile's logits come from one matmul into a tile buffer (the scale rides along
-as the matmul's ``alpha``, so it costs nothing); the elementwise work
-then runs over strips of its rows small enough to stay in cache, so a tile crosses main memory
-about twice however many elementwise steps it takes. The forward feeds both directions from the
-same exponentials. The backward spends two more matmuls per tile on the gradients of both
-feature sets, and recomputes every tile except the forward's last, whose logits the forward
-hands over (:class:`LastTile`) along with its buffer. The ring in ``ring.py`` calls these once
-per text block in hand; ``triton_kernels.py`` provides the same two functions on CUDA.
+as the matmul's ``alpha``, so it costs nothing); the elementwise work then runs over strips of
+its rows small enough to stay in cache, so a tile crosses main memory about twice however many
+elementwise steps it takes. The softmax forward feeds both directions from the same
+exponentials. Each backward spends two more matmuls per tile on the gradients of both feature
+sets, and recomputes every tile except the forward's last, whose logits the forward hands over
+(:class:`LastTile`) along with its buffer. ``softmax.py`` and ``sigmoid.py`` call these once per
+text block in hand; ``tiles_triton.py`` provides the same four functions as fused CUDA kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def default_tile(device: torch.device) -> int:
     return 4096 if device.type == "cpu" else 8192
 
 
-def default_strip(device: torch.device) -> int:
+def _default_strip(device: torch.device) -> int:
     """Elements per strip: cache-sized on CPU; on CUDA the whole tile (each strip op is a kernel
     launch there, and a tile's elementwise pass is bandwidth-bound either way)."""
     return STRIP_ELEMENTS if device.type == "cpu" else 1 << 62
@@ -61,9 +61,13 @@ def _view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def _strip_buffer(like: torch.Tensor, tile_rows: int, tile_cols: int, strip_elements: int) -> torch.Tensor:
-    """Room for one strip: as many whole rows of a tile as fit in ``strip_elements``, at least one."""
-    return like.new_empty(min(tile_rows, max(1, strip_elements // tile_cols)) * tile_cols)
+def _strip_buffer(
+    like: torch.Tensor, tile_rows: int, tile_cols: int, strip_elements: int | None
+) -> torch.Tensor:
+    """Room for one strip: as many whole rows of a tile as fit in ``strip_elements`` (by default
+    the device's), at least one."""
+    elements = strip_elements or _default_strip(like.device)
+    return like.new_empty(min(tile_rows, max(1, elements // tile_cols)) * tile_cols)
 
 
 def _strips(tile: torch.Tensor, strip: torch.Tensor) -> Iterator[slice]:
@@ -90,14 +94,14 @@ def _exp_sums(
     return row_sums, col_sums
 
 
-def block_forward(
+def softmax_forward(
     images: torch.Tensor,
     texts: torch.Tensor,
     scale: float,
     row_lse: torch.Tensor,
     col_lse: torch.Tensor | None,
     tile: int,
-    strip_elements: int = STRIP_ELEMENTS,
+    strip_elements: int | None = None,
 ) -> LastTile:
     """Merge the log-sum-exps of ``X = scale · images @ textsᵀ`` into ``row_lse`` and ``col_lse``.
 
@@ -183,7 +187,7 @@ def _softmax_grads_(
     return logits
 
 
-def block_backward(
+def softmax_backward(
     images: torch.Tensor,
     texts: torch.Tensor,
     scale: float,
@@ -195,7 +199,7 @@ def block_backward(
     grad_texts: torch.Tensor,
     tile: int,
     last_tile: LastTile | None = None,
-    strip_elements: int = STRIP_ELEMENTS,
+    strip_elements: int | None = None,
 ) -> None:
     """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts``.
 
@@ -209,22 +213,81 @@ def block_backward(
     if row_shift is None and col_shift is None:
         return  # both coefficients are zero: G is zero
     sign = row_sign if row_shift is not None else col_sign  # G's overall sign; the other is relative
+    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
+    for rows, cols, logits in _backward_tiles(images, texts, scale, tile, last_tile):
+        row_shift_tile = row_shift[rows] if row_shift is not None else None
+        col_shift_tile = col_shift[cols] if col_shift is not None else None
+        grads = _softmax_grads_(logits, row_shift_tile, col_shift_tile, row_sign * col_sign, strip)
+        grad_images[rows].addmm_(grads, texts[cols], alpha=sign)
+        grad_texts[cols].addmm_(grads.t(), images[rows], alpha=sign)
+
+
+def _backward_tiles(
+    images: torch.Tensor, texts: torch.Tensor, scale: float, tile: int, last_tile: LastTile | None
+) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """Every tile's (rows, cols, logits), the forward's hand-over first (not recomputed); the
+    caller may overwrite each tile's logits before asking for the next."""
+    n, m = images.shape[0], texts.shape[0]
     order = [(rows, cols) for rows in _tiles(n, tile) for cols in _tiles(m, tile)]
     if last_tile is None:
         buffer = images.new_empty(min(tile, n) * min(tile, m))
     else:
         buffer = last_tile.buffer
         order.remove((last_tile.rows, last_tile.cols))
-        order.insert(0, (last_tile.rows, last_tile.cols))
+        yield last_tile.rows, last_tile.cols, last_tile.logits
+    for rows, cols in order:
+        yield rows, cols, _logits(buffer, images[rows], texts[cols], scale)
+
+
+def sigmoid_forward(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    scale: float,
+    bias: float,
+    tile: int,
+    strip_elements: int | None = None,
+) -> tuple[torch.Tensor, LastTile]:
+    """``Σ softplus(X)`` over the block, ``X = scale · images @ textsᵀ + bias``: every pair's loss
+    as a negative (the positives' correction, ``-X_ii``, is the caller's), and the last tile."""
+    n, m = images.shape[0], texts.shape[0]
+    buffer = images.new_empty(min(tile, n) * min(tile, m))
     strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
-    for index, (rows, cols) in enumerate(order):
-        images_tile, texts_tile = images[rows], texts[cols]
-        if index > 0 or last_tile is None:  # the hand-over already holds the first tile's logits
-            logits = _logits(buffer, images_tile, texts_tile, scale)
-        else:
-            logits = last_tile.logits
-        row_shift_tile = row_shift[rows] if row_shift is not None else None
-        col_shift_tile = col_shift[cols] if col_shift is not None else None
-        grads = _softmax_grads_(logits, row_shift_tile, col_shift_tile, row_sign * col_sign, strip)
-        grad_images[rows].addmm_(grads, texts_tile, alpha=sign)
-        grad_texts[cols].addmm_(grads.t(), images_tile, alpha=sign)
+    zero = images.new_zeros(())
+    total = images.new_zeros(())
+    for rows in _tiles(n, tile):
+        for cols in _tiles(m, tile):
+            logits = _logits(buffer, images[rows], texts[cols], scale)
+            for part in _strips(logits, strip):
+                shifted = torch.add(
+                    logits[part], bias, out=_view(strip, part.stop - part.start, logits.shape[1])
+                )
+                total += torch.logaddexp(shifted, zero, out=shifted).sum()  # softplus, in place
+    return total, LastTile(rows, cols, buffer)
+
+
+def sigmoid_backward(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    scale: float,
+    bias: float,
+    coef: float,
+    grad_images: torch.Tensor,
+    grad_texts: torch.Tensor,
+    tile: int,
+    last_tile: LastTile | None = None,
+    strip_elements: int | None = None,
+) -> torch.Tensor:
+    """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts`` for
+    ``G = coef · sigmoid(X)``, the negatives' part of the sigmoid loss's gradient; returns ``Σ G``
+    (the bias gradient's share). The elementwise work runs in place, strip by strip."""
+    total = images.new_zeros(())
+    if coef == 0:
+        return total
+    n, m = images.shape[0], texts.shape[0]
+    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
+    for rows, cols, logits in _backward_tiles(images, texts, scale, tile, last_tile):
+        for part in _strips(logits, strip):
+            total += logits[part].add_(bias).sigmoid_().sum()
+        grad_images[rows].addmm_(logits, texts[cols], alpha=coef)
+        grad_texts[cols].addmm_(logits.t(), images[rows], alpha=coef)
+    return total * coef

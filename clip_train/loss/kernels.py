@@ -1,0 +1,50 @@
+"""Which tile kernels compute each rank's blocks: PyTorch tiles or fused Triton kernels."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+Kernel = Literal["auto", "torch", "triton"]
+KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A module with ``softmax_forward/backward`` and ``sigmoid_forward/backward``, and the dtype
+    it wants the features in."""
+
+    functions: ModuleType
+    feature_dtype: torch.dtype
+
+
+def select_kernels(kernel: str, device: torch.device, dtype: torch.dtype, dim: int) -> Tiles:
+    """``torch`` (PyTorch tiles in fp32/fp64, any device) or ``triton`` (fused kernels on CUDA, or on
+    CPU tensors under ``TRITON_INTERPRET=1``; fp32 features with d ≤ 512, bf16/fp16 with d ≤ 1024).
+
+    ``auto`` is ``torch`` on every device. On CUDA the PyTorch tiles are 8192² cuBLAS matmuls with
+    bandwidth-bound elementwise passes between them, and they are the path every CPU test and
+    benchmark exercises; the Triton kernels keep the tile on chip but have not yet been timed on
+    a GPU (``make gpu-check`` measures both). ``auto`` moves to Triton once that shows it faster.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"contrastive_loss: unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if kernel != "triton":
+        from clip_train.loss import tiles_torch
+
+        return Tiles(tiles_torch, torch.float64 if dtype == torch.float64 else torch.float32)
+    from clip_train.loss import tiles_triton
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"contrastive_loss: kernel='triton' needs a CUDA device, got {device}")
+    if dtype not in tiles_triton.DTYPES or dim > tiles_triton.max_dim(dtype):
+        raise ValueError(
+            "contrastive_loss: kernel='triton' takes fp32 features with d <= 512 or bf16/fp16 ones with "
+            f"d <= 1024, got {dtype} with d = {dim}; use kernel='torch'"
+        )
+    return Tiles(tiles_triton, dtype)

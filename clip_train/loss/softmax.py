@@ -1,0 +1,132 @@
+"""The softmax (CLIP / InfoNCE) loss, tiled on each rank and ringed across ranks (``impl="inf"``).
+
+Forward: each rank merges its tiles' log-sum-exps into its own row LSE and into the column LSE
+of the text block in hand, which travels with the block (symmetric mode; hard negatives need
+rows only). Backward: the tile kernels form G from both LSEs. A column's softmax term is part of
+its owner's loss, so it takes the owner's upstream gradient (one all-gather of W scalars), which
+may differ from this rank's.
+
+Scale gradient: rank r returns ⟨I_r, dI_r⟩ / s, i.e. Σ G∘X/s over its own rows' tiles. Summed
+over ranks that is every tile exactly once, so the per-rank values average to ∂L_global/∂s
+(Inf-CL instead returns the full sum on every rank, W× too large).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from clip_train.loss.checks import Batch, row_dots
+from clip_train.loss.kernels import Tiles
+from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
+
+
+def _positives(batch: Batch, owner: int, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows whose positive lies in the text block of rank ``owner``, and the block rows they pair with.
+
+    ``None`` stands for the whole diagonal of the home block in symmetric mode (no indexing).
+    """
+    if batch.symmetric:
+        return None
+    rows = ((batch.labels // m) == owner).nonzero().squeeze(1)
+    return rows, batch.labels[rows] - owner * m
+
+
+class SoftmaxLoss(torch.autograd.Function):
+    @staticmethod
+    @without_autocast
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        batch: Batch,
+        tile: int,
+        tiles: Tiles,
+    ) -> torch.Tensor:
+        # Contiguous copies (or the inputs themselves): the kernels and the ring's buffers need them.
+        images = image_features.detach().to(tiles.feature_dtype).contiguous()
+        texts = text_features.detach().to(tiles.feature_dtype).contiguous()
+        acc_dtype = torch.promote_types(images.dtype, torch.float32)  # LSEs and gradient sums
+        scale = float(logit_scale)
+        (n, _), m = images.shape, texts.shape[0]
+        row_lse = images.new_full((n,), -math.inf, dtype=acc_dtype)
+        positive_logits = images.new_zeros(n, dtype=acc_dtype)
+        last_tile = None
+
+        def visit(owner: int, block: torch.Tensor, col_lse: torch.Tensor | None) -> None:
+            nonlocal last_tile
+            last_tile = tiles.functions.softmax_forward(images, block, scale, row_lse, col_lse, tile)
+            pairs = _positives(batch, owner, m)
+            if pairs is not None:
+                positive_logits[pairs[0]] = row_dots(images[pairs[0]], block[pairs[1]], acc_dtype) * scale
+            elif owner == batch.rank:
+                positive_logits.copy_(row_dots(images, block, acc_dtype) * scale)
+
+        col_lse = images.new_full((m,), -math.inf, dtype=acc_dtype) if batch.symmetric else None
+        block, held_col_lse, col_lse = forward_pass(batch, texts, col_lse, visit)
+        lse_sum = row_lse.sum() + (col_lse.sum() if col_lse is not None else 0.0)
+        loss = lse_sum / (2 * n if batch.symmetric else n) - positive_logits.sum() / n
+        # The backward starts from the block in hand, the one the forward ended on.
+        ctx.save_for_backward(images, block, row_lse, held_col_lse)
+        ctx.batch, ctx.tile, ctx.tiles, ctx.scale, ctx.last_tile = batch, tile, tiles, scale, last_tile
+        ctx.input_dtypes = (image_features.dtype, text_features.dtype, logit_scale.dtype, logit_scale.shape)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @without_autocast
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        images, block, row_lse, col_lse = ctx.saved_tensors
+        # The hand-over's buffer is overwritten here; a second backward (retain_graph) recomputes.
+        last_tile, ctx.last_tile = ctx.last_tile, None
+        batch: Batch = ctx.batch
+        n, m = images.shape[0], block.shape[0]
+        acc_dtype = row_lse.dtype
+        upstream = float(grad_loss)
+        # Each direction's mean over this rank's rows is scaled by this rank's upstream gradient.
+        row_coef = upstream / (2 * n if batch.symmetric else n)
+        col_coefs = rank_coefficients(row_coef, batch, images.device) if batch.symmetric else None
+        # Gradients without the factor s (dI / s, dT / s): their dot with I and T gives ∂L/∂s.
+        grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
+
+        def visit(owner: int, travelling: list[torch.Tensor]) -> torch.Tensor:
+            nonlocal last_tile
+            block, *carried = travelling
+            grad_block = images.new_zeros(block.shape, dtype=acc_dtype)
+            ctx.tiles.functions.softmax_backward(
+                images,
+                block,
+                ctx.scale,
+                row_lse,
+                row_coef,
+                carried[0] if carried else None,
+                col_coefs[owner] if col_coefs is not None else 0.0,
+                grad_images,
+                grad_block,
+                ctx.tile,
+                last_tile,
+            )
+            last_tile = None  # only the first block visited is the forward's last
+            pairs, positive_coef = _positives(batch, owner, m), upstream / n
+            if pairs is not None:
+                grad_images.index_add_(0, pairs[0], block[pairs[1]].to(acc_dtype), alpha=-positive_coef)
+                grad_block.index_add_(0, pairs[1], images[pairs[0]].to(acc_dtype), alpha=-positive_coef)
+            elif owner == batch.rank:
+                grad_images.sub_(block.to(acc_dtype), alpha=positive_coef)
+                grad_block.sub_(images.to(acc_dtype), alpha=positive_coef)
+            return grad_block
+
+        grad_texts = backward_pass(batch, [block] + ([col_lse] if col_lse is not None else []), visit)
+        image_dtype, text_dtype, scale_dtype, scale_shape = ctx.input_dtypes
+        grad_scale = row_dots(images, grad_images, acc_dtype).sum()
+        return (
+            grad_images.mul_(ctx.scale).to(image_dtype),
+            grad_texts.mul_(ctx.scale).to(text_dtype),
+            grad_scale.to(scale_dtype).reshape(scale_shape),
+            None,
+            None,
+            None,
+        )

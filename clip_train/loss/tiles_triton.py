@@ -1,0 +1,383 @@
+"""Triton tiles: one text block against this rank's image rows, as fused CUDA kernels.
+
+Same four functions as ``tiles_torch.py`` (except that the forwards hand no last tile to the
+backwards). Features may be fp32, bf16 or fp16; logits, exponentials and every accumulator are
+fp32 (fp32 operands use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set).
+
+* Forwards: each program owns one (BLOCK_M × BLOCK_N) tile of ``X = s·I Tᵀ (+ b)`` and writes
+  the tile's row and column log-sum-exps (softmax) or its sum of softplus (sigmoid); the host
+  reduces them (a 1/BLOCK-sized reduction), column chunk by column chunk to bound that buffer.
+* Backwards: no atomics. ``dI = G T`` and ``dT = Gᵀ I`` are two launches of one *owner* kernel:
+  each program owns a block of rows of one side (image rows for dI, text rows for dT), keeps
+  them and their whole gradient (BLOCK × the padded dim, fp32) in registers, and streams every
+  row of the other side past them: one load of each streamed block serves both the logits
+  (``a bᵀ``) and the gradient (``g b``). Each program then writes its own rows once. A tile-grid
+  backward, where every tile adds its (64 × d) partial gradients into both outputs, does
+  n·m·d/32 global atomic read-modify-writes: 275 GB at n = m = 65,536, d = 512. The owner
+  layout trades that for recomputing the logits once more (5 matmul-equivalents for the whole
+  loss instead of 4), and is why the Triton path takes d ≤ 1024 (≤ 512 for fp32 features).
+
+Plain ``tl`` operations only — no inline PTX — with masked loads for ragged edges and int64
+offsets, so the kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them)
+and compile ahead of time for sm_80/sm_90 on a machine without a GPU (``tests/test_triton_aot.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+PARTIAL_BUDGET = 1 << 24  # floats in the softmax forward's per-tile partial LSE buffers
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# (owned rows, streamed rows) per program, by operand bytes and padded dim, all at 8 warps and 2
+# stages: the largest owned blocks whose fp32 gradient rows, operands and logits fit 255 registers
+# without spilling on sm_80 and sm_90 (ptxas -v, tests/test_triton_aot.py). fp32 operands at
+# d = 1024 spill in every layout, hence the lower limit for fp32.
+OWNER_BLOCKS = {
+    2: {64: (64, 64), 128: (64, 32), 256: (32, 16), 512: (16, 32), 1024: (16, 16)},
+    4: {64: (64, 32), 128: (64, 16), 256: (32, 16), 512: (16, 16)},
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Block sizes and launch options of one kernel specialisation."""
+
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: TF32 for fp32 only when PyTorch allows it (never interpreted)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreted
+    return "tf32" if tf32 else "ieee"
+
+
+def max_dim(dtype: torch.dtype) -> int:
+    """The widest embedding the backward can hold on chip for features of ``dtype``."""
+    return max(OWNER_BLOCKS[_itemsize(dtype)])
+
+
+def forward_launch(dtype: torch.dtype, kind: str, has_cols: bool, precision: str) -> Launch:
+    """16-bit operands take twice the rows and depth for the same shared memory; the fp32 logits
+    tile and its exponentials bound the rest (128 × 128 spills)."""
+    rows, depth = (128, 64) if dtype != torch.float32 else (64, 32)
+    constexprs = {"BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_D": depth, "PRECISION": precision}
+    if kind == "softmax":
+        constexprs["HAS_COLS"] = has_cols
+    return Launch(constexprs, num_warps=8, num_stages=3)
+
+
+def owner_launch(dtype: torch.dtype, dim: int, sigmoid: bool, precision: str) -> Launch:
+    dim_block = max(64, triton.next_power_of_2(dim))
+    owned, streamed = OWNER_BLOCKS[_itemsize(dtype)][dim_block]
+    constexprs = {
+        "SIGMOID": sigmoid,
+        "BLOCK_OWNED": owned,
+        "BLOCK_STREAMED": streamed,
+        "BLOCK_DIM": dim_block,
+        "PRECISION": precision,
+    }
+    return Launch(constexprs, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _tile_logits(
+    images, texts, n, m, dim, stride_images, stride_texts, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """This program's tile of ``scale · images textsᵀ`` (fp32): its rows, columns and their masks."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < n, cols < m
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_offsets = rows.to(tl.int64)[:, None] * stride_images
+    col_offsets = cols.to(tl.int64)[:, None] * stride_texts
+    for start in range(0, dim, BLOCK_D):
+        ks = start + tl.arange(0, BLOCK_D)
+        k_mask = ks < dim
+        a = tl.load(images + row_offsets + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(texts + col_offsets + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return rows, cols, row_mask, col_mask, acc * scale
+
+
+@triton.jit
+def _softmax_forward_kernel(
+    images, texts, row_part, col_part, n, m, dim, stride_images, stride_texts, scale,
+    HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    rows, cols, row_mask, col_mask, x = _tile_logits(
+        images, texts, n, m, dim, stride_images, stride_texts, scale, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
+    )
+    x = tl.where(row_mask[:, None] & col_mask[None, :], x, float("-inf"))
+    row_max = tl.where(row_mask, tl.max(x, axis=1), 0.0)
+    row_sums = tl.where(row_mask, tl.sum(tl.exp(x - row_max[:, None]), axis=1), 1.0)
+    tl.store(row_part + tl.program_id(1).to(tl.int64) * n + rows, row_max + tl.log(row_sums), mask=row_mask)
+    if HAS_COLS:
+        col_max = tl.where(col_mask, tl.max(x, axis=0), 0.0)
+        col_sums = tl.where(col_mask, tl.sum(tl.exp(x - col_max[None, :]), axis=0), 1.0)
+        col_lse = col_max + tl.log(col_sums)
+        tl.store(col_part + tl.program_id(0).to(tl.int64) * m + cols, col_lse, mask=col_mask)
+
+
+@triton.jit
+def _sigmoid_forward_kernel(
+    images, texts, part, n, m, dim, stride_images, stride_texts, scale, bias,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    _, _, row_mask, col_mask, x = _tile_logits(
+        images, texts, n, m, dim, stride_images, stride_texts, scale, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
+    )
+    x += bias
+    softplus = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    softplus = tl.where(row_mask[:, None] & col_mask[None, :], softplus, 0.0)
+    tl.store(part + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(softplus))
+
+
+@triton.jit
+def _owner_kernel(
+    owned, streamed, owned_lse, streamed_lse, grad, row_sums, n_owned, n_streamed, dim,
+    stride_owned, stride_streamed, scale, bias, owned_coef, streamed_coef, grad_scale,
+    SIGMOID: tl.constexpr, BLOCK_OWNED: tl.constexpr, BLOCK_STREAMED: tl.constexpr,
+    BLOCK_DIM: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``grad[rows] += grad_scale · Σ_j g_ij streamed_j`` for this program's owned rows, with
+    ``x_ij = scale · owned_i · streamed_j`` and, for softmax,
+    ``g_ij = owned_coef·exp(x_ij - owned_lse_i) + streamed_coef·exp(x_ij - streamed_lse_j)``,
+    for sigmoid ``g_ij = owned_coef·sigmoid(x_ij + bias)`` (then ``row_sums`` gets Σ_j g_ij).
+    The coefficients arrive divided by ``grad_scale`` so that |g| ≤ 2 survives the cast to a
+    16-bit dot operand."""
+    rows = tl.program_id(0) * BLOCK_OWNED + tl.arange(0, BLOCK_OWNED)
+    ks = tl.arange(0, BLOCK_DIM)
+    row_mask, k_mask = rows < n_owned, ks < dim
+    owned_block = tl.load(
+        owned + rows.to(tl.int64)[:, None] * stride_owned + ks[None, :],
+        mask=row_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    if not SIGMOID:
+        row_lse = tl.load(owned_lse + rows, mask=row_mask, other=float("inf"))
+    acc = tl.zeros((BLOCK_OWNED, BLOCK_DIM), dtype=tl.float32)
+    sums = tl.zeros((BLOCK_OWNED,), dtype=tl.float32)
+    for start in range(0, n_streamed, BLOCK_STREAMED):
+        cols = start + tl.arange(0, BLOCK_STREAMED)
+        col_mask = cols < n_streamed
+        block = tl.load(
+            streamed + cols.to(tl.int64)[:, None] * stride_streamed + ks[None, :],
+            mask=col_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        x = tl.dot(owned_block, tl.trans(block), input_precision=PRECISION) * scale
+        if SIGMOID:
+            g = owned_coef * tl.sigmoid(x + bias)
+        else:
+            col_lse = tl.load(streamed_lse + cols, mask=col_mask, other=float("inf"))
+            g = owned_coef * tl.exp(x - row_lse[:, None]) + streamed_coef * tl.exp(x - col_lse[None, :])
+        # Padding is zero, so x = 0 there, and exp(0 - lse) may overflow: inf·0 would be NaN.
+        g = tl.where(row_mask[:, None] & col_mask[None, :], g, 0.0)
+        if SIGMOID:
+            sums += tl.sum(g, axis=1)
+        acc = tl.dot(g.to(block.dtype), block, acc, input_precision=PRECISION)
+    out = grad + rows.to(tl.int64)[:, None] * dim + ks[None, :]
+    out_mask = row_mask[:, None] & k_mask[None, :]
+    tl.store(out, tl.load(out, mask=out_mask, other=0.0) + acc * grad_scale, mask=out_mask)
+    if SIGMOID:
+        tl.store(row_sums + rows, sums * grad_scale, mask=row_mask)
+
+
+def _check(features: tuple[torch.Tensor, ...], accumulators: tuple[torch.Tensor, ...] = ()) -> None:
+    dtypes = {t.dtype for t in features}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
+        raise ValueError(f"triton loss kernels take fp32, bf16 or fp16 features of one dtype, got {dtypes}")
+    for t in accumulators:
+        if t.dtype != torch.float32:
+            raise ValueError(f"triton loss kernels accumulate in float32, got a {t.dtype} accumulator")
+    for t in (*features, *accumulators):
+        if not t.is_contiguous():
+            raise ValueError(f"triton loss kernels take contiguous tensors, got strides {t.stride()}")
+    if features[0].shape[1] > max_dim(features[0].dtype):
+        limit = max_dim(features[0].dtype)
+        raise ValueError(f"triton loss kernels take {features[0].dtype} features with d <= {limit}")
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], launch: Launch, *args: Any) -> None:
+    kernel[grid](*args, **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
+def softmax_forward(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    scale: float,
+    row_lse: torch.Tensor,
+    col_lse: torch.Tensor | None,
+    tile: int,
+) -> None:
+    """Merge the row (and column) log-sum-exps of ``scale · images @ textsᵀ`` into the accumulators."""
+    _check((images, texts))
+    (n, dim), m = images.shape, texts.shape[0]
+    launch = forward_launch(images.dtype, "softmax", col_lse is not None, _precision(images.dtype))
+    block_m, block_n = launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"]
+    row_tiles = triton.cdiv(n, block_m)
+    # Partial LSEs per column of a chunk: one per row tile, plus n/BLOCK_N per row.
+    floats_per_column = row_tiles + triton.cdiv(n, block_n)
+    chunk = max(block_n, min(tile, PARTIAL_BUDGET // floats_per_column) // block_n * block_n)
+    for start in range(0, m, chunk):
+        part = texts[start : start + chunk]
+        grid = (row_tiles, triton.cdiv(len(part), block_n))
+        row_part = row_lse.new_empty(grid[1], n)
+        col_part = row_lse.new_empty(grid[0], len(part)) if col_lse is not None else row_part
+        args = (images, part, row_part, col_part, n, len(part), dim, images.stride(0), part.stride(0), scale)
+        _launch(_softmax_forward_kernel, grid, launch, *args)
+        torch.logaddexp(row_lse, torch.logsumexp(row_part, dim=0), out=row_lse)
+        if col_lse is not None:
+            cols = col_lse[start : start + len(part)]
+            torch.logaddexp(cols, torch.logsumexp(col_part, dim=0), out=cols)
+
+
+def sigmoid_forward(
+    images: torch.Tensor, texts: torch.Tensor, scale: float, bias: float, tile: int
+) -> tuple[torch.Tensor, None]:
+    """``Σ softplus(scale · images @ textsᵀ + bias)`` over the block (see tiles_torch.py)."""
+    del tile  # one partial sum per program; nothing to chunk
+    _check((images, texts))
+    (n, dim), m = images.shape, texts.shape[0]
+    launch = forward_launch(images.dtype, "sigmoid", False, _precision(images.dtype))
+    grid = (triton.cdiv(n, launch.constexprs["BLOCK_M"]), triton.cdiv(m, launch.constexprs["BLOCK_N"]))
+    part = images.new_empty(grid, dtype=torch.float32)
+    args = (images, texts, part, n, m, dim, images.stride(0), texts.stride(0), scale, bias)
+    _launch(_sigmoid_forward_kernel, grid, launch, *args)
+    return part.sum(), None
+
+
+def _owner_pass(
+    owned: torch.Tensor,
+    streamed: torch.Tensor,
+    scale: float,
+    grad: torch.Tensor,
+    *,
+    owned_lse: torch.Tensor | None = None,
+    owned_coef: float = 0.0,
+    streamed_lse: torch.Tensor | None = None,
+    streamed_coef: float = 0.0,
+    bias: float | None = None,
+    row_sums: torch.Tensor | None = None,
+) -> None:
+    """One launch of the owner kernel: ``grad += G @ streamed`` with G oriented owned × streamed.
+
+    Softmax: an absent term (no column LSE in hard-negative mode) gets a zero coefficient and an
+    infinite LSE, so its exponentials are exactly 0 rather than 0 · (whatever overflowed).
+    Sigmoid (``bias`` given): ``owned_coef`` is the one coefficient and ``row_sums`` (required)
+    receives Σ_j g_ij.
+    """
+    sigmoid = bias is not None
+    if not sigmoid:
+        if owned_lse is None:
+            owned_lse, owned_coef = owned.new_full((len(owned),), float("inf"), dtype=torch.float32), 0.0
+        if streamed_lse is None:
+            streamed_lse, streamed_coef = (
+                owned.new_full((len(streamed),), float("inf"), dtype=torch.float32),
+                0.0,
+            )
+    grad_scale = max(abs(owned_coef), abs(streamed_coef))
+    if grad_scale == 0:
+        return
+    launch = owner_launch(owned.dtype, owned.shape[1], sigmoid, _precision(owned.dtype))
+    grid = (triton.cdiv(owned.shape[0], launch.constexprs["BLOCK_OWNED"]),)
+    unused = grad  # pointers the specialisation never reads must still be tensors
+    args = (
+        owned, streamed, unused if sigmoid else owned_lse, unused if sigmoid else streamed_lse, grad,
+        row_sums if sigmoid else unused, len(owned), len(streamed), owned.shape[1],
+        owned.stride(0), streamed.stride(0), scale, bias or 0.0, owned_coef / grad_scale,
+        streamed_coef / grad_scale, grad_scale,
+    )  # fmt: skip
+    _launch(_owner_kernel, grid, launch, *args)
+
+
+def softmax_backward(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    scale: float,
+    row_lse: torch.Tensor,
+    row_coef: float,
+    col_lse: torch.Tensor | None,
+    col_coef: float,
+    grad_images: torch.Tensor,
+    grad_texts: torch.Tensor,
+    tile: int,
+    last_tile: None = None,
+) -> None:
+    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ images`` to ``grad_texts`` (see tiles_torch.py).
+
+    ``last_tile`` is always ``None``: the Triton forward keeps no logits to hand over.
+    """
+    del tile, last_tile  # each program streams the whole other side; nothing to chunk or reuse
+    _check((images, texts), (row_lse, grad_images, grad_texts, *([col_lse] if col_lse is not None else [])))
+    rows = {"owned_lse": row_lse, "owned_coef": row_coef, "streamed_lse": col_lse, "streamed_coef": col_coef}
+    cols = {"owned_lse": col_lse, "owned_coef": col_coef, "streamed_lse": row_lse, "streamed_coef": row_coef}
+    _owner_pass(images, texts, scale, grad_images, **rows)
+    _owner_pass(texts, images, scale, grad_texts, **cols)
+
+
+def sigmoid_backward(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    scale: float,
+    bias: float,
+    coef: float,
+    grad_images: torch.Tensor,
+    grad_texts: torch.Tensor,
+    tile: int,
+    last_tile: None = None,
+) -> torch.Tensor:
+    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ images`` to ``grad_texts`` for
+    ``G = coef · sigmoid(X)``; returns ``Σ G`` (see tiles_torch.py)."""
+    del tile, last_tile
+    _check((images, texts), (grad_images, grad_texts))
+    image_sums = images.new_zeros(len(images), dtype=torch.float32)
+    text_sums = images.new_zeros(len(texts), dtype=torch.float32)  # the same total, unused
+    _owner_pass(images, texts, scale, grad_images, owned_coef=coef, bias=bias, row_sums=image_sums)
+    _owner_pass(texts, images, scale, grad_texts, owned_coef=coef, bias=bias, row_sums=text_sums)
+    return image_sums.sum()
+
+
+def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
+    """Every specialisation the functions above can launch, with its argument types: what
+    ``tests/test_triton_aot.py`` compiles for each GPU architecture."""
+    precisions = {torch.float32: ("tf32", "ieee"), torch.bfloat16: ("ieee",), torch.float16: ("ieee",)}
+    for dtype, name in DTYPES.items():
+        feature = f"*{name}"
+        tile_args = {"images": feature, "texts": feature, "n": "i32", "m": "i32", "dim": "i32"}
+        tile_args |= {"stride_images": "i32", "stride_texts": "i32", "scale": "fp32"}
+        owner_args = {
+            "owned": feature, "streamed": feature, "owned_lse": "*fp32", "streamed_lse": "*fp32",
+            "grad": "*fp32", "row_sums": "*fp32", "n_owned": "i32", "n_streamed": "i32", "dim": "i32",
+            "stride_owned": "i32", "stride_streamed": "i32", "scale": "fp32", "bias": "fp32",
+            "owned_coef": "fp32", "streamed_coef": "fp32", "grad_scale": "fp32",
+        }  # fmt: skip
+        for precision in precisions[dtype]:
+            for has_cols in (True, False):
+                softmax_args = {**tile_args, "row_part": "*fp32", "col_part": "*fp32"}
+                yield (
+                    "_softmax_forward_kernel",
+                    forward_launch(dtype, "softmax", has_cols, precision),
+                    softmax_args,
+                )
+            sigmoid_args = {**tile_args, "part": "*fp32", "bias": "fp32"}
+            yield "_sigmoid_forward_kernel", forward_launch(dtype, "sigmoid", False, precision), sigmoid_args
+            for dim_block in OWNER_BLOCKS[_itemsize(dtype)]:
+                for sigmoid in (False, True):
+                    yield "_owner_kernel", owner_launch(dtype, dim_block, sigmoid, precision), owner_args
