@@ -16,13 +16,15 @@ $(VENV)/.installed-%: pyproject.toml | $(PY)
 
 comma := ,
 
-DEMO_RUN ?= runs/demo-digits
+# make demo DEMO_CONFIG=configs/demo-digits-siglip.yaml runs the demo with the sigmoid loss.
+DEMO_CONFIG ?= configs/demo-digits.yaml
+DEMO_RUN ?= runs/$(basename $(notdir $(DEMO_CONFIG)))
 
 # The main job: build the digits shards, train a tiny CLIP on 2 CPU processes, report zero-shot.
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/clip-train make-shards digits $(DEMO_DATA)
 	rm -rf $(DEMO_RUN)
-	OMP_NUM_THREADS=1 NPROC_PER_NODE=2 PYTHON=$(PY) launch/train.sh configs/demo-digits.yaml \
+	OMP_NUM_THREADS=1 NPROC_PER_NODE=2 PYTHON=$(PY) launch/train.sh $(DEMO_CONFIG) \
 		data.train=$(DEMO_DATA)/train data.val=$(DEMO_DATA)/val \
 		eval.zeroshot=$(DEMO_DATA)/zeroshot.json eval.zeroshot_data=$(DEMO_DATA)/val \
 		train.out_dir=$(DEMO_RUN) $(DEMO_ARGS)

@@ -58,9 +58,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    out_dir: str | os.PathLike, step: int, model: CLIP, model_cfg: ModelConfig, train_state: dict, keep: int
+    out_dir: str | os.PathLike,
+    step: int,
+    model: CLIP,
+    model_cfg: ModelConfig,
+    train_state: dict,
+    keep: int,
+    keep_every: int = 0,
 ) -> Path:
-    """Write one checkpoint atomically and prune all but the newest ``keep``. Call on one rank."""
+    """Write one checkpoint atomically and prune all but the newest ``keep``, and the milestones
+    (steps divisible by ``keep_every``, when it is not 0). Call on one rank."""
     root = checkpoint_root(out_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
@@ -78,7 +85,8 @@ def save_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     for old in complete_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (keep_every and checkpoint_step(old) % keep_every == 0):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -139,7 +147,12 @@ def complete_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     found = [d for d in root.iterdir() if _STEP_DIR.match(d.name) and _is_complete(d)]
-    return sorted(found, key=lambda d: int(_STEP_DIR.match(d.name).group(1)))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step in a ``step_NNNNNNNN`` directory's name."""
+    return int(_STEP_DIR.match(checkpoint.name).group(1))
 
 
 def resolve_resume(resume: str, out_dir: str | os.PathLike) -> Path | None:

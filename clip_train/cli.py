@@ -28,6 +28,7 @@ COMMANDS = (
     Command("make-shards", "clip_train.make_shards", "write WebDataset shards (folder, csv, digits)"),
     Command("export", "clip_train.export", "export a checkpoint for open_clip (clip_benchmark, HF Hub)"),
     Command("plan", "clip_train.plan", "per-GPU memory plan and the largest batch that fits"),
+    Command("config", "clip_train.commands.config", "print a resolved config, or every key (--keys)"),
 )
 BENCH_COMMANDS = (
     Command("loss", "clip_train.bench.loss", "contrastive loss time and memory vs batch size"),

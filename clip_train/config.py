@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -52,11 +53,11 @@ class ImageTowerConfig(TowerConfig):
 
 @dataclass
 class TextTowerConfig(TowerConfig):
-    """A transformers encoder; a non-empty ``hf_config`` builds a random-init model from it."""
+    """A transformers encoder: pretrained from ``hf``, or random-init from ``hf_config`` (one of them)."""
 
-    hf: str = "bert-base-uncased"  # hub name or local directory (model and tokenizer)
-    hf_config: dict[str, Any] = field(default_factory=dict)  # BertConfig keyword arguments
-    tokenizer: str = ""  # hub name or local dir; "" means the same as `hf`
+    hf: str = ""  # pretrained encoder: hub name or local directory (model and tokenizer); or hf_config
+    hf_config: dict[str, Any] = field(default_factory=dict)  # random init from these config keys; or hf
+    tokenizer: str = ""  # open_clip, a hub name or a local dir; "" means the same as `hf`
     pooling: Literal["cls", "mean"] = "cls"  # first token, or mask-aware mean of the tokens
     context_length: int = 64  # tokens per caption (padded or truncated)
 
@@ -64,7 +65,8 @@ class TextTowerConfig(TowerConfig):
 @dataclass
 class ModelConfig:
     embed_dim: int = 512  # width of the shared image-text embedding
-    init_logit_scale: float = 2.6592600369262695  # ln(1/0.07), as in CLIP
+    init_logit_scale: float | None = None  # None: ln(1/0.07) for softmax (CLIP), ln 10 for sigmoid (SigLIP)
+    init_logit_bias: float | None = None  # sigmoid only, learnable; None: -10 (SigLIP) for sigmoid
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
     init_from: str = ""  # a checkpoint or run dir to fine-tune from: weights only, no optimizer/step/data
@@ -85,6 +87,7 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
+    kind: Literal["softmax", "sigmoid"] = "softmax"  # CLIP's softmax or SigLIP's sigmoid loss
     impl: Literal["vanilla", "local", "inf", "auto"] = "auto"  # auto = inf (tiles and a ring of ranks)
     kernel: Literal["auto", "torch", "triton"] = "auto"  # inf's tiles: auto = torch (README: loss on GPUs)
     tile_size: int = 0  # 0 picks a size for the device
@@ -126,6 +129,7 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 1000  # also at the end of the run
     keep: int = 3  # newest complete checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (milestones); 0: none
     resume: str = ""  # "" (fresh run), "auto" (newest complete checkpoint) or a checkpoint path
 
 
@@ -195,8 +199,17 @@ class Config:
             raise ConfigError(f"optim.betas={self.optim.betas} must be two numbers in [0, 1)")
         if not 0.0 <= self.data.max_skip_fraction <= 1.0:
             raise ConfigError(f"data.max_skip_fraction={self.data.max_skip_fraction} must lie in [0, 1]")
+        if (self.loss.kind == "sigmoid") != (self.model.init_logit_bias is not None):
+            raise ConfigError(
+                f"model.init_logit_bias={self.model.init_logit_bias} with loss.kind={self.loss.kind}: the "
+                "bias belongs to the sigmoid loss (the softmax loss is blind to it); set both or neither"
+            )
+        if self.loss.kind == "sigmoid" and self.loss.impl == "local":
+            raise ConfigError("loss.impl=local is a softmax option; the sigmoid loss takes vanilla or inf")
         if self.loss.tile_size < 0:
             raise ConfigError(f"loss.tile_size={self.loss.tile_size} must be >= 0 (0 picks a size)")
+        _check_text_source(self.model.text)
+        _check_milestones(self.checkpoint)
         return self
 
 
@@ -204,6 +217,34 @@ def _check_positive(*items: tuple[str, float]) -> None:
     for key, value in items:
         if value <= 0:
             raise ConfigError(f"{key}={value} must be > 0")
+
+
+def _check_text_source(text: TextTowerConfig) -> None:
+    """Exactly one of ``hf`` and ``hf_config``: with both, one would be silently ignored."""
+    if text.hf and text.hf_config:
+        raise ConfigError(
+            f"model.text.hf={text.hf!r} and model.text.hf_config are both set: hf loads a pretrained "
+            "encoder, hf_config builds a random-init one; drop one (model.text.hf_config={} or "
+            "model.text.hf=)"
+        )
+    if not (text.hf or text.hf_config):
+        raise ConfigError(
+            "model.text.hf and model.text.hf_config are both empty: set hf to a pretrained encoder "
+            "(hub name or directory) or hf_config to a random-init architecture"
+        )
+    if text.hf_config and not text.tokenizer:
+        raise ConfigError(
+            "model.text.tokenizer is empty and model.text.hf_config has no vocabulary to take it from: "
+            "set model.text.tokenizer=open_clip, a hub name or a directory"
+        )
+
+
+def _check_milestones(checkpoint: CheckpointConfig) -> None:
+    if checkpoint.keep_every < 0 or checkpoint.keep_every % checkpoint.every_steps:
+        raise ConfigError(
+            f"checkpoint.keep_every={checkpoint.keep_every} must be 0 or a multiple of "
+            f"checkpoint.every_steps={checkpoint.every_steps}: only saved steps can be kept"
+        )
 
 
 def _check_batch(batch: BatchConfig, world: int) -> None:
@@ -242,13 +283,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
                 f"override {item!r} is not of the form key=value (e.g. batch.global_size=65536)"
             )
         _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
-    return _build(Config, raw, prefix="")
+    return _resolve_loss_parameters(_build(Config, raw, prefix=""))
+
+
+def _resolve_loss_parameters(config: Config) -> Config:
+    """Fill the logit scale and bias left at None with the chosen loss's own initial values, so the
+    saved config (and each checkpoint's model.yaml) records what the model was built with."""
+    sigmoid = config.loss.kind == "sigmoid"
+    if config.model.init_logit_scale is None:
+        config.model.init_logit_scale = math.log(10.0) if sigmoid else math.log(1 / 0.07)
+    if sigmoid and config.model.init_logit_bias is None:
+        config.model.init_logit_bias = -10.0
+    return config
+
+
+def config_yaml(config: Config) -> str:
+    """The resolved config as YAML, every key included, in declaration order."""
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
 
 
 def save_config(config: Config, path: str | os.PathLike) -> None:
     """Write the resolved config so a run directory records exactly what ran."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    Path(path).write_text(config_yaml(config))
 
 
 def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -393,4 +450,8 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
         raise bad
     if hint is Any:
         return value
+    if hint is type(None):
+        if value is None:
+            return None
+        raise bad
     raise ConfigError(f"{key}: unsupported config type {hint!r}")

@@ -29,22 +29,23 @@ def _comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def _rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    rows = []
+def rows(cls: type = config_module.Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Every key as (dotted name, type, default as Python writes it, description), in declaration order."""
+    found = []
     hints, comments = typing.get_type_hints(cls), _comments(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            rows += _rows(hint, f"{prefix}{f.name}.")
+            found += rows(hint, f"{prefix}{f.name}.")
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        rows.append((prefix + f.name, _type_name(hint), repr(default), comments.get(f.name, "")))
-    return rows
+        found.append((prefix + f.name, _type_name(hint), repr(default), comments.get(f.name, "")))
+    return found
 
 
 def _type_name(hint: object) -> str:
     if typing.get_origin(hint) is typing.Literal:
-        return " \\| ".join(map(str, typing.get_args(hint)))
+        return " | ".join(map(str, typing.get_args(hint)))
     if typing.get_origin(hint) is None:
         return getattr(hint, "__name__", str(hint))
     return str(hint).replace("typing.", "")
@@ -52,7 +53,9 @@ def _type_name(hint: object) -> str:
 
 def render() -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{k}` | {t} | `{d}` | {c} |" for k, t, d, c in _rows(config_module.Config)]
+    for key, type_name, default, comment in rows():
+        type_cell = type_name.replace("|", r"\|")  # a bare | would end the table cell
+        lines.append(f"| `{key}` | {type_cell} | `{default}` | {comment} |")
     return "\n".join(lines)
 
 

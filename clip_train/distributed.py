@@ -71,13 +71,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_ranks_true(flag: bool, device: torch.device) -> bool:
-    """True only if ``flag`` holds on every rank, so all ranks take the same branch."""
+def all_ranks_true(flags: Sequence[bool], device: torch.device) -> list[bool]:
+    """Each flag ANDed over the ranks, in one all-reduce, so all ranks take the same branches."""
     if not dist.is_initialized():
-        return flag
-    value = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
+        return list(flags)
+    values = torch.tensor([1 if flag else 0 for flag in flags], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return [bool(value) for value in values.tolist()]
 
 
 def gather_to_main(obj: object) -> list[object] | None:

@@ -344,6 +344,7 @@ def image_folder_batches(
     from torchvision.datasets import ImageFolder
 
     from clip_train.data.transforms import eval_transform
+    from clip_train.preemption import ignore_preemption_signals
 
     dataset = ImageFolder(root, transform=eval_transform(image_size))
     if len(dataset.classes) != num_classes:
@@ -351,7 +352,13 @@ def image_folder_batches(
             f"eval.zeroshot_data={root}: {len(dataset.classes)} class folders but {num_classes} class names"
         )
     share = Subset(dataset, range(rank, len(dataset), world_size))
-    loader = DataLoader(share, batch_size=batch_size, num_workers=workers, pin_memory=pin_memory)
+    loader = DataLoader(
+        share,
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        worker_init_fn=ignore_preemption_signals,
+    )
     return (LabelledImages(images, labels) for images, labels in loader)
 
 
@@ -385,6 +392,16 @@ def shard_batches(
 # --------------------------------------------------------------------------------------------
 
 
+def labelled_images(eval_cfg: EvalConfig, data_cfg: DataConfig) -> str:
+    """Where zero-shot classification reads its images: ``eval.zeroshot_data``, else ``data.val``."""
+    source = eval_cfg.zeroshot_data or data_cfg.val
+    if not source:
+        raise EvalError(
+            "eval.zeroshot is set but neither eval.zeroshot_data nor data.val names labelled images"
+        )
+    return source
+
+
 def evaluate(
     model: nn.Module,
     eval_cfg: EvalConfig,
@@ -402,11 +419,7 @@ def evaluate(
     from clip_train.distributed import rank_and_world
 
     rank, world = rank_and_world(group)
-    zeroshot_source = eval_cfg.zeroshot_data or data_cfg.val
-    if eval_cfg.zeroshot and not zeroshot_source:
-        raise EvalError(
-            "eval.zeroshot is set but neither eval.zeroshot_data nor data.val names labelled images"
-        )
+    zeroshot_source = labelled_images(eval_cfg, data_cfg) if eval_cfg.zeroshot else ""
     retrieval = eval_cfg.retrieval and bool(data_cfg.val)
     shared_pass = retrieval and bool(eval_cfg.zeroshot) and zeroshot_source == data_cfg.val
     encode = dict(device=device, precision=precision)

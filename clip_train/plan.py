@@ -163,7 +163,7 @@ def build_planning_model(model_cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
     vocab = None if "vocab_size" in cfg.text.hf_config else 49408  # open_clip's BPE, as the tiny config
     text = build_text_tower(cfg.text, cfg.embed_dim, vocab_size=vocab)
     visual = build_image_tower(cfg.image, cfg.embed_dim)
-    return CLIP(visual, text, None, cfg.init_logit_scale), notes
+    return CLIP(visual, text, None, cfg.init_logit_scale, cfg.init_logit_bias), notes
 
 
 def _random_inputs(
@@ -358,6 +358,7 @@ class Setting:
     optimizer: str = "adamw"
     tile: int = 4096  # loss.tile_size, or the CUDA default of the tiled loss
     keep_last_graph: bool = True  # batch.keep_last_graph
+    kind: str = "softmax"  # loss.kind
 
     @property
     def per_rank(self) -> int:
@@ -397,18 +398,25 @@ class Breakdown:
         return self.static + self.data + self.cache + self.transient
 
 
-def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> float:
-    """Bytes the loss allocates beyond the cached features and their gradients (fp32).
+def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int, kind: str = "softmax") -> float:
+    """Bytes the loss allocates beyond the cached features and their gradients (fp32), from
+    MemTracker measurements of the real losses on the PyTorch path (``tests/test_plan.py``).
 
-    vanilla: 4 b×b matrices (logits, both softmaxes, their gradient: Inf-CL measures CLIP at
-    16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus all-gathered
-    features of both towers; inf: n×d blocks (row dot-product temporaries and, across GPUs, the
-    ring's text blocks and gradient accumulators in hand and in flight: 2 on one GPU, 9 on several,
-    as measured with MemTracker on the PyTorch path at W = 1, 3 and 4; 8 at W = 2), one t×t tile
-    and a strip of it, and O(n) log-sum-exp vectors. The
-    reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6 n·b (local) on CPU, gradients included.
+    Softmax. vanilla: 4 b×b matrices (logits, both softmaxes, their gradient: Inf-CL measures CLIP
+    at 16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus
+    all-gathered features of both towers; inf: n×d blocks (row dot-product temporaries and,
+    across GPUs, the ring's text blocks and gradient accumulators in hand and in flight: 2 on one
+    GPU, 9 on several, measured at W = 1, 3 and 4; 8 at W = 2), one t×t tile and a strip of it,
+    and O(n) log-sum-exp vectors. The reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6
+    n·b (local) on CPU, gradients included.
+
+    Sigmoid. vanilla: 5 n×b matrices (logits, signs, their product, its log-sigmoid and gradient)
+    and the gathered texts; inf: n×d blocks (2 on one GPU, 7 on several; 6 at W = 2, no column
+    state travels), one tile and a strip.
     """
     n = batch // gpus
+    if impl == "vanilla" and kind == "sigmoid":
+        return 5 * n * batch * FP32 + (batch * dim * FP32 if gpus > 1 else 0)
     gathered = 2 * batch * dim * FP32 if gpus > 1 else 0
     if impl == "vanilla":
         return 4 * batch * batch * FP32 + gathered
@@ -417,10 +425,11 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int) -> flo
     if impl == "inf":
         from clip_train.loss.tiles_torch import STRIP_ELEMENTS
 
-        blocks = 9 if gpus > 1 else 2
         side = min(tile, n)
         strip = min(side * side, STRIP_ELEMENTS)
-        return (blocks * n * dim + side * side + strip + 8 * n) * FP32
+        if kind == "sigmoid":
+            return ((7 if gpus > 1 else 2) * n * dim + side * side + strip) * FP32
+        return ((9 if gpus > 1 else 2) * n * dim + side * side + strip + 8 * n) * FP32
     raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(IMPLS)}")
 
 
@@ -450,7 +459,9 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         optimizer=optimizer,
         data=data,
         cache=features + feature_grads + trunk,
-        loss=loss_workspace(setting.impl, setting.batch, setting.gpus, profile.embed_dim, setting.tile),
+        loss=loss_workspace(
+            setting.impl, setting.batch, setting.gpus, profile.embed_dim, setting.tile, setting.kind
+        ),
         kept_graph=max(kept_graph, 0.0),
         backbone=max(backbone, 0.0),
         optimizer_step=trainable,
@@ -601,8 +612,10 @@ def _settings(cfg: Config, args: argparse.Namespace, batch: int, tile: int) -> l
             optimizer=cfg.optim.name,
             tile=tile,
             keep_last_graph=cfg.batch.keep_last_graph,
+            kind=cfg.loss.kind,
         )
         for impl in IMPLS
+        if not (impl == "local" and cfg.loss.kind == "sigmoid")  # a softmax-only implementation
         for offload in (False, True)
     ]
 

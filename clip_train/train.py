@@ -2,7 +2,9 @@
 
 Under torchrun every rank runs this. A rank that fails prints its rank and error and exits
 non-zero, so torchrun stops (or restarts) the group; collectives time out after
-``train.dist_timeout_s`` instead of hanging.
+``train.dist_timeout_s`` instead of hanging. Every path the run reads is checked before the
+process group and the model exist, and a run stopped by SIGTERM or SIGUSR1 exits with
+``EXIT_PREEMPTED`` (75) after its checkpoint.
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ def run(args: argparse.Namespace) -> int:
     from clip_train.config import load_config
     from clip_train.distributed import init_distributed, shutdown_distributed
     from clip_train.errors import UserError
+    from clip_train.preemption import EXIT_PREEMPTED, Preempted
+    from clip_train.startup_checks import check_paths
     from clip_train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides).validate()  # fails before any process group exists
+    check_paths(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     try:
         Trainer(cfg, env).run()
+    except Preempted as stop:
+        if env.is_main:
+            print(f"clip-train: preempted: {stop}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except UserError as err:
         print(f"clip-train: rank {env.rank}: error: {err}", file=sys.stderr)
         return 2

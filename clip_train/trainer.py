@@ -33,6 +33,7 @@ from clip_train.memory import peak_bytes
 from clip_train.model import build_model
 from clip_train.monitor import RunMonitor
 from clip_train.optim import build_optimizer, build_scheduler
+from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 
 MAX_LOGIT_SCALE = math.log(100.0)
 
@@ -95,63 +96,77 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
-        """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval)."""
+        """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
+
+        A SIGTERM or SIGUSR1 on any rank ends the run after the current step, with a checkpoint
+        of it, by raising ``Preempted``.
+        """
         cfg, env = self.cfg, self.env
         monitor = None
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / RUN_CONFIG_FILE)
             monitor = RunMonitor(cfg, self.run_dir, self.step)
+            monitor.message(self.summary())
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         final_metrics: dict[str, float] = {}
         try:
-            batches = iter(self.loader)
-            while self.step < cfg.train.max_steps:
-                started = time.perf_counter()
-                batch = next(batches)
-                fetched = time.perf_counter()
-                self.optimizer.zero_grad(set_to_none=True)
-                stats = self.engine.step(
-                    batch.images,
-                    batch.input_ids,
-                    batch.attention_mask,
-                    self.scaler if self.scaler.is_enabled() else None,
-                )
-                grad_norm = self._apply_update(stats.loss)
-                self.scheduler.step()
-                self.step += 1
-                finished = time.perf_counter()
-                at_log = self.step % cfg.log.every_steps == 0 or self.step == cfg.train.max_steps
-                if at_log:  # every rank joins: each counts only the samples its own loader skipped
-                    self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS, env.device)
-                if monitor is not None:
-                    self._report(monitor, stats, grad_norm, fetched - started, finished - started, at_log)
-                at_checkpoint = (
-                    self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
-                )
-                if at_checkpoint and not self.bad_in_a_row:  # only good steps make checkpoints
-                    self.save()
-                if (
-                    cfg.eval.every_steps
-                    and self.step % cfg.eval.every_steps == 0
-                    and self.step < cfg.train.max_steps
-                ):
-                    self._evaluate(monitor)
+            with preemption_signals() as signals:
+                batches = iter(self.loader)
+                while self.step < cfg.train.max_steps:
+                    started = time.perf_counter()
+                    batch = next(batches)
+                    fetched = time.perf_counter()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    stats = self.engine.step(
+                        batch.images,
+                        batch.input_ids,
+                        batch.attention_mask,
+                        self.scaler if self.scaler.is_enabled() else None,
+                    )
+                    grad_norm, stop = self._apply_update(stats.loss, signals.received is not None)
+                    self.scheduler.step()
+                    self.step += 1
+                    finished = time.perf_counter()
+                    at_log = self.step % cfg.log.every_steps == 0 or self.step == cfg.train.max_steps
+                    if at_log:  # every rank joins: each counts only the samples its own loader skipped
+                        self.skipped = sum_counts_over_ranks(
+                            self.loader.skip_counts(), SKIP_REASONS, env.device
+                        )
+                    if monitor is not None:
+                        self._report(monitor, stats, grad_norm, fetched - started, finished - started, at_log)
+                    at_checkpoint = (
+                        self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
+                    )
+                    if (at_checkpoint or stop) and not self.bad_in_a_row:  # only good steps are saved
+                        self.save()
+                    if stop:
+                        raise self._preempted(signals)
+                    if (
+                        cfg.eval.every_steps
+                        and self.step % cfg.eval.every_steps == 0
+                        and self.step < cfg.train.max_steps
+                    ):
+                        self._evaluate(monitor)
             final_metrics = self._evaluate(monitor)
         finally:
             if monitor is not None:
                 monitor.close()
         return final_metrics
 
-    def _apply_update(self, loss: float) -> float:
-        """Clip and step, unless the loss or gradient norm is not finite on some rank (then skip)."""
+    def _apply_update(self, loss: float, signalled: bool) -> tuple[float, bool]:
+        """Clip and step, unless the loss or gradient norm is not finite on some rank (then skip).
+
+        Returns the gradient norm and whether any rank was signalled to stop: the same all-reduce
+        answers both, so every rank stops after the same step at no extra collective.
+        """
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        loss_ok = all_ranks_true(math.isfinite(loss), self.env.device)
+        loss_ok, none_signalled = all_ranks_true([math.isfinite(loss), not signalled], self.env.device)
         grads_ok = math.isfinite(grad_norm)
         if loss_ok and grads_ok:
             if self.scaler.is_enabled():
@@ -167,7 +182,15 @@ class Trainer:
             self._count_bad_step(loss, grad_norm)
         if self.scaler.is_enabled():
             self.scaler.update()
-        return grad_norm
+        return grad_norm, not none_signalled
+
+    def _preempted(self, signals: SignalFlag) -> Preempted:
+        kept = complete_checkpoints(self.run_dir)
+        cause = f"{signals.received.name} received" if signals.received else "another rank was signalled"
+        return Preempted(
+            f"{cause}: stopped after step {self.step}; checkpoint.resume=auto continues from "
+            f"{kept[-1] if kept else 'the start'}"
+        )
 
     def _count_bad_step(self, loss: float, grad_norm: float) -> None:
         self.bad_in_a_row += 1
@@ -202,8 +225,10 @@ class Trainer:
                 "rng": rngs,
                 "data": data,
             }
-            keep = self.cfg.checkpoint.keep
-            save_checkpoint(self.run_dir, self.step, self.model, self.cfg.model, state, keep)
+            ckpt = self.cfg.checkpoint
+            save_checkpoint(
+                self.run_dir, self.step, self.model, self.cfg.model, state, ckpt.keep, ckpt.keep_every
+            )
         barrier()
 
     def _init_weights(self, source: str) -> None:
@@ -233,6 +258,19 @@ class Trainer:
         return None
 
     # -- reporting -----------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """The start-up line: how big the model is, where it runs, and how each step is cut up."""
+        cfg, world = self.cfg, self.env.world_size
+        total = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.model.trainable_parameters())
+        per_rank = cfg.batch.global_size // world
+        chunks = "/".join(str(chunk or per_rank) for chunk in (cfg.batch.image_chunk, cfg.batch.text_chunk))
+        return (
+            f"{total:,} parameters ({trainable:,} trainable), world size {world}, device {self.env.device}, "
+            f"per-rank batch {per_rank} in image/text chunks of {chunks}, "
+            f"steps {self.step} to {cfg.train.max_steps}"
+        )
 
     def _report(
         self,
@@ -268,6 +306,11 @@ class Trainer:
             "train/loss": stats.loss,
             "train/lr": lr,
             "train/logit_scale": scale,
+            **(
+                {"train/logit_bias": self.model.logit_bias.item()}
+                if self.model.logit_bias is not None
+                else {}
+            ),
             "train/grad_norm": grad_norm,
             "train/samples_per_s": samples_per_s,
             "time/step_s": step_s,

@@ -9,3 +9,11 @@ procs_per_node() {
   fi
   echo "${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}"
 }
+
+# Preemption: torchrun (torch >= 2.9) forwards SIGUSR1 (SLURM's --signal) as well as SIGTERM to the
+# workers, which finish their step, save a checkpoint and exit. TORCH_ELASTIC_SHUTDOWN_TIMEOUT is
+# how long torchrun waits for that before it kills them: 600 s here, where torch reads it (releases
+# from 2026 on; older ones wait 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
+# shellcheck disable=SC2034  # used by the scripts that source this file
+PREEMPTION_FLAGS=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")

@@ -11,6 +11,7 @@
 #   NPROC_PER_NODE  processes per node (default: number of GPUs, or 1 without GPUs)
 #   RDZV_ID         a job id shared by all nodes (default: clip_train)
 #   MAX_RESTARTS    group restarts torchrun may do after a failure (default 0)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the workers get to checkpoint after SIGTERM/SIGUSR1 (600)
 #   PYTHON          interpreter (default python3)
 set -euo pipefail
 
@@ -31,5 +32,5 @@ nproc=$(procs_per_node)
 exec "${PYTHON:-python3}" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$nproc" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
-  --rdzv_id "${RDZV_ID:-clip_train}" --max-restarts "${MAX_RESTARTS:-0}" \
+  --rdzv_id "${RDZV_ID:-clip_train}" --max-restarts "${MAX_RESTARTS:-0}" "${PREEMPTION_FLAGS[@]}" \
   -m clip_train train "$config" "$@"

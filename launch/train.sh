@@ -5,7 +5,8 @@
 #   NPROC_PER_NODE=2 launch/train.sh configs/demo-digits.yaml train.max_steps=10
 #
 # PYTHON picks the interpreter (default: python3); MAX_RESTARTS lets torchrun restart a failed
-# group, which resumes from the last checkpoint.
+# group, which resumes from the last checkpoint. SIGTERM or SIGUSR1 to this process makes the run
+# save a checkpoint after its current step and stop (TORCH_ELASTIC_SHUTDOWN_TIMEOUT: see common.sh).
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
@@ -20,5 +21,5 @@ source "$(dirname "$0")/common.sh"
 nproc=$(procs_per_node)
 
 exec "${PYTHON:-python3}" -m torch.distributed.run \
-  --standalone --nproc_per_node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" \
+  --standalone --nproc_per_node "$nproc" --max-restarts "${MAX_RESTARTS:-0}" "${PREEMPTION_FLAGS[@]}" \
   -m clip_train train "$config" "$@"

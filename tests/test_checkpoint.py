@@ -17,6 +17,7 @@ from clip_train.checkpoint import (
     MODEL_FILE,
     STATE_FILE,
     TEXT_DIR,
+    checkpoint_step,
     complete_checkpoints,
     find_weights,
     load_train_state,
@@ -93,6 +94,12 @@ def test_keep_prunes_oldest_and_auto_picks_newest(tmp_path, model):
     assert resolve_resume("auto", tmp_path).name == "step_00000004"
     newest = tmp_path / "checkpoints" / "step_00000004" / MODEL_FILE
     assert find_weights(tmp_path) == find_weights(newest.parent) == find_weights(newest) == newest
+
+
+def test_milestones_are_kept_beside_the_newest(tmp_path, model):
+    for step in range(2, 13, 2):
+        save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=2, keep_every=4)
+    assert [checkpoint_step(p) for p in complete_checkpoints(tmp_path)] == [4, 8, 10, 12]
 
 
 def test_find_weights_names_what_is_missing(tmp_path):

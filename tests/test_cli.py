@@ -1,9 +1,13 @@
+import dataclasses
 import subprocess
 import sys
 
 import pytest
+import yaml
+from small_runs import DEMO_CONFIG
 
 from clip_train.cli import BENCH_COMMANDS, COMMANDS
+from clip_train.config import config_keys, load_config
 
 
 def clip_train(*args: str) -> subprocess.CompletedProcess:
@@ -49,3 +53,40 @@ def test_bad_override_and_missing_file(tmp_path):
     result = clip_train("train", str(config), "batch.image_chunk=4")
     assert result.returncode == 2
     assert "batch.image_chunk=4 must divide" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_building_the_parser_imports_no_torch():
+    """``--help`` of every command stays fast: command modules import torch only when they run."""
+    code = "import sys, clip_train.cli as cli; cli.build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_config_prints_the_resolved_yaml():
+    overrides = ["batch.global_size=64", "model.text.pooling=cls"]
+    result = clip_train("config", str(DEMO_CONFIG), *overrides)
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed == dataclasses.asdict(load_config(DEMO_CONFIG, overrides))
+    assert printed["batch"]["global_size"] == 64 and printed["model"]["text"]["pooling"] == "cls"
+    assert printed["model"]["embed_dim"] == 128  # from the included model/tiny.yaml
+
+
+def test_config_fails_like_train_on_a_bad_config():
+    result = clip_train("config", str(DEMO_CONFIG), "model.text.hf=/models/bert")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "clip-train: error: model.text.hf='/models/bert' and model.text.hf_config are both set: hf loads a "
+        "pretrained encoder, hf_config builds a random-init one; drop one (model.text.hf_config={} or "
+        "model.text.hf=)"
+    ]
+
+
+def test_config_keys_lists_every_key_with_type_and_default():
+    result = clip_train("config", "--keys")
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["key", "type", "default", "meaning"]
+    assert [row.split()[0] for row in rows] == [name for name, _, _ in config_keys()]
+    (keep_every,) = [row.split(maxsplit=3) for row in rows if row.startswith("checkpoint.keep_every ")]
+    assert keep_every[1:3] == ["int", "0"] and "milestones" in keep_every[3]

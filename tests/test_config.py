@@ -2,13 +2,16 @@ import dataclasses
 
 import pytest
 import yaml
+from small_runs import TINY_MODEL_CONFIG
 
 from clip_train import load_config
 from clip_train.config import Config, ConfigError, config_keys, save_config
 
+BERT = "model.text.hf=bert-base-uncased"  # the defaults name no text encoder
+
 
 def test_defaults_validate():
-    config = load_config()
+    config = load_config(None, [BERT])
     assert isinstance(config, Config)
     config.validate(world_size=1)
 
@@ -136,8 +139,40 @@ def test_cross_field_validation(overrides, world, message):
 
 
 def test_chunks_that_divide_pass():
-    config = load_config(None, ["batch.global_size=64", "batch.image_chunk=16", "batch.text_chunk=32"])
+    config = load_config(None, [BERT, "batch.global_size=64", "batch.image_chunk=16", "batch.text_chunk=32"])
     config.validate(world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "message"),
+    [
+        (  # the case: a pretrained BERT named on top of the tiny model's random-init one
+            TINY_MODEL_CONFIG,
+            ["model.text.hf=/models/bert"],
+            r"^model\.text\.hf='/models/bert' and model\.text\.hf_config are both set",
+        ),
+        (None, [], r"^model\.text\.hf and model\.text\.hf_config are both empty"),
+        (None, ["model.text.hf_config={hidden_size: 64}"], r"^model\.text\.tokenizer is empty"),
+    ],
+    ids=["both", "neither", "no-tokenizer"],
+)
+def test_text_encoder_comes_from_exactly_one_of_hf_and_hf_config(config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(config, overrides).validate(world_size=1)
+    load_config(TINY_MODEL_CONFIG).validate(world_size=1)
+    load_config(TINY_MODEL_CONFIG, ["model.text.hf=/models/bert", "model.text.hf_config={}"]).validate(1)
+
+
+@pytest.mark.parametrize(("keep_every", "valid"), [(0, True), (20, True), (25, False), (-10, False)], ids=str)
+def test_milestones_must_be_saved_steps(keep_every, valid):
+    config = load_config(None, [BERT, "checkpoint.every_steps=10", f"checkpoint.keep_every={keep_every}"])
+    if valid:
+        config.validate(world_size=1)
+    else:
+        with pytest.raises(
+            ConfigError, match=rf"checkpoint\.keep_every={keep_every} must be 0 or a multiple"
+        ):
+            config.validate(world_size=1)
 
 
 def test_world_size_from_environment(monkeypatch):

@@ -145,6 +145,15 @@ def test_cls_pooling_and_a_lit_locked_tower(tmp_path, digits, overrides, capsys)
     assert_same_embeddings(checkpoint, f"local-dir:{tmp_path / 'out'}", sample_images(digits))
 
 
+def test_a_sigmoid_loss_model_keeps_its_logit_bias(tmp_path, digits):
+    """A SigLIP-style model: open_clip builds the bias parameter and loads its learned value."""
+    checkpoint = checkpoint_of(tmp_path, "model.init_logit_bias=-7.5")
+    assert cli_main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'out'}")
+    assert model.logit_bias is not None and model.logit_bias.item() == -7.5
+    assert_same_embeddings(checkpoint, f"local-dir:{tmp_path / 'out'}", sample_images(digits))
+
+
 def test_a_transformers_tokenizer_is_exported_and_cleans_text_as_open_clip_does(tmp_path, digits):
     write_bert_dir(tmp_path / "bert")
     checkpoint = checkpoint_of(

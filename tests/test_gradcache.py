@@ -82,7 +82,11 @@ def reference_grads(
     text_features = torch.cat(
         [model.text(input_ids[a:b], attention_mask[a:b]) for a, b in chunk_bounds(len(images), text_chunk)]
     )
-    contrastive_loss(image_features, text_features, model.logit_scale.exp(), impl="vanilla").backward()
+    kind = "sigmoid" if model.logit_bias is not None else "softmax"
+    scale, bias = model.logit_scale.exp(), model.logit_bias
+    contrastive_loss(
+        image_features, text_features, scale, logit_bias=bias, kind=kind, impl="vanilla"
+    ).backward()
     return grads(model)
 
 
@@ -118,6 +122,17 @@ def test_exact_full_batch_gradients_with_dropout(image_chunk, text_chunk):
     got = gc_grads(model, batch, image_chunk=image_chunk, text_chunk=text_chunk, precision="fp64")
     want = reference_grads(model, batch, image_chunk, text_chunk)
     assert len(want) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert_grads_close(got, want, rtol=1e-10)
+
+
+@pytest.mark.parametrize(("offload", "lock"), [(False, False), (True, False), (False, True)])
+def test_sigmoid_loss_exact_with_offload_and_lit(offload, lock):
+    """A model with a logit bias trains with the sigmoid loss; bias and scale gradients included."""
+    overrides = (*DROPOUT, "model.init_logit_bias=-4.0", *(["model.image.lock=true"] if lock else []))
+    model, batch = make_model(*overrides), make_batch()
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=4, precision="fp64", offload=offload)
+    want = reference_grads(model, batch, 3, 4)
+    assert {"logit_scale", "logit_bias"} <= want.keys()
     assert_grads_close(got, want, rtol=1e-10)
 
 

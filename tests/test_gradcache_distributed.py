@@ -32,8 +32,11 @@ def counting_hook(tower: str, calls: list):
     return hook
 
 
-def gradcache_rank(rank: int, world_size: int, impl: str, text_chunk: int) -> dict:
-    model = make_model(*DROPOUT)  # the same initial weights on every rank
+SIGMOID = ("model.init_logit_bias=-4.0",)  # a model with a logit bias trains with the sigmoid loss
+
+
+def gradcache_rank(rank: int, world_size: int, impl: str, text_chunk: int, extra: tuple[str, ...]) -> dict:
+    model = make_model(*DROPOUT, *extra)  # the same initial weights on every rank
     calls: list = []
     image_ddp, text_ddp = wrap_ddp(model.visual), wrap_ddp(model.text)
     image_ddp.register_comm_hook(None, counting_hook("image", calls))
@@ -73,9 +76,9 @@ def gradcache_rank(rank: int, world_size: int, impl: str, text_chunk: int) -> di
     }
 
 
-def single_process_reference(text_chunk: int) -> tuple[float, dict, dict]:
+def single_process_reference(text_chunk: int, extra: tuple[str, ...]) -> tuple[float, dict, dict]:
     """Plain autograd on the global batch: rank r's chunks encoded from rank r's seed, as the ranks did."""
-    model = make_model(*DROPOUT)
+    model = make_model(*DROPOUT, *extra)
     image_features, text_features = [], []
     for rank in range(WORLD):
         images, input_ids, attention_mask = rank_batch(rank)
@@ -85,7 +88,9 @@ def single_process_reference(text_chunk: int) -> tuple[float, dict, dict]:
             model.text(input_ids[a:b], attention_mask[a:b])
             for a, b in chunk_bounds(ROWS_PER_RANK, text_chunk)
         ]
-    loss = contrastive_loss(torch.cat(image_features), torch.cat(text_features), model.logit_scale.exp())
+    kind = "sigmoid" if model.logit_bias is not None else "softmax"
+    features = (torch.cat(image_features), torch.cat(text_features), model.logit_scale.exp())
+    loss = contrastive_loss(*features, logit_bias=model.logit_bias, kind=kind)
     loss.backward()
     reference_grads = grads(model)
     torch.optim.SGD(model.parameters(), lr=LR).step()
@@ -93,10 +98,11 @@ def single_process_reference(text_chunk: int) -> tuple[float, dict, dict]:
 
 
 # Text in 2 chunks, or in 1: then the chunk that keeps its graph is the tower's only backward.
-@pytest.mark.parametrize("text_chunk", [4, 0])
-def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower(text_chunk):
-    results = run_distributed(gradcache_rank, WORLD, "auto", text_chunk)
-    loss, want_grads, want_weights = single_process_reference(text_chunk)
+# The sigmoid loss: its bias and scale gradients are averaged over ranks like the softmax scale's.
+@pytest.mark.parametrize(("text_chunk", "extra"), [(4, ()), (0, ()), (4, SIGMOID)])
+def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower(text_chunk, extra):
+    results = run_distributed(gradcache_rank, WORLD, "auto", text_chunk, extra)
+    loss, want_grads, want_weights = single_process_reference(text_chunk, extra)
 
     assert sum(r["loss"] for r in results) / WORLD == pytest.approx(
         loss, rel=1e-12

@@ -4,6 +4,7 @@ requeue in the middle of the run."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 from small_runs import DEMO_CONFIG, ROOT, free_port, run_overrides
 
-from clip_train.checkpoint import STATE_FILE, complete_checkpoints
+from clip_train.checkpoint import STATE_FILE, checkpoint_step, complete_checkpoints
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -116,33 +117,87 @@ def job_state(job: str) -> str:
     return fields.get("JobState", "GONE")
 
 
+def submit(digits: Path, tmp_path: Path, out: Path, steps: int, *extra: str) -> str:
+    """sbatch the launch script for a 2-process CPU run of the demo recipe; returns the job id."""
+    env = launch_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    command = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+    command += [
+        str(ROOT / "launch/slurm/train.sbatch"),
+        str(DEMO_CONFIG),
+        *run_overrides(digits, out, steps, *extra),
+    ]
+    submitted = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return submitted.stdout.strip().split(";")[0]
+
+
+def start_requeued_now(job: str, deadline: float) -> None:
+    """Slurm holds a requeued job for ~2 minutes (Reason=BeginTime); no need to wait that out here."""
+    while job_state(job) in ("RUNNING", "COMPLETING", "REQUEUED") and time.time() < deadline:
+        time.sleep(0.2)
+    assert job_state(job) == "PENDING", f"job {job} was not requeued: {job_state(job)}"
+    # The node revokes the last run's credential when it has cleaned up, and refuses credentials
+    # issued in the same second ("Job credential revoked"): start after that, a little later.
+    while node_state() != "idle" and time.time() < deadline:
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], check=True)
+
+
+def node_state() -> str:
+    return subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def wait_until_done(job: str, deadline: float) -> str:
+    while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE") and time.time() < deadline:
+        time.sleep(0.5)
+    return job_state(job)
+
+
+def starts(log: str, job: str) -> int:
+    return log.count(f"job {job}: 1 node(s)")
+
+
 @pytest.mark.skipif(not slurm_available(), reason="no Slurm cluster here (.ci/run starts a local one)")
 def test_real_slurm_job_requeued_mid_run_resumes(digits, tmp_path):
     out = tmp_path / "run"
-    env = launch_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    command = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
-    command += [str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
     steps = 40
-    submitted = subprocess.run(
-        [*command, *run_overrides(digits, out, steps, "checkpoint.every_steps=2")],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    job = submitted.stdout.strip().split(";")[0]
+    job = submit(digits, tmp_path, out, steps, "checkpoint.every_steps=2")
     deadline = time.time() + 300
     while not complete_checkpoints(out) and time.time() < deadline:
         time.sleep(0.2)
     assert complete_checkpoints(out), f"job {job} wrote no checkpoint: {job_state(job)}"
     subprocess.run(["scontrol", "requeue", job], check=True)
-    # Slurm holds a requeued job for ~2 minutes (Reason=BeginTime); no need to wait that out here.
-    while job_state(job) != "PENDING" and time.time() < deadline:
-        time.sleep(0.2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
-    while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE") and time.time() < deadline:
-        time.sleep(0.5)
+    start_requeued_now(job, deadline)
+    state = wait_until_done(job, deadline)
     log = (tmp_path / f"clip_train-{job}.out").read_text()
-    assert job_state(job) == "COMPLETED", log[-3000:]
-    assert log.count(f"job {job}:") == 2 and "resumed from" in log, log[-3000:]
+    assert state == "COMPLETED", log[-3000:]
+    assert starts(log, job) == 2 and "resumed from" in log, log[-3000:]
+    assert_trained(out, steps=steps, world_size=2)
+
+
+@pytest.mark.skipif(not slurm_available(), reason="no Slurm cluster here (.ci/run starts a local one)")
+def test_real_slurm_usr1_checkpoints_requeues_and_resumes_without_redoing_a_step(digits, tmp_path):
+    """USR1 to the batch script, as ``#SBATCH --signal=B:USR1@900`` sends it before the time limit: the
+    script forwards it to the step, the ranks save the step they finished (no periodic checkpoint
+    is due), and the script requeues the job, which resumes at the next step."""
+    out = tmp_path / "run"
+    steps = 40
+    job = submit(digits, tmp_path, out, steps, "checkpoint.every_steps=1000", "log.every_steps=1")
+    deadline = time.time() + 300
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    start_requeued_now(job, deadline)
+    (saved,) = complete_checkpoints(out)  # the job is requeued only once its step has ended
+    stopped = checkpoint_step(saved)
+    state = wait_until_done(job, deadline)
+    log = (tmp_path / f"clip_train-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert 3 <= stopped < steps, log[-3000:]
+    assert f"job {job}: USR1 received" in log and "clip-train: preempted: SIGUSR1 received" in log, log[
+        -3000:
+    ]
+    assert starts(log, job) == 2 and f"resumed from {saved} at step {stopped}" in log, log[-3000:]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))  # every step once: none lost, none redone
     assert_trained(out, steps=steps, world_size=2)

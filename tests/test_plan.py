@@ -72,21 +72,32 @@ def test_loss_workspace_inf_linear_vanilla_and_local_quadratic():
     )
 
 
-@pytest.mark.parametrize("impl", ["vanilla", "local", "inf"])
-def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(impl):
+@pytest.mark.parametrize(
+    ("kind", "impl"),
+    [
+        ("softmax", "vanilla"),
+        ("softmax", "local"),
+        ("softmax", "inf"),
+        ("sigmoid", "vanilla"),
+        ("sigmoid", "inf"),
+    ],
+)
+def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl):
     """One process: MemTracker's peak of forward + backward, which includes the 2 n×d feature gradients."""
     rows, dim, tile = 512, 64, 256
     torch.manual_seed(0)
     images = torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1).requires_grad_()
     texts = torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1).requires_grad_()
-    scale = torch.tensor(2.0, requires_grad=True)
+    scale, bias = torch.tensor(2.0, requires_grad=True), torch.tensor(-3.0, requires_grad=True)
     tracker = MemTracker()
     with tracker:
-        loss = contrastive_loss(images, texts, scale.exp(), impl=impl, tile_size=tile)
-        grads = torch.autograd.grad(loss, (images, texts, scale))
+        loss = contrastive_loss(
+            images, texts, scale.exp(), logit_bias=bias, kind=kind, impl=impl, tile_size=tile
+        )
+        grads = torch.autograd.grad(loss, (images, texts, scale, bias), allow_unused=True)
         del loss, grads
     (peak,) = (snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    predicted = loss_workspace(impl, rows, 1, dim, tile) + 2 * rows * dim * FP32
+    predicted = loss_workspace(impl, rows, 1, dim, tile, kind) + 2 * rows * dim * FP32
     assert 0.85 < peak / predicted < 1.15
 
 

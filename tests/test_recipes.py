@@ -1,5 +1,6 @@
 """Every shipped config loads and validates at the world sizes it is written for; nothing is built."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ RECIPES = {
     "laion400m-vitl14-1m.yaml": (8, 32),
     "cc12m-vitb32-32k.yaml": (8,),
     "demo-digits.yaml": (1, 2),
+    "demo-digits-siglip.yaml": (1, 2),
 }
 
 
@@ -42,3 +44,11 @@ def test_lit_recipe_matches_inf_cl():
 def test_million_batch_recipe():
     config = load_config(CONFIGS / "laion400m-vitl14-1m.yaml")
     assert config.batch.global_size == 2**20 and config.model.image.timm.startswith("vit_large_patch14")
+
+
+def test_siglip_demo_differs_from_the_demo_in_its_loss_and_length():
+    demo, siglip = (load_config(CONFIGS / name) for name in ("demo-digits.yaml", "demo-digits-siglip.yaml"))
+    assert (siglip.loss.kind, siglip.model.init_logit_bias) == ("sigmoid", -5.0)
+    assert siglip.model.init_logit_scale == pytest.approx(math.log(10))
+    assert (siglip.data, siglip.batch, siglip.optim) == (demo.data, demo.batch, demo.optim)
+    assert siglip.train.max_steps > demo.train.max_steps

@@ -1,8 +1,8 @@
 """The trainer, end to end, in real torchrun processes on CPU (gloo).
 
 One uninterrupted 2-rank fp64 run is the reference. A fresh run resumed from its mid-run
-checkpoint, and a run whose worker is killed with SIGKILL under ``--max-restarts=1``, must both
-end with bit-identical weights.
+checkpoint, a run whose worker is killed with SIGKILL under ``--max-restarts=1``, and a run
+stopped by SIGTERM and started again must all end with bit-identical weights.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
-from clip_train.checkpoint import MODEL_FILE, STATE_FILE, complete_checkpoints
+from clip_train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
+from clip_train.cli import main as cli_main
 from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
+from clip_train.preemption import EXIT_PREEMPTED
 from clip_train.trainer import Trainer, TrainingAborted
 
-STEPS, EVERY = 12, 4
+STEPS, EVERY = 24, 6
 
 
 def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
@@ -127,6 +129,86 @@ def _kill_one_worker_after_first_checkpoint(
     victim = max(ranks, key=lambda p: p.create_time())
     victim.send_signal(signal.SIGKILL)
     killed.append(victim.pid)
+
+
+def wait_for_logged_steps(out_dir: Path, steps: int) -> None:
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.time() + 200
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+        assert time.time() < deadline, f"{out_dir} logged fewer than {steps} steps"
+        time.sleep(0.02)
+
+
+def logged_steps(out_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def signal_rank_group(launcher: subprocess.Popen, rank: int, sig: signal.Signals) -> None:
+    """``sig`` to one worker's process group (the worker and its DataLoader workers), as torchrun
+    delivers it, but to that rank alone."""
+    (worker,) = [p for p in psutil.Process(launcher.pid).children() if p.environ().get("RANK") == str(rank)]
+    os.killpg(worker.pid, sig)
+
+
+def stopped_at(out_dir: Path) -> tuple[Path, int]:
+    saved = complete_checkpoints(out_dir)[-1]
+    return saved, checkpoint_step(saved)
+
+
+def test_signals_save_the_step_and_the_rerun_redoes_none(digits, reference, tmp_path):
+    """SIGTERM to torchrun, which forwards it to both ranks, then SIGUSR1 to rank 1 alone: each time
+    all ranks stop after the same step with a checkpoint of it (the interval is too long for any
+    other), and the run started again picks up at the next step, ending bit-identical."""
+    out = tmp_path / "preempted"
+    args = overrides(digits, out, "checkpoint.every_steps=1000", "checkpoint.resume=auto")
+    process = torchrun(*args)
+    wait_for_logged_steps(out, 3)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=240)
+    saved, stopped = stopped_at(out)
+    assert 3 <= stopped < STEPS, output[-3000:]
+    assert f"clip-train: preempted: SIGTERM received: stopped after step {stopped};" in output, output[-3000:]
+    assert logged_steps(out) == list(range(1, stopped + 1))
+
+    process = torchrun(*args)
+    wait_for_logged_steps(out, stopped + 3)
+    signal_rank_group(process, 1, signal.SIGUSR1)  # rank 0 learns of it in the step's all-reduce
+    output, _ = process.communicate(timeout=240)
+    assert f"resumed from {saved} at step {stopped}" in output
+    assert (
+        f"world size 2, device cpu, per-rank batch 8 in image/text chunks of 4/8, steps {stopped} to"
+        in output
+    )
+    saved, stopped = stopped_at(out)
+    assert len(complete_checkpoints(out)) == 2 and stopped < STEPS, output[-3000:]
+    assert logged_steps(out) == list(range(1, stopped + 1))
+
+    output = finish(torchrun(*args))
+    assert f"resumed from {saved} at step {stopped}" in output
+    assert logged_steps(out) == list(range(1, STEPS + 1))  # every step once: none lost, none redone
+    assert_bit_identical(weights(out), weights(reference))
+
+
+def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
+    """One process without torchrun: the signal's exit code reaches the caller (SLURM, a script)."""
+    out = tmp_path / "run"
+    args = [
+        "train",
+        str(DEMO_CONFIG),
+        *overrides(digits, out, "data.workers=0", "checkpoint.every_steps=1000"),
+    ]
+    sender = threading.Thread(
+        target=lambda: (wait_for_logged_steps(out, 2), os.kill(os.getpid(), signal.SIGUSR1))
+    )
+    sender.start()
+    code = cli_main(args)
+    sender.join()
+    assert code == EXIT_PREEMPTED
+    (saved,) = complete_checkpoints(out)
+    stopped = checkpoint_step(saved)
+    assert 2 <= stopped < STEPS and logged_steps(out) == list(range(1, stopped + 1))
+    assert f"SIGUSR1 received: stopped after step {stopped}" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the trainer's handler is gone again
 
 
 def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     )
     header = f"{'batch':>7} {'impl':>12} {'time_s':>8} {'x_floor':>8} {'peak_MiB':>9}  note"
     print(header)
+    paired = []
     for batch in batches:
         floor = _measure(_spec(args, "floor", batch, device, world=1), device)
         results.append(floor)
@@ -116,8 +117,14 @@ def run(args: argparse.Namespace) -> int:
                 else f"{'-':>8} {'-':>8} {'-':>9}"
             )
             print(f"{batch:>7} {_label(result):>12} {cells}  {result.get('note', '')}", flush=True)
+        ran = [r for r in results if r["batch"] == batch and r["impl"] != "floor" and r["time_s"] is not None]
+        if args.world == 1 and len(ran) > 1:
+            runs_spec = [{**_spec(args, r["impl"], batch, device, 1), "kernel": r["kernel"]} for r in ran]
+            times = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)["median_s"]
+            paired.append({"batch": batch, "median_s": times})
+            print(f"{'':>7} {'same process':>12}  {_ratios(times)}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({"points": results, "paired": paired}, indent=2))
     if args.plot:
         _plot(results, args.plot)
     return 0
@@ -141,6 +148,13 @@ def _spec(args: argparse.Namespace, impl: str, batch: int, device: str, world: i
 def _public(spec: dict[str, Any]) -> dict[str, Any]:
     keys = ("kind", "impl", "kernel", "batch", "dim", "world", "dtype", "device", "tile", "repeats", "tf32")
     return {key: spec[key] for key in keys}
+
+
+def _ratios(times: dict[str, float]) -> str:
+    """Each implementation's time over the baseline's (open_clip's SigLipLoss, else vanilla),
+    from the impls taking turns in one process."""
+    base = "open_clip" if "open_clip" in times else next(iter(times))
+    return ", ".join(f"{label} / {base} {t / times[base]:.3f}" for label, t in times.items() if label != base)
 
 
 def _label(result: dict[str, Any]) -> str:
@@ -175,7 +189,7 @@ def _available_bytes(device: str) -> float:
 def _measure(spec: dict[str, Any], device: str) -> dict[str, Any]:
     """One configuration: in-process on CUDA, in a fresh subprocess (and its ranks) on CPU."""
     if device == "cuda":
-        return {**_public(spec), **_time_and_memory(spec, rank=0, world=1)}
+        return {**_public(spec), **_run(spec)}
     proc = subprocess.run(
         [
             sys.executable,
@@ -195,25 +209,26 @@ def _measure(spec: dict[str, Any], device: str) -> dict[str, Any]:
 
 def _subprocess_main() -> None:
     """Entry point of the per-configuration subprocess: prints one JSON line of results."""
-    spec = json.loads(sys.argv[1])
+    print(json.dumps(_run(json.loads(sys.argv[1]))))
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's results: paired timings, or time and memory on 1 or W ranks."""
+    if spec["impl"] == "paired":
+        return {"median_s": _paired_times(spec["runs"])}
     world = spec["world"] if spec["impl"] != "floor" else 1
     if world == 1:
-        print(json.dumps(_time_and_memory(spec, rank=0, world=1)))
-        return
+        return _time_and_memory(spec, rank=0, world=1)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(world, spec, tmp), nprocs=world, join=True)
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-    print(
-        json.dumps(
-            {
-                "time_s": max(r["time_s"] for r in per_rank),
-                "times_s": per_rank[0]["times_s"],
-                "peak_mib": max(r["peak_mib"] for r in per_rank),
-            }
-        )
-    )
+    return {
+        "time_s": max(r["time_s"] for r in per_rank),
+        "times_s": per_rank[0]["times_s"],
+        "peak_mib": max(r["peak_mib"] for r in per_rank),
+    }
 
 
 def _rank_main(rank: int, world: int, spec: dict[str, Any], tmp: str) -> None:
@@ -229,12 +244,10 @@ def _rank_main(rank: int, world: int, spec: dict[str, Any], tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+def _make_step(spec: dict[str, Any], rank: int, world: int) -> Any:
+    """One timed unit of work on fresh inputs: forward + backward of the loss, or the floor matmul."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-
-    from clip_train.memory import peak_bytes, used_bytes
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     if device.type == "cuda":
@@ -244,16 +257,22 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
     images = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
     texts = F.normalize(torch.randn(rows, spec["dim"], generator=gen), dim=1).to(device, dtype)
     if spec["impl"] == "floor":
-        step = _matmul_floor(images, texts)
-    else:
-        leaves = [images.requires_grad_(), texts.requires_grad_()]
-        leaves += [torch.tensor(spec[key], device=device, requires_grad=True) for key in ("scale", "bias")]
-        loss_fn = _loss_fn(spec, rank, world)
+        return _matmul_floor(images, texts)
+    leaves = [images.requires_grad_(), texts.requires_grad_()]
+    leaves += [torch.tensor(spec[key], device=device, requires_grad=True) for key in ("scale", "bias")]
+    loss_fn = _loss_fn(spec, rank, world)
 
-        def step() -> None:
-            loss_fn(*leaves).backward()
-            for leaf in leaves:
-                leaf.grad = None
+    def step() -> None:
+        loss_fn(*leaves).backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    return step
+
+
+def _synchronizer(device: Any, world: int) -> Any:
+    import torch
+    import torch.distributed as dist
 
     def sync() -> None:
         if device.type == "cuda":
@@ -261,6 +280,17 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
         if world > 1:
             dist.barrier()
 
+    return sync
+
+
+def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    import torch
+
+    from clip_train.memory import peak_bytes, used_bytes
+
+    device = torch.device(spec["device"])
+    sync = _synchronizer(device, world)
+    step = _make_step(spec, rank, world)
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -275,6 +305,25 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
         times.append(time.perf_counter() - start)
     peak = peak_bytes(device) - base
     return {"time_s": statistics.median(times), "times_s": times, "peak_mib": max(peak, 0) / MIB}
+
+
+def _paired_times(specs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median step time of each configuration, all in one process taking turns step by step, so a
+    shared machine's drift slows them alike and their ratios hold (the memory needs fresh processes)."""
+    import torch
+
+    sync = _synchronizer(torch.device(specs[0]["device"]), 1)
+    steps = {_label(spec): _make_step(spec, 0, 1) for spec in specs}
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for repeat in range(max(1, specs[0]["repeats"]) + 1):
+        for label, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if repeat:  # the first round warms up
+                times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:

@@ -38,6 +38,7 @@ from clip_train.config import DataConfig
 from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, decode_sample
 from clip_train.data.sources import dataset_size, expand_urls, read_shard
 from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transform, train_transform
+from clip_train.preemption import ignore_preemption_signals
 
 Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
 STATE_VERSION = 1
@@ -415,6 +416,7 @@ def build_train_loader(
         batch_size=None,
         num_workers=data_cfg.workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
+        worker_init_fn=ignore_preemption_signals,
         # Its own generator: starting an iterator must not draw from the global RNG, whose state
         # (dropout masks) a checkpoint restores exactly.
         generator=torch.Generator().manual_seed(_seed(seed, rank)),
@@ -496,4 +498,5 @@ def build_eval_loader(
         batch_size=None,
         num_workers=min(workers, len(shard_urls)),
         pin_memory=pin_memory and torch.cuda.is_available(),
+        worker_init_fn=ignore_preemption_signals,
     )

@@ -11,7 +11,8 @@ the full-batch gradients of the global contrastive loss:
 3. backprop the kept chunk's cached gradient, then replay every other chunk with its RNG state
    restored (same dropout and drop-path masks) and backprop its cached gradient into the tower;
    DDP syncs on each tower's last backward only;
-4. average the logit-scale gradient across ranks (DDP does not own it).
+4. average the gradients of the loss's own parameters (logit scale, sigmoid bias) across ranks
+   (DDP does not own them).
 
 LiT: a tower with a frozen trunk (``has_frozen_trunk``) runs ``encode_frozen`` once per chunk and
 caches its output (on the device, or in pinned host memory with ``offload``), so replay only runs
@@ -148,6 +149,8 @@ class GradCache:
         self.device = model.logit_scale.device
         self.precision = precision
         self.offload = offload
+        # A model with a logit bias is trained with the sigmoid loss (Config.validate keeps them together).
+        self.loss_kind = "sigmoid" if model.logit_bias is not None else "softmax"
         self.loss_impl = loss_impl
         self.loss_kernel = loss_kernel
         # Beside a materialising loss the kept graph would share the peak with a b×b workspace.
@@ -308,17 +311,20 @@ class GradCache:
     def _loss(
         self, image_features: torch.Tensor, text_features: torch.Tensor, scaler: torch.amp.GradScaler | None
     ) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
-        """Stage 2: the loss on leaf features; its gradients are the cache, plus the scale's gradient."""
-        log_scale = self.model.logit_scale
+        """Stage 2: the loss on leaf features; its gradients are the cache, plus the gradients of
+        the logit scale (and of the sigmoid loss's bias)."""
+        scalars = [p for p in (self.model.logit_scale, self.model.logit_bias) if p is not None]
         leaves = (
             image_features.requires_grad_(self.image.replays),
             text_features.requires_grad_(self.text.replays),
-            log_scale.detach().requires_grad_(log_scale.requires_grad),
+            *(p.detach().requires_grad_(p.requires_grad) for p in scalars),
         )
         loss = contrastive_loss(
             leaves[0],
             leaves[1],
             leaves[2].exp(),
+            logit_bias=leaves[3] if len(leaves) > 3 else None,
+            kind=self.loss_kind,
             impl=self.loss_impl,
             kernel=self.loss_kernel,
             group=self.group,
@@ -327,19 +333,20 @@ class GradCache:
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grads = torch.autograd.grad(_scaled(loss, scaler), wanted) if wanted else ()
         grads = dict(zip(map(id, wanted), grads, strict=True))
-        image_grad, text_grad, scale_grad = (grads.get(id(leaf)) for leaf in leaves)
-        if scale_grad is not None:
-            self._accumulate_scale_grad(scale_grad)
+        image_grad, text_grad, *scalar_grads = (grads.get(id(leaf)) for leaf in leaves)
+        for param, grad in zip(scalars, scalar_grads, strict=True):
+            if grad is not None:
+                self._accumulate_rank_average(param, grad)
         return loss.item(), image_grad, text_grad
 
-    def _accumulate_scale_grad(self, grad: torch.Tensor) -> None:
-        """Each rank's loss is its share of the global mean, so the global gradient is the rank average."""
+    def _accumulate_rank_average(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A parameter of the loss (scale, bias), which DDP does not own: each rank's loss is its
+        share of the global mean, so the global gradient is the rank average."""
         if self.world_size > 1:
             dist.all_reduce(grad, group=self.group)
             grad = grad / self.world_size
-        log_scale = self.model.logit_scale
-        grad = grad.to(log_scale.dtype)
-        log_scale.grad = grad if log_scale.grad is None else log_scale.grad + grad
+        grad = grad.to(param.dtype)
+        param.grad = grad if param.grad is None else param.grad + grad
 
     def _replay(
         self,

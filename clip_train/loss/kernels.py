@@ -15,8 +15,8 @@ KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class Tiles:
-    """A module with ``softmax_forward/backward`` and ``sigmoid_forward/backward``, and the dtype
-    it wants the features in."""
+    """A module with ``softmax_forward``, ``softmax_backward`` and ``sigmoid_forward_backward``, and
+    the dtype it wants the features in."""
 
     functions: ModuleType
     feature_dtype: torch.dtype

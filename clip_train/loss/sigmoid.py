@@ -3,9 +3,12 @@
 ``X = s·I Tᵀ + b``; every pair is a binary problem, positive on the diagonal and negative
 elsewhere, so rank r's loss is ``(1/n) [Σ_{i∈r, all j} softplus(X_ij) - Σ_{i∈r} X_ii]`` (SigLIP
 sums over pairs and divides by the images, as open_clip's ``SigLipLoss`` does per rank). There
-is no normaliser across a row or column, so the forward needs one matmul per tile and no state
-travels with the blocks; the gradient ``G = (w_r / n)·(sigmoid(X) - I)`` of each element depends on
-that element alone. The backward recomputes each tile and spends two matmuls on dI and dT.
+is no normaliser across a row or column: the gradient ``G = (w_r / n)·(sigmoid(X) - I)`` of each
+element depends on that element alone. So the forward computes the loss and the gradients
+together, for the unit coefficient, in one ring pass (3 matmuls a tile), the text-gradient
+accumulator travelling home with its block; the backward scales them by the upstream
+coefficient. Only when ranks backpropagate different coefficients (each weighs its own rows)
+does the backward recompute, with one more ring pass.
 
 Same convention as the softmax loss: the average over ranks is the global loss, each rank's
 features get the gradient of the sum of the rank losses, and the per-rank scale and bias
@@ -20,7 +23,7 @@ import torch
 
 from clip_train.loss.checks import Batch, row_dots
 from clip_train.loss.kernels import Tiles
-from clip_train.loss.ring import backward_pass, forward_pass, without_autocast
+from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
 
 
 class SigmoidLoss(torch.autograd.Function):
@@ -41,58 +44,72 @@ class SigmoidLoss(torch.autograd.Function):
         acc_dtype = torch.promote_types(images.dtype, torch.float32)
         scale, bias = float(logit_scale), float(logit_bias)
         n = images.shape[0]
-        total = images.new_zeros((), dtype=acc_dtype)
-        positives = images.new_zeros((), dtype=acc_dtype)
-        last_tile = None
+        # Gradients for a unit coefficient and without the factor s: G0 = sigmoid(X) - I.
+        grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
+        softplus_sum, g_sum, positives = (images.new_zeros((), dtype=acc_dtype) for _ in range(3))
 
-        def visit(owner: int, block: torch.Tensor, _: None) -> None:
-            nonlocal total, positives, last_tile
-            block_total, last_tile = tiles.functions.sigmoid_forward(images, block, scale, bias, tile)
-            total = total + block_total
-            if owner == batch.rank:
+        def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
+            nonlocal softplus_sum, g_sum, positives
+            softplus, g = tiles.functions.sigmoid_forward_backward(
+                images, block, scale, bias, 1.0, grad_images, grad_block, tile
+            )
+            softplus_sum, g_sum = softplus_sum + softplus, g_sum + g
+            if owner == batch.rank:  # the positives: -X_ii in the loss, -1 on G's diagonal
                 positives = (row_dots(images, block, acc_dtype) * scale + bias).sum()
+                grad_images.sub_(block.to(acc_dtype))
+                grad_block.sub_(images.to(acc_dtype))
+                g_sum = g_sum - n
 
-        block, _, _ = forward_pass(batch, texts, None, visit)
-        ctx.save_for_backward(images, block)
-        ctx.batch, ctx.tile, ctx.tiles, ctx.last_tile = batch, tile, tiles, last_tile
-        ctx.scale, ctx.bias = scale, bias
+        grad_texts = texts.new_zeros(texts.shape, dtype=acc_dtype)
+        block, _, grad_texts = forward_pass(batch, texts, grad_texts, visit)
+        ctx.save_for_backward(images, block, grad_images, grad_texts, g_sum)
+        ctx.batch, ctx.tile, ctx.tiles, ctx.scale, ctx.bias = batch, tile, tiles, scale, bias
         ctx.input_dtypes = [
             (t.dtype, t.shape) for t in (image_features, text_features, logit_scale, logit_bias)
         ]
-        return (total - positives) / n
+        return (softplus_sum - positives) / n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        images, block = ctx.saved_tensors
-        last_tile, ctx.last_tile = ctx.last_tile, None
+        images, block, grad_images, grad_texts, g_sum = ctx.saved_tensors
         batch: Batch = ctx.batch
-        n = images.shape[0]
-        acc_dtype = torch.promote_types(images.dtype, torch.float32)
-        coef = float(grad_loss) / n
-        grad_images = images.new_zeros(images.shape, dtype=acc_dtype)  # without the factor s
-        grad_bias = images.new_zeros((), dtype=acc_dtype)
-
-        def visit(owner: int, travelling: list[torch.Tensor]) -> torch.Tensor:
-            nonlocal last_tile, grad_bias
-            (block,) = travelling
-            grad_block = images.new_zeros(block.shape, dtype=acc_dtype)
-            args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile, last_tile)
-            grad_bias = grad_bias + ctx.tiles.functions.sigmoid_backward(images, block, *args)
-            last_tile = None  # only the first block visited is the forward's last
-            if owner == batch.rank:  # the positives' -1 on the diagonal
-                grad_images.sub_(block.to(acc_dtype), alpha=coef)
-                grad_block.sub_(images.to(acc_dtype), alpha=coef)
-                grad_bias = grad_bias - coef * n
-            return grad_block
-
-        grad_texts = backward_pass(batch, [block], visit)
-        grad_scale = row_dots(images, grad_images, acc_dtype).sum()
-        grads = (grad_images.mul_(ctx.scale), grad_texts.mul_(ctx.scale), grad_scale, grad_bias)
+        coef = float(grad_loss) / images.shape[0]
+        coefs = rank_coefficients(coef, batch, images.device)
+        if all(c == coef for c in coefs):  # every G scales alike: the forward's gradients serve
+            grad_images, grad_texts, grad_bias = grad_images * coef, grad_texts * coef, g_sum * coef
+        else:
+            grad_images, grad_texts, grad_bias = _recompute(ctx, images, block, coef)
+        grad_scale = row_dots(images, grad_images, grad_images.dtype).sum()
+        grads = (grad_images * ctx.scale, grad_texts * ctx.scale, grad_scale, grad_bias)
         return (
             *(g.to(dtype).reshape(shape) for g, (dtype, shape) in zip(grads, ctx.input_dtypes, strict=True)),
             None,
             None,
             None,
         )
+
+
+def _recompute(
+    ctx: Any, images: torch.Tensor, block: torch.Tensor, coef: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients with this rank's own coefficient on its rows: one more ring pass."""
+    batch: Batch = ctx.batch
+    acc_dtype = torch.promote_types(images.dtype, torch.float32)
+    grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
+    grad_bias = images.new_zeros((), dtype=acc_dtype)
+
+    def visit(owner: int, travelling: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal grad_bias
+        (block,) = travelling
+        grad_block = images.new_zeros(block.shape, dtype=acc_dtype)
+        args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile)
+        grad_bias = grad_bias + ctx.tiles.functions.sigmoid_forward_backward(images, block, *args)[1]
+        if owner == batch.rank:
+            grad_images.sub_(block.to(acc_dtype), alpha=coef)
+            grad_block.sub_(images.to(acc_dtype), alpha=coef)
+            grad_bias = grad_bias - coef * images.shape[0]
+        return grad_block
+
+    return grad_images, backward_pass(batch, [block], visit), grad_bias

@@ -1,13 +1,13 @@
 """Triton tiles: one text block against this rank's image rows, as fused CUDA kernels.
 
-Same four functions as ``tiles_torch.py`` (except that the forwards hand no last tile to the
-backwards). Features may be fp32, bf16 or fp16; logits, exponentials and every accumulator are
+The functions of ``tiles_torch.py`` (except that the softmax forward hands no last tile to the
+backward). Features may be fp32, bf16 or fp16; logits, exponentials and every accumulator are
 fp32 (fp32 operands use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set).
 
-* Forwards: each program owns one (BLOCK_M × BLOCK_N) tile of ``X = s·I Tᵀ (+ b)`` and writes
-  the tile's row and column log-sum-exps (softmax) or its sum of softplus (sigmoid); the host
-  reduces them (a 1/BLOCK-sized reduction), column chunk by column chunk to bound that buffer.
-* Backwards: no atomics. ``dI = G T`` and ``dT = Gᵀ I`` are two launches of one *owner* kernel:
+* Softmax forward: each program owns one (BLOCK_M × BLOCK_N) tile of ``X = s·I Tᵀ`` and writes the
+  tile's row and column log-sum-exps; the host merges them (a 1/BLOCK-sized reduction), column
+  chunk by column chunk to bound that buffer.
+* Gradients: no atomics. ``dI = G T`` and ``dT = Gᵀ I`` are two launches of one *owner* kernel:
   each program owns a block of rows of one side (image rows for dI, text rows for dT), keeps
   them and their whole gradient (BLOCK × the padded dim, fp32) in registers, and streams every
   row of the other side past them: one load of each streamed block serves both the logits
@@ -16,6 +16,8 @@ fp32 (fp32 operands use TF32 only when ``torch.backends.cuda.matmul.allow_tf32``
   n·m·d/32 global atomic read-modify-writes: 275 GB at n = m = 65,536, d = 512. The owner
   layout trades that for recomputing the logits once more (5 matmul-equivalents for the whole
   loss instead of 4), and is why the Triton path takes d ≤ 1024 (≤ 512 for fp32 features).
+* Sigmoid: the two owner launches also sum each row's pair losses, so loss and gradients come
+  from 4 matmul-equivalents in all.
 
 Plain ``tl`` operations only — no inline PTX — with masked loads for ragged edges and int64
 offsets, so the kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them)
@@ -41,7 +43,7 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # d = 1024 spill in every layout, hence the lower limit for fp32.
 OWNER_BLOCKS = {
     2: {64: (64, 64), 128: (64, 32), 256: (32, 16), 512: (16, 32), 1024: (16, 16)},
-    4: {64: (64, 32), 128: (64, 16), 256: (32, 16), 512: (16, 16)},
+    4: {64: (64, 16), 128: (64, 16), 256: (32, 16), 512: (16, 16)},
 }
 
 
@@ -70,13 +72,17 @@ def max_dim(dtype: torch.dtype) -> int:
     return max(OWNER_BLOCKS[_itemsize(dtype)])
 
 
-def forward_launch(dtype: torch.dtype, kind: str, has_cols: bool, precision: str) -> Launch:
+def forward_launch(dtype: torch.dtype, has_cols: bool, precision: str) -> Launch:
     """16-bit operands take twice the rows and depth for the same shared memory; the fp32 logits
     tile and its exponentials bound the rest (128 × 128 spills)."""
     rows, depth = (128, 64) if dtype != torch.float32 else (64, 32)
-    constexprs = {"BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_D": depth, "PRECISION": precision}
-    if kind == "softmax":
-        constexprs["HAS_COLS"] = has_cols
+    constexprs = {
+        "HAS_COLS": has_cols,
+        "BLOCK_M": rows,
+        "BLOCK_N": 64,
+        "BLOCK_D": depth,
+        "PRECISION": precision,
+    }
     return Launch(constexprs, num_warps=8, num_stages=3)
 
 
@@ -94,11 +100,11 @@ def owner_launch(dtype: torch.dtype, dim: int, sigmoid: bool, precision: str) ->
 
 
 @triton.jit
-def _tile_logits(
-    images, texts, n, m, dim, stride_images, stride_texts, scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+def _softmax_forward_kernel(
+    images, texts, row_part, col_part, n, m, dim, stride_images, stride_texts, scale,
+    HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """This program's tile of ``scale · images textsᵀ`` (fp32): its rows, columns and their masks."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < n, cols < m
@@ -111,19 +117,7 @@ def _tile_logits(
         a = tl.load(images + row_offsets + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(texts + col_offsets + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-    return rows, cols, row_mask, col_mask, acc * scale
-
-
-@triton.jit
-def _softmax_forward_kernel(
-    images, texts, row_part, col_part, n, m, dim, stride_images, stride_texts, scale,
-    HAS_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    rows, cols, row_mask, col_mask, x = _tile_logits(
-        images, texts, n, m, dim, stride_images, stride_texts, scale, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
-    )
-    x = tl.where(row_mask[:, None] & col_mask[None, :], x, float("-inf"))
+    x = tl.where(row_mask[:, None] & col_mask[None, :], acc * scale, float("-inf"))
     row_max = tl.where(row_mask, tl.max(x, axis=1), 0.0)
     row_sums = tl.where(row_mask, tl.sum(tl.exp(x - row_max[:, None]), axis=1), 1.0)
     tl.store(row_part + tl.program_id(1).to(tl.int64) * n + rows, row_max + tl.log(row_sums), mask=row_mask)
@@ -135,22 +129,8 @@ def _softmax_forward_kernel(
 
 
 @triton.jit
-def _sigmoid_forward_kernel(
-    images, texts, part, n, m, dim, stride_images, stride_texts, scale, bias,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    _, _, row_mask, col_mask, x = _tile_logits(
-        images, texts, n, m, dim, stride_images, stride_texts, scale, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION
-    )
-    x += bias
-    softplus = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
-    softplus = tl.where(row_mask[:, None] & col_mask[None, :], softplus, 0.0)
-    tl.store(part + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(softplus))
-
-
-@triton.jit
 def _owner_kernel(
-    owned, streamed, owned_lse, streamed_lse, grad, row_sums, n_owned, n_streamed, dim,
+    owned, streamed, owned_lse, streamed_lse, grad, row_sums, softplus_sums, n_owned, n_streamed, dim,
     stride_owned, stride_streamed, scale, bias, owned_coef, streamed_coef, grad_scale,
     SIGMOID: tl.constexpr, BLOCK_OWNED: tl.constexpr, BLOCK_STREAMED: tl.constexpr,
     BLOCK_DIM: tl.constexpr, PRECISION: tl.constexpr,
@@ -158,7 +138,8 @@ def _owner_kernel(
     """``grad[rows] += grad_scale · Σ_j g_ij streamed_j`` for this program's owned rows, with
     ``x_ij = scale · owned_i · streamed_j`` and, for softmax,
     ``g_ij = owned_coef·exp(x_ij - owned_lse_i) + streamed_coef·exp(x_ij - streamed_lse_j)``,
-    for sigmoid ``g_ij = owned_coef·sigmoid(x_ij + bias)`` (then ``row_sums`` gets Σ_j g_ij).
+    for sigmoid ``g_ij = owned_coef·sigmoid(x_ij + bias)`` (then ``row_sums`` gets Σ_j g_ij and
+    ``softplus_sums`` Σ_j softplus(x_ij + bias), the loss).
     The coefficients arrive divided by ``grad_scale`` so that |g| ≤ 2 survives the cast to a
     16-bit dot operand."""
     rows = tl.program_id(0) * BLOCK_OWNED + tl.arange(0, BLOCK_OWNED)
@@ -173,6 +154,7 @@ def _owner_kernel(
         row_lse = tl.load(owned_lse + rows, mask=row_mask, other=float("inf"))
     acc = tl.zeros((BLOCK_OWNED, BLOCK_DIM), dtype=tl.float32)
     sums = tl.zeros((BLOCK_OWNED,), dtype=tl.float32)
+    softplus = tl.zeros((BLOCK_OWNED,), dtype=tl.float32)
     for start in range(0, n_streamed, BLOCK_STREAMED):
         cols = start + tl.arange(0, BLOCK_STREAMED)
         col_mask = cols < n_streamed
@@ -183,7 +165,11 @@ def _owner_kernel(
         )
         x = tl.dot(owned_block, tl.trans(block), input_precision=PRECISION) * scale
         if SIGMOID:
-            g = owned_coef * tl.sigmoid(x + bias)
+            z = x + bias
+            e = tl.exp(-tl.abs(z))  # one exp serves the loss and the gradient, neither overflows
+            g = owned_coef * tl.where(z >= 0, 1.0, e) / (1.0 + e)
+            pair_loss = tl.maximum(z, 0.0) + tl.log(1.0 + e)
+            softplus += tl.sum(tl.where(row_mask[:, None] & col_mask[None, :], pair_loss, 0.0), axis=1)
         else:
             col_lse = tl.load(streamed_lse + cols, mask=col_mask, other=float("inf"))
             g = owned_coef * tl.exp(x - row_lse[:, None]) + streamed_coef * tl.exp(x - col_lse[None, :])
@@ -197,6 +183,7 @@ def _owner_kernel(
     tl.store(out, tl.load(out, mask=out_mask, other=0.0) + acc * grad_scale, mask=out_mask)
     if SIGMOID:
         tl.store(row_sums + rows, sums * grad_scale, mask=row_mask)
+        tl.store(softplus_sums + rows, softplus, mask=row_mask)
 
 
 def _check(features: tuple[torch.Tensor, ...], accumulators: tuple[torch.Tensor, ...] = ()) -> None:
@@ -229,7 +216,7 @@ def softmax_forward(
     """Merge the row (and column) log-sum-exps of ``scale · images @ textsᵀ`` into the accumulators."""
     _check((images, texts))
     (n, dim), m = images.shape, texts.shape[0]
-    launch = forward_launch(images.dtype, "softmax", col_lse is not None, _precision(images.dtype))
+    launch = forward_launch(images.dtype, col_lse is not None, _precision(images.dtype))
     block_m, block_n = launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"]
     row_tiles = triton.cdiv(n, block_m)
     # Partial LSEs per column of a chunk: one per row tile, plus n/BLOCK_N per row.
@@ -248,21 +235,6 @@ def softmax_forward(
             torch.logaddexp(cols, torch.logsumexp(col_part, dim=0), out=cols)
 
 
-def sigmoid_forward(
-    images: torch.Tensor, texts: torch.Tensor, scale: float, bias: float, tile: int
-) -> tuple[torch.Tensor, None]:
-    """``Σ softplus(scale · images @ textsᵀ + bias)`` over the block (see tiles_torch.py)."""
-    del tile  # one partial sum per program; nothing to chunk
-    _check((images, texts))
-    (n, dim), m = images.shape, texts.shape[0]
-    launch = forward_launch(images.dtype, "sigmoid", False, _precision(images.dtype))
-    grid = (triton.cdiv(n, launch.constexprs["BLOCK_M"]), triton.cdiv(m, launch.constexprs["BLOCK_N"]))
-    part = images.new_empty(grid, dtype=torch.float32)
-    args = (images, texts, part, n, m, dim, images.stride(0), texts.stride(0), scale, bias)
-    _launch(_sigmoid_forward_kernel, grid, launch, *args)
-    return part.sum(), None
-
-
 def _owner_pass(
     owned: torch.Tensor,
     streamed: torch.Tensor,
@@ -275,13 +247,14 @@ def _owner_pass(
     streamed_coef: float = 0.0,
     bias: float | None = None,
     row_sums: torch.Tensor | None = None,
+    softplus_sums: torch.Tensor | None = None,
 ) -> None:
     """One launch of the owner kernel: ``grad += G @ streamed`` with G oriented owned × streamed.
 
     Softmax: an absent term (no column LSE in hard-negative mode) gets a zero coefficient and an
     infinite LSE, so its exponentials are exactly 0 rather than 0 · (whatever overflowed).
-    Sigmoid (``bias`` given): ``owned_coef`` is the one coefficient and ``row_sums`` (required)
-    receives Σ_j g_ij.
+    Sigmoid (``bias`` given): ``owned_coef`` is the one coefficient; ``row_sums`` and
+    ``softplus_sums`` (both required) receive Σ_j g_ij and Σ_j softplus(x_ij + bias).
     """
     sigmoid = bias is not None
     if not sigmoid:
@@ -292,17 +265,18 @@ def _owner_pass(
                 owned.new_full((len(streamed),), float("inf"), dtype=torch.float32),
                 0.0,
             )
-    grad_scale = max(abs(owned_coef), abs(streamed_coef))
-    if grad_scale == 0:
+    grad_scale = max(abs(owned_coef), abs(streamed_coef)) or (1.0 if sigmoid else 0.0)
+    if grad_scale == 0:  # both softmax terms are zero: so is G
         return
     launch = owner_launch(owned.dtype, owned.shape[1], sigmoid, _precision(owned.dtype))
     grid = (triton.cdiv(owned.shape[0], launch.constexprs["BLOCK_OWNED"]),)
     unused = grad  # pointers the specialisation never reads must still be tensors
+    lse = (unused, unused) if sigmoid else (owned_lse, streamed_lse)
+    sums = (row_sums, softplus_sums) if sigmoid else (unused, unused)
+    coefs = (owned_coef / grad_scale, streamed_coef / grad_scale, grad_scale)
     args = (
-        owned, streamed, unused if sigmoid else owned_lse, unused if sigmoid else streamed_lse, grad,
-        row_sums if sigmoid else unused, len(owned), len(streamed), owned.shape[1],
-        owned.stride(0), streamed.stride(0), scale, bias or 0.0, owned_coef / grad_scale,
-        streamed_coef / grad_scale, grad_scale,
+        owned, streamed, *lse, grad, *sums, len(owned), len(streamed), owned.shape[1], owned.stride(0),
+        streamed.stride(0), scale, bias or 0.0, *coefs,
     )  # fmt: skip
     _launch(_owner_kernel, grid, launch, *args)
 
@@ -332,7 +306,7 @@ def softmax_backward(
     _owner_pass(texts, images, scale, grad_texts, **cols)
 
 
-def sigmoid_backward(
+def sigmoid_forward_backward(
     images: torch.Tensor,
     texts: torch.Tensor,
     scale: float,
@@ -341,17 +315,19 @@ def sigmoid_backward(
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
-    last_tile: None = None,
-) -> torch.Tensor:
-    """Add ``G @ texts`` to ``grad_images`` and ``Gᵀ @ images`` to ``grad_texts`` for
-    ``G = coef · sigmoid(X)``; returns ``Σ G`` (see tiles_torch.py)."""
-    del tile, last_tile
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Σ softplus(X)`` and ``Σ G``, and ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images``
+    into ``grad_texts`` for ``G = coef · sigmoid(X)`` (see tiles_torch.py): two owner launches."""
+    del tile  # each program streams the whole other side; nothing to chunk
     _check((images, texts), (grad_images, grad_texts))
-    image_sums = images.new_zeros(len(images), dtype=torch.float32)
-    text_sums = images.new_zeros(len(texts), dtype=torch.float32)  # the same total, unused
-    _owner_pass(images, texts, scale, grad_images, owned_coef=coef, bias=bias, row_sums=image_sums)
-    _owner_pass(texts, images, scale, grad_texts, owned_coef=coef, bias=bias, row_sums=text_sums)
-    return image_sums.sum()
+    sums = [images.new_zeros(len(t), dtype=torch.float32) for t in (images, images, texts, texts)]
+    _owner_pass(
+        images, texts, scale, grad_images, owned_coef=coef, bias=bias, row_sums=sums[0], softplus_sums=sums[1]
+    )
+    _owner_pass(
+        texts, images, scale, grad_texts, owned_coef=coef, bias=bias, row_sums=sums[2], softplus_sums=sums[3]
+    )
+    return sums[1].sum(), sums[0].sum()  # the text launch's sums are the same totals
 
 
 def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
@@ -364,7 +340,8 @@ def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
         tile_args |= {"stride_images": "i32", "stride_texts": "i32", "scale": "fp32"}
         owner_args = {
             "owned": feature, "streamed": feature, "owned_lse": "*fp32", "streamed_lse": "*fp32",
-            "grad": "*fp32", "row_sums": "*fp32", "n_owned": "i32", "n_streamed": "i32", "dim": "i32",
+            "grad": "*fp32", "row_sums": "*fp32", "softplus_sums": "*fp32", "n_owned": "i32",
+            "n_streamed": "i32", "dim": "i32",
             "stride_owned": "i32", "stride_streamed": "i32", "scale": "fp32", "bias": "fp32",
             "owned_coef": "fp32", "streamed_coef": "fp32", "grad_scale": "fp32",
         }  # fmt: skip
@@ -373,11 +350,9 @@ def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
                 softmax_args = {**tile_args, "row_part": "*fp32", "col_part": "*fp32"}
                 yield (
                     "_softmax_forward_kernel",
-                    forward_launch(dtype, "softmax", has_cols, precision),
+                    forward_launch(dtype, has_cols, precision),
                     softmax_args,
                 )
-            sigmoid_args = {**tile_args, "part": "*fp32", "bias": "fp32"}
-            yield "_sigmoid_forward_kernel", forward_launch(dtype, "sigmoid", False, precision), sigmoid_args
             for dim_block in OWNER_BLOCKS[_itemsize(dtype)]:
                 for sigmoid in (False, True):
                     yield "_owner_kernel", owner_launch(dtype, dim_block, sigmoid, precision), owner_args

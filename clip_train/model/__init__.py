@@ -28,14 +28,24 @@ __all__ = [
 
 
 class CLIP(nn.Module):
-    """Image and text towers plus the learnable log logit scale (the loss takes ``logit_scale.exp()``)."""
+    """Image and text towers plus the learnable log logit scale (the loss takes ``logit_scale.exp()``)
+    and, for the sigmoid loss, a learnable logit bias (``None`` otherwise)."""
 
-    def __init__(self, visual: ImageTower, text: TextTower, tokenizer: Tokenizer, init_logit_scale: float):
+    def __init__(
+        self,
+        visual: ImageTower,
+        text: TextTower,
+        tokenizer: Tokenizer,
+        init_logit_scale: float,
+        init_logit_bias: float | None = None,
+    ):
         super().__init__()
         self.visual = visual
         self.text = text
         self.tokenizer = tokenizer
         self.logit_scale = nn.Parameter(torch.tensor(float(init_logit_scale)))
+        bias = None if init_logit_bias is None else nn.Parameter(torch.tensor(float(init_logit_bias)))
+        self.register_parameter("logit_bias", bias)
 
     @property
     def image_size(self) -> int:
@@ -97,4 +107,4 @@ def build_model(model_cfg: ModelConfig, *, load_pretrained: bool = True) -> CLIP
             f"max_position_embeddings={max_positions}"
         )
     visual = build_image_tower(model_cfg.image, model_cfg.embed_dim, load_pretrained=load_pretrained)
-    return CLIP(visual, text, tokenizer, model_cfg.init_logit_scale)
+    return CLIP(visual, text, tokenizer, model_cfg.init_logit_scale, model_cfg.init_logit_bias)

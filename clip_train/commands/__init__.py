@@ -1,0 +1,1 @@
+"""Subcommands of ``clip-train`` that belong to no larger module (see ``clip_train.cli``)."""

@@ -1,0 +1,95 @@
+"""Every path a run reads is checked before the first step: one line naming the key, no training."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from small_runs import DEMO_CONFIG, run_overrides
+
+from clip_train import load_config
+from clip_train.errors import UserError
+from clip_train.startup_checks import check_paths
+
+
+def run_config(digits: Path, out_dir: Path, *extra: str):
+    return load_config(DEMO_CONFIG, run_overrides(digits, out_dir, 2, *extra))
+
+
+MISSING = [  # (overrides, the error's start); DIGITS stands for the digits set's directory
+    (["data.train=/no/such/shards"], "data.train: no such file or directory: /no/such/shards"),
+    (["data.val=/no/such/val/{0..3}.tar"], "data.val: no such file or directory: /no/such/val/0.tar"),
+    (
+        ["eval.zeroshot=/no/such/classes.json", "data.val=DIGITS/val"],
+        "eval.zeroshot='/no/such/classes.json': no such file",
+    ),
+    (["eval.zeroshot_data=/no/such/imagenet/val"], "eval.zeroshot_data: no such file or directory"),
+    (
+        ["eval.zeroshot=DIGITS/zeroshot.json"],
+        "eval.zeroshot is set but neither eval.zeroshot_data nor data.val names labelled images",
+    ),
+    (
+        ["model.image.pretrained=/no/such/vit.safetensors"],
+        "model.image.pretrained='/no/such/vit.safetensors': no such file or directory",
+    ),
+    (
+        ["model.text.hf=/no/such/bert", "model.text.hf_config={}"],
+        "model.text.hf='/no/such/bert': no such directory",
+    ),
+    (["model.text.tokenizer=./no/such/tokenizer"], "model.text.tokenizer='./no/such/tokenizer': no such"),
+    (["model.init_from=/no/such/run"], "model.init_from=/no/such/run: checkpoint not found: /no/such/run"),
+    (["checkpoint.resume=/no/such/step"], "checkpoint.resume=/no/such/step: not a complete checkpoint"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"), MISSING, ids=[overrides[0].split("=")[0] for overrides, _ in MISSING]
+)
+def test_a_missing_path_is_named(digits, tmp_path, overrides, message):
+    cfg = run_config(digits, tmp_path, *(item.replace("DIGITS", str(digits)) for item in overrides))
+    with pytest.raises(UserError) as err:
+        check_paths(cfg)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_what_exists_or_cannot_be_checked_passes(digits, tmp_path, demo_run):
+    image_folder = tmp_path / "imagenet-val"
+    (image_folder / "n01440764").mkdir(parents=True)
+    out = tmp_path / "run"
+    shutil.copytree(demo_run / "checkpoints", out / "checkpoints")
+    cfg = run_config(
+        digits,
+        out,
+        f"data.val={digits}/val",
+        "eval.zeroshot=imagenet",
+        f"eval.zeroshot_data={image_folder}",
+        "model.image.pretrained=hub",
+        "model.text.tokenizer=bert-base-uncased",  # a hub name: looked up when the model is built
+        "model.init_from=/no/such/run",  # never read: the run resumes from its own checkpoint
+        "checkpoint.resume=auto",
+    )
+    check_paths(cfg)
+    check_paths(run_config(digits, out, "data.train=pipe:cat /no/such/{0..9}.tar"))
+
+
+def test_the_issue_example_fails_before_the_first_step(digits, tmp_path):
+    """The demo config run from a directory without data/digits/zeroshot.json."""
+    overrides = [
+        f"data.train={digits}/train",
+        f"data.val={digits}/val",
+        f"eval.zeroshot_data={digits}/val",
+        "train.max_steps=8",
+        f"train.out_dir={tmp_path / 'run'}",
+        "log.wandb.mode=disabled",
+    ]
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "clip-train: error: eval.zeroshot='data/digits/zeroshot.json': no such file; give a class-name "
+        "JSON file or one of imagenet, imagenet-simple"
+    ]
+    assert not (tmp_path / "run").exists()  # no step, no run directory
