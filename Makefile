@@ -28,7 +28,7 @@ demo: $(VENV)/.installed-demo
 		data.train=$(DEMO_DATA)/train data.val=$(DEMO_DATA)/val \
 		eval.zeroshot=$(DEMO_DATA)/zeroshot.json eval.zeroshot_data=$(DEMO_DATA)/val \
 		train.out_dir=$(DEMO_RUN) $(DEMO_ARGS)
-	$(PY) -m clip_train.report $(DEMO_RUN) --prefix demo
+	$(VENV)/bin/clip-train report $(DEMO_RUN) --prefix demo
 
 test: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .

@@ -13,22 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from clip_train.config import ModelConfig, load_config
+from clip_train.config import CheckpointConfig, ModelConfig, load_config
+from clip_train.distributed import barrier, gather_to_main, rank_and_world
 from clip_train.errors import UserError
-
-if TYPE_CHECKING:
-    from clip_train.model import CLIP
+from clip_train.model import CLIP
+from clip_train.model.tokenizer import OPEN_CLIP
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -40,21 +40,6 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir) / "checkpoints"
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG streams: Python, torch CPU and, when present, every CUDA device."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(
@@ -116,8 +101,6 @@ def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     is needed. A checkpoint written before checkpoints held these falls back to the run's
     ``config.yaml`` (and the weight directories it names).
     """
-    from clip_train.model.tokenizer import OPEN_CLIP
-
     own = checkpoint / MODEL_CONFIG_FILE
     if not own.is_file():
         run_config = run_config_file(checkpoint)
@@ -226,3 +209,74 @@ def _first(names: list[str], shown: int = 3) -> str:
 
 def load_train_state(path: str | os.PathLike) -> dict:
     return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """A run's checkpoints: saves, pruning and resume, over the model and every component's state.
+
+    ``shared`` components hold the same state on every rank (rank 0's is saved); ``per_rank`` ones
+    differ by rank (RNG streams, data position) and are gathered, one entry per rank. A
+    checkpoint from another world size restores the shared state and the weights only.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        model: CLIP,
+        model_cfg: ModelConfig,
+        *,
+        shared: dict[str, Stateful],
+        per_rank: dict[str, Stateful],
+    ) -> None:
+        self.run_dir, self.cfg, self.model, self.model_cfg = run_dir, cfg, model, model_cfg
+        self.shared, self.per_rank = shared, per_rank
+
+    def save(self, step: int) -> None:
+        """Every rank contributes its own state; rank 0 writes. A collective."""
+        gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
+        rank, world = rank_and_world()
+        if rank == 0:
+            state = {"world_size": world, **{name: part.state_dict() for name, part in self.shared.items()}}
+            keep, keep_every = self.cfg.keep, self.cfg.keep_every
+            save_checkpoint(
+                self.run_dir, step, self.model, self.model_cfg, state | gathered, keep, keep_every
+            )
+        barrier()
+
+    def restore(self) -> Path | None:
+        """Load ``checkpoint.resume`` (none, ``auto`` or a path); refuse to write over another run's."""
+        path = resolve_resume(self.cfg.resume, self.run_dir)
+        if path is None and self.cfg.resume != "auto" and complete_checkpoints(self.run_dir):
+            raise UserError(
+                f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it with "
+                "checkpoint.resume=auto or pick a new train.out_dir"
+            )
+        if path is not None:
+            self.load(path)
+        return path
+
+    def load(self, path: Path) -> bool:
+        """Weights and every component's state; False when the per-rank states were left out."""
+        load_weights(path, self.model)
+        state = load_train_state(path)
+        for name, part in self.shared.items():
+            part.load_state_dict(state[name])
+        rank, world = rank_and_world()
+        if state["world_size"] != world:
+            if rank == 0:
+                print(
+                    f"clip-train: resuming on {world} ranks from a {state['world_size']}-rank checkpoint: "
+                    "weights and optimizer are exact; dropout and data streams restart at the step",
+                    file=sys.stderr,
+                )
+            return False
+        for name, part in self.per_rank.items():
+            part.load_state_dict(state[name][rank])
+        return True

@@ -1,7 +1,8 @@
-"""``clip-train``: one entry point, one module per subcommand.
+"""``clip-train``: one entry point; each command is a module with ``add_arguments(parser)`` and
+``run(args) -> int``.
 
-Each subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int`` and keeps its
-heavy imports (torch, webdataset, …) inside functions, so ``--help`` stays fast.
+Only the chosen command's module is imported (it imports the library, torch included), so
+``clip-train --help`` lists every command without loading torch.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ class Command:
 
 
 COMMANDS = (
-    Command("train", "clip_train.train", "train a CLIP model from a YAML config"),
-    Command("eval", "clip_train.evaluate", "zero-shot and retrieval eval of a checkpoint"),
-    Command("make-shards", "clip_train.make_shards", "write WebDataset shards (folder, csv, digits)"),
-    Command("export", "clip_train.export", "export a checkpoint for open_clip (clip_benchmark, HF Hub)"),
-    Command("plan", "clip_train.plan", "per-GPU memory plan and the largest batch that fits"),
+    Command("train", "clip_train.commands.train", "train a CLIP model from a YAML config"),
+    Command("eval", "clip_train.commands.eval", "zero-shot and retrieval eval of a checkpoint"),
+    Command(
+        "export", "clip_train.commands.export", "export a checkpoint for open_clip (clip_benchmark, HF Hub)"
+    ),
+    Command(
+        "make-shards", "clip_train.commands.make_shards", "write WebDataset shards (folder, csv, digits)"
+    ),
+    Command("plan", "clip_train.commands.plan", "per-GPU memory plan and the largest batch that fits"),
     Command("config", "clip_train.commands.config", "print a resolved config, or every key (--keys)"),
+    Command("report", "clip_train.commands.report", "a run's summary: steps, speed, loss, eval"),
 )
 BENCH_COMMANDS = (
     Command("loss", "clip_train.bench.loss", "contrastive loss time and memory vs batch size"),
@@ -37,30 +43,40 @@ BENCH_COMMANDS = (
 )
 
 
-def _add_commands(subparsers: argparse._SubParsersAction, commands: Sequence[Command]) -> None:
+def _add_commands(
+    subparsers: argparse._SubParsersAction, commands: Sequence[Command], chosen: str | None
+) -> None:
+    """Every command is listed; only the chosen one's module is imported to add its arguments."""
     for command in commands:
-        module = importlib.import_module(command.module)
-        parser = subparsers.add_parser(command.name, help=command.help, description=module.__doc__)
-        module.add_arguments(parser)
-        parser.set_defaults(run=module.run)
+        parser = subparsers.add_parser(command.name, help=command.help)
+        if command.name == chosen:
+            module = importlib.import_module(command.module)
+            parser.description = module.__doc__
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
+            module.add_arguments(parser)
+            parser.set_defaults(run=module.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser for ``argv``: its command (and benchmark) fully, the others by name and help."""
+    chosen = [*argv, None, None]
     parser = argparse.ArgumentParser(
         prog="clip-train",
         description="Train CLIP-style image-text models with contrastive batches of 100k to 1M+ pairs.",
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    _add_commands(subparsers, COMMANDS)
+    _add_commands(subparsers, COMMANDS, chosen[0])
     bench = subparsers.add_parser(
         "bench", help="benchmarks (loss, step, data)", description="Measure time and memory; see README."
     )
-    _add_commands(bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True), BENCH_COMMANDS)
+    benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True)
+    _add_commands(benchmarks, BENCH_COMMANDS, chosen[1] if chosen[0] == "bench" else None)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.run(args)
     except UserError as err:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +27,16 @@ from clip_train.errors import UserError
 
 class ConfigError(UserError, ValueError):
     """A configuration problem, with a message that names the key and says what to change."""
+
+
+# The choices a run makes, declared once: the loss, the engine, plan and the benchmarks derive theirs.
+Precision = Literal["fp32", "bf16", "fp16", "fp64"]
+LossKind = Literal["softmax", "sigmoid"]
+LossImpl = Literal["vanilla", "local", "inf", "auto"]
+LossKernel = Literal["auto", "torch", "triton"]
+PRECISIONS, LOSS_KINDS, LOSS_IMPLS, LOSS_KERNELS = (
+    typing.get_args(choice) for choice in (Precision, LossKind, LossImpl, LossKernel)
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,9 +99,9 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    kind: Literal["softmax", "sigmoid"] = "softmax"  # CLIP's softmax or SigLIP's sigmoid loss
-    impl: Literal["vanilla", "local", "inf", "auto"] = "auto"  # auto = inf (tiles and a ring of ranks)
-    kernel: Literal["auto", "torch", "triton"] = "auto"  # inf's tiles: auto = torch (README: loss on GPUs)
+    kind: LossKind = "softmax"  # CLIP's softmax or SigLIP's sigmoid loss
+    impl: LossImpl = "auto"  # auto = inf (tiles and a ring of ranks)
+    kernel: LossKernel = "auto"  # inf's tiles: auto = torch (README: loss on GPUs)
     tile_size: int = 0  # 0 picks a size for the device
 
 
@@ -118,7 +130,7 @@ class OptimConfig:
 class TrainConfig:
     max_steps: int = 1000  # optimizer steps in the whole run
     seed: int = 0  # initial weights, data order, augmentation and dropout streams
-    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"  # bf16/fp16 autocast; fp16 adds GradScaler
+    precision: Precision = "fp32"  # bf16/fp16 autocast; fp16 adds GradScaler
     out_dir: str = "runs/default"  # run directory: config, metrics, checkpoints, wandb
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
     dist_timeout_s: int = 600  # process-group init and collective timeout
@@ -308,18 +320,35 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
     Path(path).write_text(config_yaml(config))
 
 
-def config_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """Every leaf key as (dotted name, type annotation, default), in declaration order."""
-    rows: list[tuple[str, Any, Any]] = []
-    hints = typing.get_type_hints(cls)
+class ConfigKey(typing.NamedTuple):
+    name: str  # dotted, e.g. batch.global_size
+    hint: Any  # the type annotation
+    default: Any
+    meaning: str  # the inline comment on the field
+
+
+def config_keys(cls: type = Config, prefix: str = "") -> list[ConfigKey]:
+    """Every leaf key, in declaration order (what ``clip-train config --keys`` and the README list)."""
+    rows: list[ConfigKey] = []
+    hints, meanings = typing.get_type_hints(cls), _field_comments(cls)
     for f in dataclasses.fields(cls):
         name, hint = prefix + f.name, hints[f.name]
         if dataclasses.is_dataclass(hint):
             rows += config_keys(hint, name + ".")
         else:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            rows.append((name, hint, default))
+            rows.append(ConfigKey(name, hint, default, meanings.get(f.name, "")))
     return rows
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Inline ``# comment`` of each field of ``cls`` and of the dataclasses it inherits from."""
+    comments: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        for line in inspect.getsource(klass).splitlines():
+            if found := re.match(r"^\s+(\w+):[^#]*#\s*(.+)$", line):
+                comments[found.group(1)] = found.group(2)
+    return comments
 
 
 def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -370,7 +399,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if unknown:
         key = unknown[0]
         valid = list(
-            dict.fromkeys([prefix + n for n in names] + [prefix + k for k, _, _ in config_keys(cls)])
+            dict.fromkeys([prefix + n for n in names] + [prefix + key.name for key in config_keys(cls)])
         )
         near = difflib.get_close_matches(prefix + str(key), valid, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(near)}?" if near else f"valid keys under {where}: {', '.join(names)}"

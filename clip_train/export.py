@@ -1,4 +1,4 @@
-"""Export a checkpoint for open_clip: ``clip-train export CHECKPOINT OUT --format open_clip``.
+"""The open_clip export of a trained model (``clip-train export CHECKPOINT OUT --format open_clip``).
 
 ``open_clip.create_model_and_transforms("local-dir:OUT")`` and ``open_clip.get_tokenizer("local-dir:OUT")``
 then give the embeddings clip_train gives, so clip_benchmark and anything else built on open_clip
@@ -26,21 +26,24 @@ before certain punctuation in one word (e.g. "!(" or "!/"); such rare captions e
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import open_clip
+import torch
+from huggingface_hub import CommitOperationAdd, HfApi, RepoUrl
+from huggingface_hub.errors import HfHubHTTPError
+from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME
+from open_clip.hf_configs import arch_dict
+from open_clip.push_to_hf_hub import generate_readme
+from timm.models._hub import save_config_for_hf  # timm's own writer; timm.models does not re-export it
+
+from clip_train.checkpoint import save_weights
 from clip_train.errors import UserError
-
-if TYPE_CHECKING:
-    import torch
-    from huggingface_hub import RepoUrl
-
-    from clip_train.model import CLIP
+from clip_train.model import CLIP, HFTokenizer
 
 FORMATS = ("open_clip",)
 TOWERS_CONFIG = "config.json"
@@ -78,8 +81,6 @@ class Location:
 
 def check_expressible(model: CLIP) -> None:
     """One-line ``ExportError`` naming the config key for what open_clip's towers cannot build."""
-    from open_clip.hf_configs import arch_dict
-
     encoder = model.text.encoder.config
     if encoder.model_type not in arch_dict:
         raise ExportError(
@@ -102,8 +103,6 @@ def check_expressible(model: CLIP) -> None:
 
 def open_clip_config(model: CLIP, at: Location) -> dict:
     """``open_clip_config.json``: the model and preprocessing, the towers named by ``at``."""
-    from clip_train.model import HFTokenizer
-
     text_cfg = {
         "hf_model_name": at.hf_name,
         "hf_pooler_type": POOLERS[model.text.pooling],
@@ -145,9 +144,6 @@ def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
 
 def write_towers_config(model: CLIP, path: Path) -> None:
     """One ``config.json`` for both towers: timm's export of the trunk merged with the encoder's config."""
-    # timm's own writer (model_args from the factory, pretrained_cfg); timm.models does not re-export it
-    from timm.models._hub import save_config_for_hf
-
     try:
         save_config_for_hf(model.visual.trunk, path)
     except ValueError as err:
@@ -159,8 +155,6 @@ def write_towers_config(model: CLIP, path: Path) -> None:
 
 def model_card(model: CLIP, at: Location) -> str:
     """A Hugging Face model card (open_clip's generator): the towers and how to load the export."""
-    from open_clip.push_to_hf_hub import generate_readme
-
     name = at.name
     usage = (
         "```python\nimport open_clip\n\n"
@@ -179,8 +173,6 @@ def model_card(model: CLIP, at: Location) -> str:
 
 def location_files(model: CLIP, at: Location) -> dict[str, bytes]:
     """The files whose content depends on where the export lives."""
-    from open_clip.constants import HF_CONFIG_NAME
-
     return {
         HF_CONFIG_NAME: json.dumps(open_clip_config(model, at), indent=2).encode(),
         MODEL_CARD: model_card(model, at).encode(),
@@ -194,9 +186,6 @@ def location_files(model: CLIP, at: Location) -> dict[str, bytes]:
 
 def write_export(model: CLIP, out: Path) -> None:
     """Write the export into a temporary sibling of ``out`` and rename it into place."""
-    from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME
-
-    from clip_train.checkpoint import save_weights
 
     if out.exists() and any(out.iterdir()) and not (out / HF_CONFIG_NAME).is_file():
         raise ExportError(f"{out} exists and is not an export; pick a new or empty directory")
@@ -214,9 +203,6 @@ def write_export(model: CLIP, out: Path) -> None:
 
 def verify(model: CLIP, at: Location) -> tuple[float, float]:
     """Largest |difference| between open_clip's image and text embeddings and clip_train's."""
-    import open_clip
-    import torch
-
     theirs, _, _ = open_clip.create_model_and_transforms(at.name)
     tokenizer = open_clip.get_tokenizer(at.name)
     theirs.eval()
@@ -240,9 +226,6 @@ def hub_files(model: CLIP, out: Path, repo: str) -> dict[str, Path | bytes]:
 
 def push_to_hub(model: CLIP, out: Path, repo: str, *, private: bool) -> RepoUrl:
     """Upload to the Hugging Face Hub (a README already there is kept); returns the repo's URL."""
-    from huggingface_hub import CommitOperationAdd, HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
     # OSError covers offline mode and HTTP errors; the bases add the HTTP client's own network errors
     unreachable = (OSError, *HfHubHTTPError.__bases__)
     api = HfApi()
@@ -265,33 +248,10 @@ def push_to_hub(model: CLIP, out: Path, repo: str, *, private: bool) -> RepoUrl:
     return url
 
 
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint",
-        help="checkpoint directory, run directory (its newest checkpoint) or a .safetensors file",
-    )
-    parser.add_argument("out", type=Path, help="output directory (new, empty, or an earlier export)")
-    parser.add_argument(
-        "--format", choices=FORMATS, default="open_clip", help="export format (default open_clip)"
-    )
-    parser.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hugging Face Hub repo")
-    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
-
-
-def run(args: argparse.Namespace) -> int:
-    from clip_train.checkpoint import find_weights
-    from clip_train.loading import load
-    from clip_train.model import OpenCLIPTokenizer
-
-    source = find_weights(args.checkpoint)
-    model, _, _ = load(source)
+def export_open_clip(model: CLIP, out: Path) -> tuple[float, float]:
+    """Write ``out`` and check that open_clip reproduces the model: the largest |difference| of its
+    image and text embeddings. An export that does not match is deleted, with a one-line error."""
     check_expressible(model)
-    out = args.out.resolve()
     write_export(model, out)
     image, text = verify(model, Location.folder(out))
     if max(image, text) > VERIFY_TOLERANCE:
@@ -301,14 +261,4 @@ def run(args: argparse.Namespace) -> int:
             f"{tower}: open_clip's copy differs from the model by up to {max(image, text):.1e} "
             f"(image {image:.1e}, text {text:.1e}); this tower cannot be exported exactly"
         )
-    print(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
-    print(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
-    if isinstance(model.tokenizer, OpenCLIPTokenizer):
-        print(
-            'note: open_clip treats token id 0 as padding, which the bundled BPE also uses for "!" '
-            'directly before some punctuation (e.g. "!("); such captions embed slightly differently'
-        )
-    if args.push_to_hub:
-        url = push_to_hub(model, out, args.push_to_hub, private=args.private)
-        print(f'pushed to {url}: open_clip.create_model_and_transforms("hf-hub:{url.repo_id}")')
-    return 0
+    return image, text

@@ -7,13 +7,12 @@ loads offline, without the run's config or the weights the towers started from.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from clip_train.data.transforms import ImageTransform
-    from clip_train.model import CLIP, Tokenizer
+from clip_train.checkpoint import checkpoint_model_config, find_weights, load_weights
+from clip_train.data.transforms import ImageTransform, eval_transform
+from clip_train.model import CLIP, Tokenizer, build_model
 
 
 def load(
@@ -29,10 +28,6 @@ def load(
         image_features = model.encode_image(torch.stack([preprocess(image) for image in images]))
         text_features = model.encode_text(**tokenizer(["a photo of the digit 3", "a photo of the digit 5"]))
     """
-    from clip_train.checkpoint import checkpoint_model_config, find_weights, load_weights
-    from clip_train.data.transforms import eval_transform
-    from clip_train.model import build_model
-
     weights = find_weights(path)
     model = build_model(checkpoint_model_config(weights.parent), load_pretrained=False)
     load_weights(weights, model)

@@ -12,6 +12,8 @@ import sys
 import psutil
 import torch
 
+MIB = 2**20
+
 
 def used_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -24,3 +26,13 @@ def peak_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     kib_or_bytes = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib_or_bytes
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units short enough for a table cell: ``1.50G``, ``12.3M``, ``4.0K``."""
+    size = abs(num_bytes)
+    if size >= 2**30:
+        return f"{num_bytes / 2**30:.2f}G"
+    if size >= MIB:
+        return f"{num_bytes / MIB:.1f}M"
+    return f"{num_bytes / 2**10:.1f}K"

@@ -1,4 +1,5 @@
-"""What a run reports: ``metrics.jsonl`` always, wandb when enabled, a progress bar on rank 0.
+"""What a run reports: ``metrics.jsonl`` always, wandb when enabled, a progress bar on rank 0;
+and ``summarize``, which reads a run directory back.
 
 Only rank 0 constructs a ``RunMonitor``. The wandb run id is kept in the run directory, so a
 resumed run continues the same wandb run and step axis. wandb is offline unless the user sets
@@ -11,13 +12,17 @@ import dataclasses
 import json
 import math
 import secrets
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import wandb
 from tqdm import tqdm
 
+from clip_train.checkpoint import complete_checkpoints
 from clip_train.config import Config
+from clip_train.errors import UserError
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 
@@ -52,8 +57,6 @@ class RunMonitor:
 
 
 def _start_wandb(cfg: Config, run_dir: Path):
-    import wandb
-
     id_file = run_dir / WANDB_ID_FILE
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
@@ -73,3 +76,30 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if math.isfinite(value) and abs(value) < 1e4 else f"{value:.2e}"
     return str(value)
+
+
+def summarize(run_dir: Path, prefix: str) -> list[str]:
+    """The run's headline lines from ``metrics.jsonl`` and its checkpoints; the last one is always
+    the zero-shot top-1 (``demo: zero-shot top-1 = 0.953``), for scripts."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/loss" in r]
+    evals = [r for r in records if "zeroshot/top1" in r]
+    if not train or not evals:
+        raise UserError(f"{run_dir}: no training steps or no zero-shot eval in metrics.jsonl")
+    checkpoints = complete_checkpoints(run_dir)
+    final = evals[-1]
+    wall_s = train[-1]["time"] - train[0]["time"] + train[0]["time/step_s"]  # periodic evals included
+    lines = [
+        f"run directory   {run_dir}",
+        f"checkpoint      {checkpoints[-1] if checkpoints else 'none'}",
+        f"training        {train[-1]['step']} steps in {wall_s:.0f} s, "
+        f"median {statistics.median(r['train/samples_per_s'] for r in train):.0f} samples/s, "
+        f"final loss {train[-1]['train/loss']:.3f}",
+    ]
+    if "retrieval/image_to_text_R@1" in final:
+        lines.append(
+            f"retrieval R@1   image->text {final['retrieval/image_to_text_R@1']:.3f}, "
+            f"text->image {final['retrieval/text_to_image_R@1']:.3f}"
+        )
+    lines.append(f"zero-shot top-1 = {final['zeroshot/top1']:.3f}")
+    return [f"{prefix}: {line}" for line in lines]

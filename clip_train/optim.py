@@ -1,13 +1,22 @@
-"""Optimizer, parameter groups and the warmup + cosine learning-rate schedule."""
+"""Optimizer, parameter groups, the warmup + cosine learning-rate schedule, and the guarded
+update that steps them."""
 
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from clip_train.config import OptimConfig
+from clip_train.checkpoint import complete_checkpoints
+from clip_train.config import Config, OptimConfig
+from clip_train.distributed import all_ranks_true, rank_and_world
+from clip_train.errors import UserError
+
+MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
 
 # Only the weight matrices of these layers decay. Norms, biases, embeddings, position and class
 # tokens and the logit scale do not: shrinking them toward zero only hurts (as in CLIP/OpenCLIP).
@@ -46,3 +55,76 @@ def build_scheduler(
     cfg: OptimConfig, optimizer: torch.optim.Optimizer, max_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
+
+
+class TrainingAborted(UserError):
+    """Too many consecutive non-finite steps: the run stops, keeping its last good checkpoint."""
+
+
+class Update:
+    """One optimizer step and what guards it: the fp16 loss scale, global-norm clipping, and the
+    NaN guard, which skips a step whose loss or gradient is not finite on any rank and stops the
+    run after ``train.max_bad_steps`` in a row. The guard's all-reduce also tells every rank
+    whether any was signalled to stop, so all of them stop after the same step.
+
+    ``state_dict`` / ``load_state_dict``: optimizer, schedule, scaler and the skipped-step count.
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.grad_clip, self.max_bad_steps = cfg.optim.grad_clip, cfg.train.max_bad_steps
+        self.run_dir = Path(cfg.train.out_dir)
+        self.optimizer = build_optimizer(cfg.optim, model)
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.max_steps)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+        self.bad_in_a_row = self.bad_total = 0
+
+    def __call__(self, loss: float, step: int, signalled: bool = False) -> tuple[float, bool]:
+        """Unscale, clip and step (or skip); returns the gradient norm and whether to stop."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        loss_ok, none_signalled = all_ranks_true([math.isfinite(loss), not signalled], self.device)
+        if loss_ok and math.isfinite(grad_norm):
+            self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
+            with torch.no_grad():
+                self.model.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
+            self.bad_in_a_row = 0
+        elif not (loss_ok and self.scaler.is_enabled()):  # an fp16 overflow only lowers the scale
+            self._count_bad_step(loss, grad_norm, step)
+        self.scaler.update()
+        self.scheduler.step()
+        return grad_norm, not none_signalled
+
+    def _count_bad_step(self, loss: float, grad_norm: float, step: int) -> None:
+        self.bad_in_a_row += 1
+        self.bad_total += 1
+        rank, _ = rank_and_world()
+        print(
+            f"clip-train: rank {rank}: step {step} skipped, non-finite (loss {loss}, grad norm "
+            f"{grad_norm}); {self.bad_in_a_row} in a row",
+            file=sys.stderr,
+        )
+        if self.bad_in_a_row >= self.max_bad_steps:
+            kept = complete_checkpoints(self.run_dir)
+            raise TrainingAborted(
+                f"{self.bad_in_a_row} consecutive steps had a non-finite loss or gradient norm "
+                f"(train.max_bad_steps={self.max_bad_steps}); stopped at step {step}. "
+                f"Last good checkpoint: {kept[-1] if kept else 'none'}. Lower optim.lr or use fp32/bf16."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "bad_total": self.bad_total,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.bad_total = state["bad_total"]

@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 
-PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
+from clip_train.config import PRECISIONS
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -12,16 +12,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from clip_train.checkpoint import find_weights, resolve_resume
 from clip_train.config import Config, ConfigError, ModelConfig
+from clip_train.data import expand_urls
+from clip_train.data.eval_sources import is_image_folder, labelled_images
 from clip_train.errors import UserError
+from clip_train.eval import zeroshot_metadata
+from clip_train.model.hub import _looks_like_path
 
 
 def check_paths(cfg: Config) -> None:
     """Raise a one-line ``UserError`` naming the key of the first path the run could not read."""
-    from clip_train.checkpoint import find_weights, resolve_resume
-    from clip_train.data import expand_urls
-    from clip_train.evaluate import is_image_folder, labelled_images, zeroshot_metadata
-
     expand_urls(cfg.data.train, what="data.train")
     if cfg.data.val:
         expand_urls(cfg.data.val, what="data.val")
@@ -40,8 +41,6 @@ def check_paths(cfg: Config) -> None:
 def _check_model_sources(model: ModelConfig) -> None:
     """Local pretrained weights, text encoder and tokenizer directories; ``init_from`` replaces the
     towers' pretrained weights, so they are not read then."""
-    from clip_train.model.hub import _looks_like_path
-
     pretrained = model.image.pretrained
     if not model.init_from and pretrained not in ("", "hub") and not Path(pretrained).expanduser().exists():
         raise ConfigError(f"model.image.pretrained={pretrained!r}: no such file or directory")

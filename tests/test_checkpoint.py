@@ -23,10 +23,9 @@ from clip_train.checkpoint import (
     load_train_state,
     load_weights,
     resolve_resume,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
+from clip_train.engine.rng import ProcessRng
 from clip_train.errors import UserError
 from clip_train.model import CLIP, build_model
 
@@ -34,7 +33,7 @@ MODEL_CFG = load_config(TINY_MODEL_CONFIG, TINY_MODEL).model
 
 
 def _state(step: int) -> dict:
-    return {"step": step, "rng": [rng_state()], "data": {"epoch": 0, "consumed": [3, 4]}}
+    return {"step": step, "rng": [ProcessRng().state_dict()], "data": {"epoch": 0, "consumed": [3, 4]}}
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +144,9 @@ def test_resume_from_bad_path_is_clear(tmp_path):
 
 
 def test_rng_state_round_trip():
-    state = rng_state()
+    rng = ProcessRng()
+    state = rng.state_dict()
     first = (random.random(), torch.rand(3))
-    set_rng_state(state)
+    rng.load_state_dict(state)
     again = (random.random(), torch.rand(3))
     assert first[0] == again[0] and torch.equal(first[1], again[1])

@@ -87,6 +87,22 @@ def test_config_keys_lists_every_key_with_type_and_default():
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
     assert header.split() == ["key", "type", "default", "meaning"]
-    assert [row.split()[0] for row in rows] == [name for name, _, _ in config_keys()]
+    assert [row.split()[0] for row in rows] == [key.name for key in config_keys()]
     (keep_every,) = [row.split(maxsplit=3) for row in rows if row.startswith("checkpoint.keep_every ")]
     assert keep_every[1:3] == ["int", "0"] and "milestones" in keep_every[3]
+
+
+def test_config_readme_rewrites_only_the_marked_section(tmp_path):
+    from clip_train.commands.config import README_BEGIN, README_END, markdown_table
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n{README_BEGIN}\n| stale |\n{README_END}\nafter\n")
+    first = clip_train("config", "--readme", str(readme))
+    second = clip_train("config", "--readme", str(readme))
+    assert first.returncode == 0 and "updated" in first.stdout, first.stderr
+    assert "already current" in second.stdout
+    assert readme.read_text() == f"# Title\n{README_BEGIN}\n{markdown_table()}\n{README_END}\nafter\n"
+    readme.write_text("no markers\n")
+    missing = clip_train("config", "--readme", str(readme))
+    assert missing.returncode != 0 and "config-reference:begin" in missing.stderr
+    assert readme.read_text() == "no markers\n"

@@ -182,7 +182,7 @@ def test_world_size_from_environment(monkeypatch):
 
 
 def test_config_keys_cover_every_field():
-    keys = {name for name, _, _ in config_keys()}
+    keys = {key.name for key in config_keys()}
     assert {
         "batch.global_size",
         "batch.image_chunk",
@@ -205,10 +205,11 @@ def _leaves(obj):
 def test_readme_config_reference_is_current():
     from pathlib import Path
 
-    from clip_train.config_reference import BEGIN, END, render
+    from clip_train.commands.config import README_BEGIN, README_END, markdown_table
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split(BEGIN)[1].split(END)[0].strip()
-    assert section == render(), "README config reference is stale: run python -m clip_train.config_reference"
+    section = readme.split(README_BEGIN)[1].split(README_END)[0].strip()
+    stale = "README config reference is stale: run clip-train config --readme README.md"
+    assert section == markdown_table(), stale
     assert all(row.split("|")[4].strip() for row in section.splitlines()[2:]), "a key has no description"
     assert len(section.splitlines()) - 2 == len(config_keys())

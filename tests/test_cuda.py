@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from small_runs import DEMO_CONFIG, run_overrides
 from test_gradcache import NO_DROPOUT, make_batch, make_model
+from test_loss import clip_loss_formula
 
 from clip_train.checkpoint import complete_checkpoints
 from clip_train.engine import GradCache
@@ -39,14 +40,6 @@ def exact_fp32_matmuls():
 def _features(rows: int, dim: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return F.normalize(torch.randn(rows, dim, generator=gen, dtype=torch.float64), dim=1)
-
-
-def _reference(images, texts, scale, labels=None):
-    logits = scale * images @ texts.t()
-    if labels is None:
-        diagonal = logits.diagonal()
-        return ((logits.logsumexp(1) - diagonal).mean() + (logits.logsumexp(0) - diagonal).mean()) / 2
-    return (logits.logsumexp(1) - logits.gather(1, labels[:, None]).squeeze(1)).mean()
 
 
 def _loss_and_grads(fn, images, texts, scale, labels, dtype, device):
@@ -77,7 +70,7 @@ def test_tiled_loss_on_gpu_matches_fp64(kernel, dtype, tf32, tolerance, dim, har
     images, texts = _features(n, dim, 0), _features(m, dim, 1)
     images, texts = images.to(dtype).double(), texts.to(dtype).double()  # the values the GPU sees
     labels = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(2)) if hard_negatives else None
-    expected = _loss_and_grads(_reference, images, texts, 50.0, labels, torch.float64, "cpu")
+    expected = _loss_and_grads(clip_loss_formula, images, texts, 50.0, labels, torch.float64, "cpu")
 
     def tiled(i, t, s, labels):
         return contrastive_loss(i, t, s, labels=labels, kernel=kernel, tile_size=512)

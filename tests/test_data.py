@@ -319,13 +319,13 @@ def test_resume_yields_the_same_batches_as_an_uninterrupted_run(resume_shards, r
     batches, states = [], {}
     for step in range(total):
         batches.append(next(reference))
-        states[step + 1] = reference.state_dict(step + 1)
+        states[step + 1] = reference.state_dict()
         assert json.loads(json.dumps(states[step + 1])) == states[step + 1]
     for start in resume_at:
         for state in (states[start], None):  # cheap skip from the saved state / replay from the step
-            resumed = take(
-                loader_for(cfg, world_size=2, rank=1, start_step=start, state=state), total - start
-            )
+            loader = loader_for(cfg, world_size=2, rank=1)
+            loader.start_at(start, state)
+            resumed = take(loader, total - start)
             assert [b.keys for b in resumed] == [b.keys for b in batches[start:]]
             assert all(torch.equal(a.images, b.images) for a, b in zip(resumed, batches[start:], strict=True))
 
@@ -334,11 +334,11 @@ def test_a_state_from_a_different_setup_is_refused(resume_shards):
     cfg = config(str(resume_shards), resampled=True, num_samples=36, max_skip_fraction=0.5)
     loader = loader_for(cfg, world_size=2)
     take(loader, 3)
-    state = loader.state_dict(3)
+    state = loader.state_dict()
     with pytest.raises(DataError, match="saved with workers=2, this run has workers=1"):
-        loader_for(dataclasses.replace(cfg, workers=1), world_size=2, start_step=3, state=state)
+        loader_for(dataclasses.replace(cfg, workers=1), world_size=2).load_state_dict(state)
     with pytest.raises(DataError, match="saved at step 3, not at step 4"):
-        loader_for(cfg, world_size=2, start_step=4, state=state)
+        loader_for(cfg, world_size=2).start_at(4, state)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clip_train import make_shards
+from clip_train.commands import make_shards
 from clip_train.data import DataError
 from clip_train.data.digits import CLASSNAMES
 from clip_train.data.samples import decode_sample

@@ -28,13 +28,13 @@ from torch import nn
 
 from clip_train.cli import main as cli_main
 from clip_train.config import DataConfig, EvalConfig, load_config
+from clip_train.data.eval_sources import shard_batches
 from clip_train.errors import UserError
-from clip_train.evaluate import (
+from clip_train.eval import (
     build_zeroshot_classifier,
     evaluate,
     hits_at_k,
     retrieval_recall,
-    shard_batches,
     zeroshot_accuracy,
     zeroshot_metadata,
 )

@@ -67,7 +67,7 @@ def gc_grads(model, batch, seed: int = SEED, scaler=None, **engine_kwargs) -> di
     model.zero_grad(set_to_none=True)
     engine = GradCache(model, **{"loss_impl": "inf", **engine_kwargs})  # the default path
     torch.manual_seed(seed)
-    engine.step(*batch, scaler=scaler)
+    engine.step(*batch, scale_loss=scaler.scale if scaler is not None else None)
     return grads(model)
 
 

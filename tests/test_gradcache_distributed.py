@@ -8,8 +8,9 @@ import torch
 from dist_utils import run_distributed
 from test_gradcache import DROPOUT, SEED, assert_grads_close, grads, make_batch, make_model
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
-from clip_train.engine import GradCache, wrap_ddp
+from clip_train.engine import GradCache
 from clip_train.engine.offload import chunk_bounds
 from clip_train.loss import contrastive_loss
 
@@ -38,18 +39,12 @@ SIGMOID = ("model.init_logit_bias=-4.0",)  # a model with a logit bias trains wi
 def gradcache_rank(rank: int, world_size: int, impl: str, text_chunk: int, extra: tuple[str, ...]) -> dict:
     model = make_model(*DROPOUT, *extra)  # the same initial weights on every rank
     calls: list = []
-    image_ddp, text_ddp = wrap_ddp(model.visual), wrap_ddp(model.text)
-    image_ddp.register_comm_hook(None, counting_hook("image", calls))
-    text_ddp.register_comm_hook(None, counting_hook("text", calls))
     engine = GradCache(
-        model,
-        image_chunk=IMAGE_CHUNK,
-        text_chunk=text_chunk,
-        precision="fp64",
-        loss_impl=impl,
-        image_ddp=image_ddp,
-        text_ddp=text_ddp,
+        model, image_chunk=IMAGE_CHUNK, text_chunk=text_chunk, precision="fp64", loss_impl=impl
     )
+    assert all(isinstance(tower.head, DistributedDataParallel) for tower in (engine.image, engine.text))
+    engine.image.head.register_comm_hook(None, counting_hook("image", calls))
+    engine.text.head.register_comm_hook(None, counting_hook("text", calls))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls_per_step, losses = [], []
     for step in range(2):  # the second step runs after DDP has rebuilt its buckets

@@ -33,7 +33,7 @@ def test_weights_only_then_a_fresh_run(demo_run, digits, tmp_path):
     start = source_weights(demo_run)
     assert all(torch.equal(tensor, start[name]) for name, tensor in run.model.state_dict().items())
     assert run.step == 0 and run.resumed_from is None
-    assert run.optimizer.state_dict()["state"] == {} and run.scheduler.last_epoch == 0
+    assert run.update.optimizer.state_dict()["state"] == {} and run.update.scheduler.last_epoch == 0
     run.run()
     assert run.step == 2 and (tmp_path / "checkpoints" / "step_00000002").is_dir()
     trained = run.model.state_dict()

@@ -26,7 +26,7 @@ def launch_env(**extra: str) -> dict[str, str]:
 def assert_trained(out_dir: Path, steps: int, world_size: int) -> None:
     final = complete_checkpoints(out_dir)[-1]
     state = torch.load(final / STATE_FILE, weights_only=True)
-    assert (state["step"], state["world_size"]) == (steps, world_size)
+    assert (state["trainer"]["step"], state["world_size"]) == (steps, world_size)
 
 
 def test_two_nodes_on_localhost(digits, tmp_path):

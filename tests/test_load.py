@@ -20,7 +20,7 @@ from clip_train.config import DataConfig, EvalConfig
 from clip_train.data import build_eval_loader
 from clip_train.data.sources import read_shard
 from clip_train.errors import UserError
-from clip_train.evaluate import evaluate
+from clip_train.eval import evaluate
 from clip_train.model import build_model
 
 CAPTIONS = ["a photo of the digit 3", "a handwritten seven", "zero"]

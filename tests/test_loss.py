@@ -1,6 +1,6 @@
 """Single-process contrastive loss: every implementation against the formula, in fp64 and beyond.
 
-The reference below is written straight from DESIGN.md §2 with ``torch.logsumexp`` on the full
+The reference below is the CLIP loss's definition written with ``torch.logsumexp`` on the full
 matrix and autograd for the gradients; it shares no code with ``clip_train.loss``.
 """
 
@@ -20,7 +20,8 @@ def _features(rows: int, dim: int, seed: int, dtype=torch.float64) -> torch.Tens
     return F.normalize(torch.randn(rows, dim, generator=gen, dtype=torch.float64), dim=1).to(dtype)
 
 
-def _reference(images, texts, scale, labels=None) -> torch.Tensor:
+def clip_loss_formula(images, texts, scale, labels=None) -> torch.Tensor:
+    """The CLIP loss on the full matrix (hard negatives with ``labels``): the tests' reference."""
     logits = scale * images @ texts.t()
     if labels is None:
         diagonal = logits.diagonal()
@@ -54,7 +55,7 @@ def _assert_all_close(actual, expected, rtol, atol) -> None:
 )
 def test_symmetric_matches_formula_fp64(impl, n, dim, tile, scale) -> None:
     images, texts = _features(n, dim, 0), _features(n, dim, 1)
-    expected = _run(_reference, images, texts, scale)
+    expected = _run(clip_loss_formula, images, texts, scale)
     actual = _run(lambda i, t, s: contrastive_loss(i, t, s, impl=impl, tile_size=tile), images, texts, scale)
     _assert_all_close(actual, expected, rtol=1e-10, atol=1e-12)
 
@@ -65,7 +66,7 @@ def test_hard_negatives_match_formula_fp64(impl, n, m, tile) -> None:
     images, texts = _features(n, 9, 2), _features(m, 9, 3)
     labels = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(4))
     labels[0] = labels[-1]  # two rows sharing a positive
-    expected = _run(lambda i, t, s: _reference(i, t, s, labels), images, texts, 20.0)
+    expected = _run(lambda i, t, s: clip_loss_formula(i, t, s, labels), images, texts, 20.0)
     actual = _run(
         lambda i, t, s: contrastive_loss(i, t, s, labels=labels, impl=impl, tile_size=tile),
         images,
@@ -108,7 +109,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_adversarial_fp32_finite_and_correct(case) -> None:
     images, texts = _adversarial(case)
-    expected = _run(_reference, images, texts, 100.0)  # fp64 truth
+    expected = _run(clip_loss_formula, images, texts, 100.0)  # fp64 truth
     actual = _run(lambda i, t, s: contrastive_loss(i, t, s, tile_size=8), images, texts, 100.0, torch.float32)
     _assert_all_close(actual, expected, rtol=2e-4, atol=2e-4)
 
@@ -117,7 +118,7 @@ def test_adversarial_fp32_finite_and_correct(case) -> None:
 def test_adversarial_fp64_extreme_scale(case) -> None:
     """At scale 400 even fp64 needs the underflow fallbacks; they must stay exact."""
     images, texts = _adversarial(case)
-    expected = _run(_reference, images, texts, 400.0)
+    expected = _run(clip_loss_formula, images, texts, 400.0)
     actual = _run(lambda i, t, s: contrastive_loss(i, t, s, tile_size=8), images, texts, 400.0)
     _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
@@ -144,7 +145,7 @@ def test_low_precision_inputs(dtype) -> None:
 def test_upstream_gradient_scales_every_gradient(upstream) -> None:
     """A negative or zero upstream gradient goes through the shift/sign folding exactly."""
     images, texts = _features(10, 6, 9), _features(10, 6, 10)
-    expected = _run(lambda i, t, s: upstream * _reference(i, t, s), images, texts, 10.0)
+    expected = _run(lambda i, t, s: upstream * clip_loss_formula(i, t, s), images, texts, 10.0)
     actual = _run(lambda i, t, s: upstream * contrastive_loss(i, t, s, tile_size=4), images, texts, 10.0)
     _assert_all_close(actual, expected, rtol=1e-10, atol=1e-12)
 
@@ -153,7 +154,7 @@ def test_second_backward_with_retained_graph_is_exact() -> None:
     """The forward hands its last tile to the backward, which overwrites it; a second backward
     through a retained graph must recompute that tile rather than reuse it."""
     images, texts = _features(12, 5, 13), _features(12, 5, 14)
-    expected = _run(_reference, images, texts, 30.0)
+    expected = _run(clip_loss_formula, images, texts, 30.0)
     i, t = images.clone().requires_grad_(), texts.clone().requires_grad_()
     s = torch.tensor(30.0, dtype=torch.float64, requires_grad=True)
     loss = contrastive_loss(i, t, s, tile_size=5)
@@ -166,7 +167,7 @@ def test_second_backward_with_retained_graph_is_exact() -> None:
 def test_float_scale_and_gradient_free_inputs() -> None:
     images, texts = _features(5, 4, 11), _features(5, 4, 12)
     loss = contrastive_loss(images, texts, 10.0)
-    torch.testing.assert_close(loss, _reference(images, texts, 10.0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, clip_loss_formula(images, texts, 10.0), rtol=1e-12, atol=0)
     assert not loss.requires_grad
 
 

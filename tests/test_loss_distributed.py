@@ -1,8 +1,8 @@
 """The loss across real gloo ranks against the single-process full-batch loss, in fp64.
 
-Convention under test (DESIGN.md §3): rank r returns the mean loss over its own rows; backward
-gives its features W × ∂L_global/∂(its rows); the per-rank scale (and sigmoid bias) gradients
-average to the global ones. One spawn per world size checks every implementation of the softmax
+Convention under test (``clip_train.loss``'s docstring): rank r returns the mean loss over its own
+rows; backward gives its features W × ∂L_global/∂(its rows); the per-rank scale (and sigmoid bias)
+gradients average to the global ones. One spawn per world size checks every implementation of the softmax
 loss (symmetric and hard negatives) and of the sigmoid loss.
 """
 

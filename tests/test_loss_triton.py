@@ -64,6 +64,8 @@ def _check_full_loss() -> None:
     rounded values (the kernels accumulate in fp32; only G is rounded, to the dot operand dtype)."""
     import torch
 
+    from tests.test_loss import clip_loss_formula
+
     n, m, dim = 37, 50, 24
     labels = torch.randint(0, m, (n,), generator=torch.Generator().manual_seed(2))
     images, texts, negatives = _features(n, dim, 3), _features(n, dim, 4), _features(m, dim, 5)
@@ -81,7 +83,7 @@ def _check_full_loss() -> None:
         if dtype != torch.float32:  # the values the kernels see, exactly
             rows, cols = rows.to(dtype).double(), cols.to(dtype).double()
         results = []
-        for run_dtype, fn in [(torch.float64, _reference), (dtype, _triton_loss)]:
+        for run_dtype, fn in [(torch.float64, clip_loss_formula), (dtype, _triton_loss)]:
             i = rows.detach().to(run_dtype).requires_grad_()
             if strided and run_dtype == torch.float32:
                 i = torch.empty(n, 2 * dim)[:, ::2].copy_(rows).requires_grad_()
@@ -165,14 +167,6 @@ def _check_errors() -> None:
             assert message in str(err), err
         else:
             raise AssertionError(f"no error for {message}")
-
-
-def _reference(images, texts, scale, labels=None):
-    logits = scale * images @ texts.t()
-    if labels is None:
-        diagonal = logits.diagonal()
-        return ((logits.logsumexp(1) - diagonal).mean() + (logits.logsumexp(0) - diagonal).mean()) / 2
-    return (logits.logsumexp(1) - logits.gather(1, labels[:, None]).squeeze(1)).mean()
 
 
 def _widen_bf16_dots_in_interpreter() -> None:

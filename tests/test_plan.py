@@ -15,19 +15,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from clip_train import load_config
 from clip_train.cli import main
-from clip_train.loss import contrastive_loss
+from clip_train.loss import contrastive_loss, tiles_torch
 from clip_train.model import build_model
-from clip_train.plan import (
-    FP32,
-    Setting,
-    _measure_chunk,
-    adafactor_state_numel,
-    breakdown,
-    loss_workspace,
-    max_batch,
-    profile_model,
-    usable_bytes,
-)
+from clip_train.plan import Setting, breakdown, loss_workspace, max_batch, profile_model, usable_bytes
+from clip_train.plan.estimate import FP32, STRIP_ELEMENTS, adafactor_state_numel
+from clip_train.plan.profile import measure_chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "model" / "tiny.yaml"
@@ -101,11 +93,15 @@ def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl):
     assert 0.85 < peak / predicted < 1.15
 
 
+def test_the_estimate_strips_tiles_as_the_pytorch_tiles_do():
+    assert STRIP_ELEMENTS == tiles_torch.STRIP_ELEMENTS  # the estimate keeps its own copy: no torch
+
+
 def test_activation_slope_is_positive_and_linear():
     torch.manual_seed(0)
     model = build_model(load_config(TINY, SMALL).model).train()
     for tower in ("image", "text"):
-        peaks = {rows: _measure_chunk(model, tower, rows, 16, "fp32")["forward"] for rows in (2, 4, 8)}
+        peaks = {rows: measure_chunk(model, tower, rows, 16, "fp32")["forward"] for rows in (2, 4, 8)}
         low, high = (peaks[4] - peaks[2]) / 2, (peaks[8] - peaks[4]) / 4
         assert low > 0 and abs(high / low - 1) < 0.10, (tower, peaks)
 

@@ -29,8 +29,9 @@ from clip_train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, compl
 from clip_train.cli import main as cli_main
 from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
+from clip_train.optim import TrainingAborted
 from clip_train.preemption import EXIT_PREEMPTED
-from clip_train.trainer import Trainer, TrainingAborted
+from clip_train.trainer import Trainer
 
 STEPS, EVERY = 24, 6
 
@@ -91,7 +92,7 @@ def test_two_rank_run_writes_checkpoints_metrics_and_wandb(reference):
     steps = [int(p.name.split("_")[1]) for p in complete_checkpoints(reference)]
     assert steps == list(range(EVERY, STEPS + 1, EVERY))
     state = torch.load(reference / "checkpoints" / f"step_{STEPS:08d}" / STATE_FILE, weights_only=True)
-    assert state["step"] == STEPS and state["world_size"] == 2 and len(state["rng"]) == 2
+    assert state["trainer"]["step"] == STEPS and state["world_size"] == 2 and len(state["rng"]) == 2
     assert len(state["data"]) == 2
     lines = (reference / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == STEPS
@@ -257,7 +258,7 @@ def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_pat
     # seen[i] holds the weights step i+1 started from
     assert_bit_identical(seen[1], seen[0])
     assert any(not torch.equal(seen[2][k], seen[1][k]) for k in seen[1]), "the good step changed nothing"
-    assert trainer.bad_total == 1 and trainer.bad_in_a_row == 0
+    assert trainer.update.bad_total == 1 and trainer.update.bad_in_a_row == 0
 
 
 def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_path):

@@ -14,12 +14,26 @@ webdataset now ends every shard with an empty marker. The bench applies the mini
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import functools
+import io
+import random
 import time
-import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import open_clip
+import open_clip_train.data as open_clip_data
+from open_clip.tokenizer import SimpleTokenizer
+from PIL import Image
+from webdataset.tariterators import tar_file_expander
+
+from clip_train.bench.runner import in_fresh_process
+from clip_train.config import DataConfig
+from clip_train.data import build_train_loader, expand_urls
+from clip_train.data.writers import Record, write_shards
 from clip_train.errors import UserError
 
 SHIM_NOTE = (
@@ -73,22 +87,14 @@ def run(args: argparse.Namespace) -> int:
             size=args.image_size,
             scale=args.scale,
         )
-        ours = _in_fresh_process("clip_train", options)
-        theirs = _in_fresh_process("open_clip", options)
+        ours = in_fresh_process(measure, {**options, "loader": "clip_train"})
+        theirs = in_fresh_process(measure, {**options, "loader": "open_clip"})
         print(f"{workers:>7} {ours:>10.1f} s/s {theirs:>10.1f} s/s {ours / theirs:>6.2f}", flush=True)
     return 0
 
 
 def write_synthetic(out: Path, count: int) -> Path:
     """Random-ish JPEGs of LAION-like sizes and captions (smooth colour fields plus texture)."""
-    import io
-    import random
-
-    import numpy as np
-    from PIL import Image
-
-    from clip_train.data.writers import Record, write_shards
-
     words = ("a", "photo", "of", "the", "dog", "cat", "red", "blue", "small", "large", "house", "tree", "car")
 
     def record(index: int) -> Record:
@@ -110,31 +116,13 @@ def write_synthetic(out: Path, count: int) -> Path:
     return out
 
 
-def _in_fresh_process(kind: str, options: dict[str, Any]) -> float:
-    context = mp.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(sender, kind, options))
-    process.start()
-    sender.close()
-    status, value = receiver.recv()
-    process.join()
-    if status != "ok":
-        raise RuntimeError(f"{kind} measurement failed:\n{value}")
-    return value
+def measure(options: dict[str, Any]) -> float:
+    """Samples/s of one loader, in a fresh process (its workers start as in a normal run)."""
+    loader = _clip_train_batches if options["loader"] == "clip_train" else _open_clip_batches
+    return _samples_per_second(loader(options), options["seconds"], warmup=2 * max(1, options["workers"]))
 
 
-def _child(sender, kind: str, options: dict[str, Any]) -> None:
-    mp.set_start_method("fork", force=True)  # as in a normal run; a spawned child inherits "spawn"
-    try:
-        batches = _clip_train_batches(options) if kind == "clip_train" else _open_clip_batches(options)
-        sender.send(
-            ("ok", _samples_per_second(batches, options["seconds"], warmup=2 * max(1, options["workers"])))
-        )
-    except BaseException:
-        sender.send(("error", traceback.format_exc()))
-
-
-def _samples_per_second(batches, seconds: float, warmup: int) -> float:
+def _samples_per_second(batches: Iterator, seconds: float, warmup: int) -> float:
     for _ in range(warmup):
         next(batches)
     samples, start = 0, time.perf_counter()
@@ -147,8 +135,6 @@ class OpenClipTokenizer:
     """open_clip's BPE tokenizer returning ids and the attention mask our loader expects."""
 
     def __init__(self) -> None:
-        from open_clip.tokenizer import SimpleTokenizer
-
         self.tokenizer = SimpleTokenizer()
 
     def __call__(self, texts: list[str]) -> dict[str, Any]:
@@ -156,10 +142,7 @@ class OpenClipTokenizer:
         return {"input_ids": ids, "attention_mask": (ids != 0).long()}
 
 
-def _clip_train_batches(options: dict[str, Any]):
-    from clip_train.config import DataConfig
-    from clip_train.data import build_train_loader
-
+def _clip_train_batches(options: dict[str, Any]) -> Iterator:
     cfg = DataConfig(
         train=options["shards"],
         resampled=True,
@@ -179,16 +162,7 @@ def _clip_train_batches(options: dict[str, Any]):
     return ((batch.images, batch.input_ids) for batch in loader)
 
 
-def _open_clip_batches(options: dict[str, Any]):
-    import functools
-    from types import SimpleNamespace
-
-    import open_clip
-    import open_clip_train.data as open_clip_data
-    from webdataset.tariterators import tar_file_expander
-
-    from clip_train.data import expand_urls
-
+def _open_clip_batches(options: dict[str, Any]) -> Iterator:
     open_clip_data.tar_file_expander = functools.partial(tar_file_expander, eof_value=None)  # see SHIM_NOTE
     args = SimpleNamespace(
         train_data="::".join(expand_urls(options["shards"])),  # open_clip takes no directories

@@ -16,15 +16,26 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-MIB = 2**20
-IMPLS = {"softmax": ("vanilla", "local", "inf"), "sigmoid": ("vanilla", "inf", "open_clip")}
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from clip_train.bench.runner import ProcessFailed, in_fresh_process
+from clip_train.config import LOSS_IMPLS, LOSS_KERNELS, LOSS_KINDS
+from clip_train.distributed import resolve_device
+from clip_train.loss import contrastive_loss
+from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
+
+RESOLVED = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
+# local is softmax-only; open_clip's SigLipLoss runs beside the sigmoid loss.
+IMPLS = {"softmax": RESOLVED, "sigmoid": (*(i for i in RESOLVED if i != "local"), "open_clip")}
 # Estimated peak extra bytes per rank, per element of the similarity matrix it materialises
 # (logits, log-softmaxes or log-sigmoids, labels and gradients), measured at small sizes with headroom.
 MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8}
@@ -33,14 +44,16 @@ MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="4096,8192,16384,32768", help="comma-separated global batch sizes")
     parser.add_argument("--dim", type=int, default=512, help="embedding dimension")
-    parser.add_argument("--kind", default="softmax", choices=["softmax", "sigmoid"], help="the loss")
+    parser.add_argument("--kind", default="softmax", choices=LOSS_KINDS, help="the loss")
     parser.add_argument(
         "--impl",
         default="",
-        help="comma-separated: vanilla, local, inf (softmax); vanilla, inf, open_clip (sigmoid); default all",
+        help="comma-separated: "
+        + "; ".join(f"{', '.join(impls)} ({kind})" for kind, impls in IMPLS.items())
+        + "; default all",
     )
     parser.add_argument(
-        "--kernel", default="auto", help="comma-separated kernels for inf's tiles: auto, torch, triton"
+        "--kernel", default="auto", help=f"comma-separated kernels for inf's tiles: {', '.join(LOSS_KERNELS)}"
     )
     parser.add_argument(
         "--tf32",
@@ -62,9 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clip_train.distributed import resolve_device
-    from clip_train.loss import KERNELS
-
     device = resolve_device(args.device).type
     batches = [int(b) for b in args.batch.split(",")]
     choices = IMPLS[args.kind]
@@ -76,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
             )
     kernels = [k.strip() for k in args.kernel.split(",")]
     for kernel in kernels:
-        if kernel not in KERNELS:
-            raise SystemExit(f"bench loss: unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+        if kernel not in LOSS_KERNELS:
+            raise SystemExit(f"bench loss: unknown kernel {kernel!r}; choose from {', '.join(LOSS_KERNELS)}")
     runs = [(impl, kernel) for impl in impls for kernel in (kernels if impl == "inf" else ["auto"])]
     if device == "cuda" and args.world > 1:
         raise SystemExit("bench loss: --world runs gloo ranks on CPU; use torchrun for multi-GPU")
@@ -90,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.kind} loss, dim={args.dim}, {args.dtype}{tf32}, device={device}, world={args.world}, "
         f"repeats={args.repeats}"
     )
-    header = f"{'batch':>7} {'impl':>12} {'time_s':>8} {'x_floor':>8} {'peak_MiB':>9}  note"
+    header = f"{'batch':>7} {'impl':>12} {'time_s':>8} {'x_floor':>8} {'peak':>9}  note"
     print(header)
     paired = []
     for batch in batches:
@@ -104,15 +114,13 @@ def run(args: argparse.Namespace) -> int:
             need, have = _estimate_bytes(spec), _available_bytes(device)
             if need > 0.85 * have:
                 result = {**_public(spec), "time_s": None, "peak_mib": None, "oom": True}
-                result["note"] = (
-                    f"OOM: needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available; skipped"
-                )
+                result["note"] = f"OOM: needs ~{format_bytes(need)}, {format_bytes(have)} available; skipped"
             else:
                 result = _measure(spec, device)
             results.append(result)
             time_s, peak = result["time_s"], result["peak_mib"]
             cells = (
-                (f"{time_s:>8.3f} {time_s / floor['time_s']:>8.2f} {peak:>9.0f}")
+                f"{time_s:>8.3f} {time_s / floor['time_s']:>8.2f} {format_bytes(peak * MIB):>9}"
                 if time_s is not None
                 else f"{'-':>8} {'-':>8} {'-':>9}"
             )
@@ -177,39 +185,19 @@ def _estimate_bytes(spec: dict[str, Any]) -> float:
 
 def _available_bytes(device: str) -> float:
     if device == "cuda":
-        import torch
-
         free, _ = torch.cuda.mem_get_info()
         return float(free)
-    import psutil
-
     return float(psutil.virtual_memory().available)
 
 
 def _measure(spec: dict[str, Any], device: str) -> dict[str, Any]:
-    """One configuration: in-process on CUDA, in a fresh subprocess (and its ranks) on CPU."""
+    """One configuration: in-process on CUDA, in a fresh process (and its ranks) on CPU."""
     if device == "cuda":
         return {**_public(spec), **_run(spec)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from clip_train.bench.loss import _subprocess_main; _subprocess_main()",
-            json.dumps(spec),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {**_public(spec), "time_s": None, "peak_mib": None, "note": f"failed: {tail}"}
-    return {**_public(spec), **json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
-def _subprocess_main() -> None:
-    """Entry point of the per-configuration subprocess: prints one JSON line of results."""
-    print(json.dumps(_run(json.loads(sys.argv[1]))))
+    try:
+        return {**_public(spec), **in_fresh_process(_run, spec)}
+    except ProcessFailed as err:
+        return {**_public(spec), "time_s": None, "peak_mib": None, "note": f"failed: {err.last_line}"}
 
 
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -219,8 +207,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     world = spec["world"] if spec["impl"] != "floor" else 1
     if world == 1:
         return _time_and_memory(spec, rank=0, world=1)
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(world, spec, tmp), nprocs=world, join=True)
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
@@ -232,9 +218,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, spec: dict[str, Any], tmp: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     try:
@@ -246,9 +229,6 @@ def _rank_main(rank: int, world: int, spec: dict[str, Any], tmp: str) -> None:
 
 def _make_step(spec: dict[str, Any], rank: int, world: int) -> Any:
     """One timed unit of work on fresh inputs: forward + backward of the loss, or the floor matmul."""
-    import torch
-    import torch.nn.functional as F
-
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = spec["tf32"]
@@ -271,9 +251,6 @@ def _make_step(spec: dict[str, Any], rank: int, world: int) -> Any:
 
 
 def _synchronizer(device: Any, world: int) -> Any:
-    import torch
-    import torch.distributed as dist
-
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -284,10 +261,6 @@ def _synchronizer(device: Any, world: int) -> Any:
 
 
 def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    import torch
-
-    from clip_train.memory import peak_bytes, used_bytes
-
     device = torch.device(spec["device"])
     sync = _synchronizer(device, world)
     step = _make_step(spec, rank, world)
@@ -310,8 +283,6 @@ def _time_and_memory(spec: dict[str, Any], rank: int, world: int) -> dict[str, A
 def _paired_times(specs: list[dict[str, Any]]) -> dict[str, float]:
     """Median step time of each configuration, all in one process taking turns step by step, so a
     shared machine's drift slows them alike and their ratios hold (the memory needs fresh processes)."""
-    import torch
-
     sync = _synchronizer(torch.device(specs[0]["device"]), 1)
     steps = {_label(spec): _make_step(spec, 0, 1) for spec in specs}
     times: dict[str, list[float]] = {label: [] for label in steps}
@@ -328,10 +299,8 @@ def _paired_times(specs: list[dict[str, Any]]) -> dict[str, float]:
 
 def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
     """``(images, texts, scale, bias) -> loss`` for the benchmarked implementation."""
-    from clip_train.loss import contrastive_loss
-
     if spec["impl"] == "open_clip":
-        from open_clip.loss import SigLipLoss
+        from open_clip.loss import SigLipLoss  # here: importing open_clip costs every fresh process ~3 s
 
         return SigLipLoss(rank=rank, world_size=world)
     options = {
@@ -351,8 +320,6 @@ def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
 
 def _matmul_floor(images: Any, texts: Any) -> Any:
     """A b×b×d matmul in row chunks into one reused buffer: the FLOPs without the b×b memory."""
-    import torch
-
     chunk = min(2048, images.shape[0])
     out = images.new_empty(chunk, texts.shape[0])
 
@@ -365,7 +332,7 @@ def _matmul_floor(images: Any, texts: Any) -> Any:
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # the optional bench extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,12 +15,21 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clip_train.errors import UserError
+import torch
 
-MIB = 2**20
+from clip_train.bench.runner import ProcessFailed, in_fresh_process
+from clip_train.config import LOSS_IMPLS, PRECISIONS, ConfigError, load_config
+from clip_train.distributed import resolve_device
+from clip_train.engine import GradCache
+from clip_train.errors import UserError
+from clip_train.loss import contrastive_loss
+from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
+from clip_train.model import build_model
+from clip_train.precision import autocast
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-direct", action="store_true", help="skip the direct full-batch baseline")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (after one warm-up)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument(  # fp64 is for exactness tests, not for timing
+        "--precision", default="fp32", choices=[p for p in PRECISIONS if p != "fp64"]
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
         "--threads",
@@ -50,9 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="CPU threads per run (0 = torch's default); 1 is steadiest when shared",
     )
-    parser.add_argument(
-        "--loss-impl", default="auto", help="contrastive_loss impl (auto, inf, vanilla, local)"
-    )
+    parser.add_argument("--loss-impl", default="auto", choices=LOSS_IMPLS, help="contrastive_loss impl")
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra model config overrides"
     )
@@ -67,26 +76,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--batch {args.batch!r} must be comma-separated integers, e.g. 256,512") from None
     if min(sizes) <= 0 or args.repeats <= 0 or min(args.image_chunk, args.text_chunk, args.threads) < 0:
         raise UserError("--batch sizes and --repeats must be positive; chunks and --threads >= 0")
-    from clip_train.config import ConfigError, load_config
-
     try:  # fail here, with a one-line message, rather than in every worker
         load_config(args.model, args.set)
     except ConfigError as err:
         raise UserError(str(err)) from None
-    from clip_train.distributed import resolve_device
-
     device = resolve_device(args.device).type
     modes = ["gc", *(["gc-lit"] if args.lit else []), *([] if args.no_direct else ["direct"])]
+    options = {k: v for k, v in vars(args).items() if k not in ("run", "json", "plot")}  # JSON-able
     results, paired = [], []
     print(HEADER, flush=True)
     for batch in sizes:
-        spec = {**vars(args), "json": None, "plot": None, "batch": batch, "modes": modes, "device": device}
+        spec = {**options, "batch": batch, "modes": modes, "device": device}
         for mode in modes:
-            result = _in_fresh_process(measure, {**spec, "mode": mode})
-            results.append(result or {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"})
+            died = {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"}
+            results.append(_unless_killed(measure, {**spec, "mode": mode}, died))
             print(_row(results[-1]), flush=True)
         if len(modes) > 1:
-            paired.append(_in_fresh_process(measure_paired, spec) or {"batch": batch, "median_s": {}})
+            paired.append(_unless_killed(measure_paired, spec, {"batch": batch, "median_s": {}}))
     print(_summary(results, paired))
     if args.json:
         args.json.write_text(json.dumps({"points": results, "paired": paired}, indent=2))
@@ -95,23 +101,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _in_fresh_process(fn, spec: dict[str, Any]) -> dict[str, Any] | None:
-    """``fn(spec)`` in a new process (its memory peak is its own); None if the process died."""
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        try:
-            return pool.submit(fn, spec).result()
-        except BrokenProcessPool:  # killed, e.g. by the kernel's OOM killer
-            return None
+def _unless_killed(fn: Callable[[Any], Any], spec: dict[str, Any], died: dict[str, Any]) -> dict[str, Any]:
+    """``fn(spec)`` in a fresh process, or ``died`` if a signal (the OOM killer, say) ended it."""
+    try:
+        return in_fresh_process(fn, spec)
+    except ProcessFailed as err:
+        if not err.killed:
+            raise
+        return died
 
 
 def _setup(spec: dict[str, Any]):
     """Threads and the device for a worker process."""
-    import torch
-
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     return torch.device(spec["device"])
@@ -119,12 +120,6 @@ def _setup(spec: dict[str, Any]):
 
 def _model_and_step(spec: dict[str, Any], mode: str, device):
     """A fresh model for ``mode`` and its step function: Gradient Cache, or the direct baseline."""
-    import torch
-
-    from clip_train.config import load_config
-    from clip_train.engine import GradCache
-    from clip_train.model import build_model
-
     overrides = [*spec["set"], *(["model.image.lock=true"] if mode == "gc-lit" else [])]
     torch.manual_seed(0)
     model = build_model(load_config(spec["model"], overrides).model).to(device).train()
@@ -144,8 +139,6 @@ def _model_and_step(spec: dict[str, Any], mode: str, device):
 
 def _timed(model, step, batch, device):
     """Wall and process-CPU seconds of one step, and what it returned."""
-    import torch
-
     model.zero_grad(set_to_none=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     out = step(*batch)
@@ -156,10 +149,6 @@ def _timed(model, step, batch, device):
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One (mode, batch) point, in a fresh process: median step time and the memory breakdown."""
-    import torch
-
-    from clip_train.memory import peak_bytes, used_bytes
-
     device = _setup(spec)
     model, step = _model_and_step(spec, spec["mode"], device)
     base = used_bytes(device)
@@ -197,8 +186,6 @@ def measure_paired(spec: dict[str, Any]) -> dict[str, Any]:
     """Median step time of every mode at one batch size, the modes taking turns step by step in one
     process: a shared machine's drift then slows them alike, so their ratios are steadier than
     those of the separate fresh processes (which the memory figures need)."""
-    import torch
-
     device = _setup(spec)
     runners = {mode: _model_and_step(spec, mode, device) for mode in spec["modes"]}
     batch = _synthetic_batch(next(iter(runners.values()))[0], spec["batch"])
@@ -215,9 +202,6 @@ def measure_paired(spec: dict[str, Any]) -> dict[str, Any]:
 def _direct_step(model, precision: str, loss_impl: str, device):
     """The no-cache baseline: the whole batch through both towers with one graph, one backward."""
 
-    from clip_train.loss import contrastive_loss
-    from clip_train.precision import autocast
-
     def step(images, input_ids, attention_mask):
         batch = (t.to(device, non_blocking=True) for t in (images, input_ids, attention_mask))
         with autocast(device, precision):
@@ -231,8 +215,6 @@ def _direct_step(model, precision: str, loss_impl: str, device):
 
 def _synthetic_batch(model, rows: int):
     """Random uint8 images and token ids shaped for ``model``, in host memory as a loader delivers them."""
-    import torch
-
     gen = torch.Generator().manual_seed(rows)
     size, context = model.image_size, model.tokenizer.context_length
     images = torch.randint(0, 256, (rows, 3, size, size), dtype=torch.uint8, generator=gen)
@@ -245,19 +227,19 @@ def _synthetic_batch(model, rows: int):
 
 
 HEADER = (
-    f"{'mode':<7} {'B':>6} {'step s':>8} {'cpu s':>8} | MiB: {'peak':>8} = {'base':>7} + {'batch':>6} + "
-    f"{'cache':>6} + {'activ.':>7} | {'peak-batch-cache':>16}"
+    f"{'mode':<7} {'B':>6} {'step s':>8} {'cpu s':>8} | {'peak':>8} = {'base':>8} + {'batch':>8} + "
+    f"{'cache':>8} + {'activ.':>8} | {'peak-batch-cache':>16}"
 )
 
 
 def _row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{r['mode']:<7} {r['batch']:>6} {r['error']}"
-    mib = {k.removesuffix("_bytes"): v / MIB for k, v in r.items() if k.endswith("_bytes")}
+    size = {k.removesuffix("_bytes"): format_bytes(v) for k, v in r.items() if k.endswith("_bytes")}
     return (
-        f"{r['mode']:<7} {r['batch']:>6} {r['median_s']:8.3f} {r['cpu_s']:8.3f} |      {mib['peak']:8.1f} = "
-        f"{mib['base']:7.1f} + {mib['batch']:6.1f} + {mib['cache']:6.2f} + {mib['activation']:7.1f} | "
-        f"{mib['rest']:16.1f}"
+        f"{r['mode']:<7} {r['batch']:>6} {r['median_s']:8.3f} {r['cpu_s']:8.3f} | {size['peak']:>8} = "
+        f"{size['base']:>8} + {size['batch']:>8} + {size['cache']:>8} + {size['activation']:>8} | "
+        f"{size['rest']:>16}"
     )
 
 
@@ -270,7 +252,7 @@ def _summary(results: list[dict[str, Any]], paired: list[dict[str, Any]]) -> str
         lines.append(
             f"  gc memory, peak - batch - feature cache: B={gc[-1]} / B={gc[0]} = "
             f"{high['rest_bytes'] / low['rest_bytes']:.3f} (activations alone: "
-            f"{high['activation_bytes'] / MIB:.1f} vs {low['activation_bytes'] / MIB:.1f} MiB)"
+            f"{format_bytes(high['activation_bytes'])} vs {format_bytes(low['activation_bytes'])})"
         )
     lines.append("  step-time ratios: modes alternating in one process (separate fresh processes)")
     for point in paired:
@@ -284,7 +266,7 @@ def _summary(results: list[dict[str, Any]], paired: list[dict[str, Any]]) -> str
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
     try:
-        import matplotlib
+        import matplotlib  # the optional bench extra
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'clip_train[bench]'") from None
     matplotlib.use("Agg")

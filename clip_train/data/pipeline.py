@@ -246,29 +246,53 @@ class TrainLoader:
     """A rank's training batches, forever across epochs (the trainer stops at its max_steps).
 
     Attributes: ``steps_per_epoch``, ``batch_size`` (per rank). ``skip_counts()`` gives the skipped
-    samples by reason, over all workers; ``state_dict(step)`` the JSON-able position to resume at
-    ``step`` (pass it back as ``build_train_loader(..., start_step=step, state=...)``). The state
-    is per rank: gather every rank's state into the checkpoint.
+    samples by reason, over all workers. ``state_dict()`` is the JSON-able position after the
+    batches handed out so far; ``load_state_dict`` (or ``start_at`` without a state) positions a
+    fresh loader there. The state is per rank: gather every rank's state into the checkpoint.
     """
 
     def __init__(
         self,
-        loader: DataLoader,
         spec: _TrainSpec,
+        transform: ImageTransform,
+        tokenizer: Tokenizer,
         *,
-        start_step: int,
-        starts: list[Position],
-        skipped: dict[str, int],
+        workers: int,
+        pin_memory: bool,
     ) -> None:
-        self._loader, self._spec = loader, spec
-        self._start_step, self._starts = start_step, starts
-        self._step = start_step
-        self._iterator: Iterator[Batch] | None = None
-        self._positions: dict[int, Position] = {}
-        self._history = 4 * spec.roles + 64  # positions kept: enough for prefetching callers
-        self._skipped: collections.Counter[str] = collections.Counter(skipped)
+        self._spec, self._transform, self._tokenizer = spec, transform, tokenizer
+        self._workers, self._pin_memory = workers, pin_memory
         self.steps_per_epoch = spec.steps_per_epoch
         self.batch_size = spec.batch_size
+        self.start_at(0)
+
+    def start_at(self, step: int, state: dict[str, Any] | None = None) -> None:
+        """Position the stream before batch ``step``: exactly where ``state`` (this rank's
+        ``state_dict()`` at that step) says, draining raw items without decoding them; or, without
+        a state, by replaying each worker's epoch so far (exact too, only slower)."""
+        spec = self._spec
+        if state is not None:
+            starts = _restore(state, spec, step)
+        else:
+            starts = [position_at(step, role, spec.steps_per_epoch, spec.roles) for role in range(spec.roles)]
+        stream = TrainStream(spec, self._transform, self._tokenizer, starts, step)
+        self._loader = DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self._workers,
+            pin_memory=self._pin_memory and torch.cuda.is_available(),
+            worker_init_fn=ignore_preemption_signals,
+            # Its own generator: starting an iterator must not draw from the global RNG, whose state
+            # (dropout masks) a checkpoint restores exactly.
+            generator=torch.Generator().manual_seed(_seed(spec.seed, spec.rank)),
+        )
+        self._iterator: Iterator[Batch] | None = None
+        self._start_step, self._starts, self._step = step, starts, step
+        self._positions: dict[int, Position] = {}
+        self._skipped: collections.Counter[str] = collections.Counter(state["skipped"] if state else {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start_at(state["step"], state)
 
     def __iter__(self) -> TrainLoader:
         return self
@@ -284,7 +308,7 @@ class TrainLoader:
         if role != self._step % self._spec.roles:
             raise RuntimeError(f"data loader order broke: step {self._step} came from worker role {role}")
         self._positions[self._step] = Position(epoch, done, consumed)
-        self._positions.pop(self._step - self._history, None)
+        self._positions.pop(self._step - self._spec.roles, None)  # only each role's last is needed
         self._step += 1
         self._skipped.update(batch.skipped)
         return batch
@@ -292,26 +316,13 @@ class TrainLoader:
     def skip_counts(self) -> dict[str, int]:
         return dict(self._skipped)
 
-    def state_dict(self, step: int) -> dict[str, Any]:
-        """The data position to resume at ``step`` (batches ``step`` onwards not yet trained on)."""
-        if not self._start_step <= step <= self._step:
-            raise DataError(
-                f"state_dict(step={step}): this loader has handed out steps "
-                f"{self._start_step} to {self._step - 1}"
-            )
-        roles = self._spec.roles
+    def state_dict(self) -> dict[str, Any]:
+        """The data position after the batches handed out so far: each role's after its last."""
+        step, roles = self._step, self._spec.roles
         positions = []
         for role in range(roles):
             last = step - 1 - (step - 1 - role) % roles  # the role's last step before `step`
-            if last < self._start_step:
-                positions.append(list(self._starts[role]))
-            elif last in self._positions:
-                positions.append(list(self._positions[last]))
-            else:
-                raise DataError(
-                    f"state_dict(step={step}) is too far behind the loader (at step {self._step}); "
-                    "take the state right after the step"
-                )
+            positions.append(list(self._positions[last] if last >= self._start_step else self._starts[role]))
         return {
             "version": STATE_VERSION,
             "step": step,
@@ -363,13 +374,10 @@ def build_train_loader(
     seed: int,
     image_size: int,
     tokenizer: Tokenizer,
-    start_step: int = 0,
     pin_memory: bool = False,
-    state: dict[str, Any] | None = None,
 ) -> TrainLoader:
-    """The training loader of one rank; rank and world size come from the arguments, not from
-    ``torch.distributed``. ``state`` is a ``TrainLoader.state_dict(start_step)`` for a cheap exact
-    resume; without it a resume at ``start_step`` replays the current epoch (exact, slower)."""
+    """The training loader of one rank, at step 0; rank and world size come from the arguments,
+    not from ``torch.distributed``."""
     urls = expand_urls(data_cfg.train, what="data.train")
     if global_batch <= 0 or global_batch % world_size:
         raise DataError(
@@ -405,24 +413,8 @@ def build_train_loader(
         shuffle_buffer=data_cfg.shuffle_buffer,
         max_skip_fraction=data_cfg.max_skip_fraction,
     )
-    if state is not None:
-        starts = _restore(state, spec, start_step)
-    else:
-        starts = [position_at(start_step, role, steps, roles) for role in range(roles)]
     transform = train_transform(image_size, data_cfg.rrc_scale, data_cfg.rrc_ratio)
-    dataset = TrainStream(spec, transform, tokenizer, starts, start_step)
-    loader = DataLoader(
-        dataset,
-        batch_size=None,
-        num_workers=data_cfg.workers,
-        pin_memory=pin_memory and torch.cuda.is_available(),
-        worker_init_fn=ignore_preemption_signals,
-        # Its own generator: starting an iterator must not draw from the global RNG, whose state
-        # (dropout masks) a checkpoint restores exactly.
-        generator=torch.Generator().manual_seed(_seed(seed, rank)),
-    )
-    skipped = state["skipped"] if state is not None else {}
-    return TrainLoader(loader, spec, start_step=start_step, starts=starts, skipped=skipped)
+    return TrainLoader(spec, transform, tokenizer, workers=data_cfg.workers, pin_memory=pin_memory)
 
 
 # --------------------------------------------------------------------------------------------

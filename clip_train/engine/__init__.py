@@ -1,5 +1,5 @@
 """The training step's gradient engine: Gradient Cache with chunk streaming and LiT caching."""
 
-from clip_train.engine.gradcache import GradCache, StepStats, TrainableHead, wrap_ddp
+from clip_train.engine.gradcache import GradCache, StepStats, TrainableHead
 
-__all__ = ["GradCache", "StepStats", "TrainableHead", "wrap_ddp"]
+__all__ = ["GradCache", "StepStats", "TrainableHead"]

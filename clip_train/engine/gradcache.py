@@ -23,24 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from clip_train.config import Config, ConfigError
+from clip_train.config import PRECISIONS, Config, ConfigError, Precision
 from clip_train.distributed import rank_and_world
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
 from clip_train.loss.kernels import select_kernels
-from clip_train.precision import PRECISIONS, autocast
-
-Precision = Literal["fp32", "fp64", "bf16", "fp16"]
+from clip_train.precision import autocast
 
 
 @dataclass
@@ -72,21 +69,24 @@ class TrainableHead(nn.Module):
         return self.tower.encode_trainable(*hidden)
 
 
-def wrap_ddp(tower: nn.Module, **ddp_kwargs) -> DistributedDataParallel | None:
-    """DDP over one tower's trainable part, for ``GradCache(image_ddp=..., text_ddp=...)``.
+def wrap_ddp(tower: nn.Module, group: dist.ProcessGroup | None = None) -> DistributedDataParallel:
+    """DDP over one tower's trainable part (a frozen tower has none; DDP would reject it).
 
     Each tower gets its own DDP so each syncs once, on its own last replay chunk. Every trainable
     parameter is used in every replay, so ``find_unused_parameters=False``. Buffers are synced
     once at construction, not before every forward: the towers' buffers are constants (Gradient
     Cache cannot be exact with batch-norm statistics anyway). Gradients are views into DDP's
-    buckets, so the trainable gradients are not held twice. Returns None for a fully frozen
-    tower (DDP rejects those).
+    buckets, so the trainable gradients are not held twice.
     """
-    if tower.is_frozen:
-        return None
-    defaults = {"forward_sync_buffers": False, "gradient_as_bucket_view": True}
-    head = TrainableHead(tower)
-    return DistributedDataParallel(head, find_unused_parameters=False, **{**defaults, **ddp_kwargs})
+    device = next(tower.parameters()).device
+    return DistributedDataParallel(
+        TrainableHead(tower),
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+        find_unused_parameters=False,
+        forward_sync_buffers=False,
+        gradient_as_bucket_view=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,10 @@ class _Encoded:
 class GradCache:
     """Gradient Cache for a ``clip_train.model.CLIP``: ``step`` leaves full-batch gradients in ``.grad``.
 
-    Gradients accumulate, so zero them before each step. With fp16, pass a ``GradScaler``: the loss
-    is scaled before the cache is taken, so every ``.grad`` (towers and logit scale) comes out
-    scaled and the trainer must ``scaler.unscale_(optimizer)`` before clipping, then
-    ``scaler.step`` and ``scaler.update`` as usual. With more than one rank, each trainable tower
-    must come wrapped by ``wrap_ddp`` (``image_ddp``, ``text_ddp``).
+    Gradients accumulate, so zero them before each step. With fp16, pass ``scale_loss`` (a
+    ``GradScaler``'s ``scale``): the loss is scaled before the cache is taken, so every ``.grad``
+    (towers, scale, bias) comes out scaled for ``scaler.unscale_``. With more than one rank, each
+    trainable tower is wrapped in its own DDP here (``wrap_ddp``).
 
     ``precision``: fp32 and fp64 run the model in its own dtype (cast it for fp64); bf16 and fp16
     encode under autocast. The features enter the loss in at least fp32.
@@ -140,11 +139,9 @@ class GradCache:
         loss_kernel: str = "auto",
         tile_size: int | None = None,
         group: dist.ProcessGroup | None = None,
-        image_ddp: DistributedDataParallel | None = None,
-        text_ddp: DistributedDataParallel | None = None,
     ):
         if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} must be one of fp32, fp64, bf16, fp16")
+            raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}")
         self.model = model
         self.device = model.logit_scale.device
         self.precision = precision
@@ -158,13 +155,13 @@ class GradCache:
         self.tile_size = tile_size
         self.group = group
         self.world_size = rank_and_world(group)[1]
-        self.image = self._tower("image", model.visual, image_ddp, image_chunk)
-        self.text = self._tower("text", model.text, text_ddp, text_chunk)
+        self.image = self._tower("image", model.visual, image_chunk)
+        self.text = self._tower("text", model.text, text_chunk)
 
     @classmethod
-    def from_config(cls, model: nn.Module, config: Config, **kwargs) -> GradCache:
-        """Chunks, offload, precision and loss options from a run config; ``kwargs`` adds the
-        process group and the DDP wrappers. An unusable ``loss.kernel`` fails here, at start-up."""
+    def from_config(cls, model: nn.Module, config: Config) -> GradCache:
+        """Chunks, offload, precision and loss options from a run config (default process group).
+        An unusable ``loss.kernel`` fails here, at start-up."""
         if config.loss.impl in ("auto", "inf"):
             dtype = torch.float64 if config.train.precision == "fp64" else torch.float32
             try:
@@ -181,21 +178,14 @@ class GradCache:
             loss_impl=config.loss.impl,
             loss_kernel=config.loss.kernel,
             tile_size=config.loss.tile_size or None,
-            **kwargs,
         )
 
-    def _tower(self, name: str, module: nn.Module, ddp: DistributedDataParallel | None, chunk: int) -> _Tower:
+    def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
         if chunk < 0:
             raise ValueError(f"{name}_chunk={chunk} must be >= 0 (0 = the whole per-rank batch)")
-        if ddp is not None and getattr(ddp.module, "tower", None) is not module:
-            raise ValueError(f"{name}_ddp wraps a different module than model's {name} tower; use wrap_ddp")
-        if ddp is None and self.world_size > 1 and not module.is_frozen:
-            raise ValueError(
-                f"the {name} tower trains on {self.world_size} ranks but has no DDP wrapper; "
-                f"pass {name}_ddp=wrap_ddp(tower)"
-            )
         replays = not module.is_frozen
-        head = ddp if ddp is not None else TrainableHead(module)
+        distributed = replays and self.world_size > 1
+        head = wrap_ddp(module, self.group) if distributed else TrainableHead(module)
         return _Tower(module, head, chunk, replays, replays and module.has_frozen_trunk)
 
     def step(
@@ -203,7 +193,7 @@ class GradCache:
         images: torch.Tensor,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        scaler: torch.amp.GradScaler | None = None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> StepStats:
         """Compute the step's gradients for a per-rank batch; see the class docstring for fp16."""
         rows = images.shape[0]
@@ -230,7 +220,7 @@ class GradCache:
         image = self._encode(self.image, image_inputs, rows, streams, keep_graph=self.image is keeps_graph)
         text = self._encode(self.text, text_inputs, rows, streams, keep_graph=self.text is keeps_graph)
         encoded = self._clock()
-        loss, image_grad, text_grad = self._loss(image.features, text.features, scaler)
+        loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
         cached = [image.features, text.features, image_grad, text_grad, *image.trunk_cache, *text.trunk_cache]
         cache_bytes = _bytes(t for t in cached if t is not None)
         del cached
@@ -309,7 +299,10 @@ class GradCache:
         return out
 
     def _loss(
-        self, image_features: torch.Tensor, text_features: torch.Tensor, scaler: torch.amp.GradScaler | None
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
         """Stage 2: the loss on leaf features; its gradients are the cache, plus the gradients of
         the logit scale (and of the sigmoid loss's bias)."""
@@ -331,7 +324,8 @@ class GradCache:
             tile_size=self.tile_size,
         )
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = torch.autograd.grad(_scaled(loss, scaler), wanted) if wanted else ()
+        scaled = scale_loss(loss) if scale_loss is not None else loss
+        grads = torch.autograd.grad(scaled, wanted) if wanted else ()
         grads = dict(zip(map(id, wanted), grads, strict=True))
         image_grad, text_grad, *scalar_grads = (grads.get(id(leaf)) for leaf in leaves)
         for param, grad in zip(scalars, scalar_grads, strict=True):
@@ -390,10 +384,6 @@ class GradCache:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-
-def _scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> torch.Tensor:
-    return scaler.scale(loss) if scaler is not None else loss
 
 
 def _rows_like(

@@ -1,10 +1,13 @@
-"""Per-chunk RNG snapshots, so a Gradient Cache replay draws the same dropout and drop-path masks."""
+"""RNG state: per-chunk snapshots, so a Gradient Cache replay draws the same dropout and drop-path
+masks, and the process's streams as a checkpoint component, so a resumed run draws them on."""
 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,3 +39,20 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
         yield
     finally:
         state.restore()
+
+
+class ProcessRng:
+    """Every RNG stream of this process (Python, torch CPU, each CUDA device) as a checkpoint
+    component: ``state_dict`` / ``load_state_dict``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

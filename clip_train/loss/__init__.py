@@ -3,7 +3,7 @@
 ``contrastive_loss`` is the one entry point, for the softmax loss (CLIP / InfoNCE) and the
 sigmoid loss (SigLIP). ``impl="inf"`` (the default through ``"auto"``) never materialises the
 similarity matrix: it tiles it on each rank (PyTorch tiles or Triton kernels, ``kernel``) and
-passes text blocks around a ring of ranks (DESIGN.md §2–3). ``"vanilla"`` and ``"local"`` are
+passes text blocks around a ring of ranks (``ring.py``). ``"vanilla"`` and ``"local"`` are
 the materialising baselines it is tested against.
 
 Gradient convention (Inf-CL's, with exact scale and bias gradients): each rank returns the mean
@@ -15,22 +15,18 @@ exactly the gradient of the single-process global loss.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 
+from clip_train.config import LOSS_IMPLS, LOSS_KINDS, LossImpl, LossKernel, LossKind
 from clip_train.loss.checks import check_inputs
-from clip_train.loss.kernels import KERNELS, Kernel, select_kernels
+from clip_train.loss.kernels import select_kernels
 from clip_train.loss.reference import local_loss, vanilla_loss, vanilla_sigmoid_loss
+from clip_train.loss.sigmoid import SigmoidLoss
+from clip_train.loss.softmax import SoftmaxLoss
 from clip_train.loss.tiles_torch import default_tile
 
-Kind = Literal["softmax", "sigmoid"]
-KINDS: tuple[str, ...] = ("softmax", "sigmoid")
-Impl = Literal["auto", "inf", "vanilla", "local"]
-IMPLS: tuple[str, ...] = ("auto", "inf", "vanilla", "local")
-
-__all__ = ["IMPLS", "KERNELS", "KINDS", "Impl", "Kernel", "Kind", "contrastive_loss"]
+__all__ = ["contrastive_loss"]
 
 
 def contrastive_loss(
@@ -39,10 +35,10 @@ def contrastive_loss(
     logit_scale: torch.Tensor | float,
     *,
     logit_bias: torch.Tensor | float | None = None,
-    kind: Kind = "softmax",
+    kind: LossKind = "softmax",
     labels: torch.Tensor | None = None,
-    impl: Impl = "auto",
-    kernel: Kernel = "auto",
+    impl: LossImpl = "auto",
+    kernel: LossKernel = "auto",
     group: dist.ProcessGroup | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -69,10 +65,10 @@ def contrastive_loss(
     Returns:
         The mean loss over this rank's rows (a 0-dim tensor).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"contrastive_loss: unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    if kind not in KINDS:
-        raise ValueError(f"contrastive_loss: unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"contrastive_loss: unknown impl {impl!r}; choose one of {', '.join(LOSS_IMPLS)}")
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"contrastive_loss: unknown kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
     if kind == "sigmoid" and (labels is not None or impl == "local" or logit_bias is None):
         raise ValueError(
             "contrastive_loss: the sigmoid loss needs logit_bias and takes no labels; impl vanilla or inf"
@@ -97,9 +93,5 @@ def contrastive_loss(
     tiles = select_kernels(kernel, image_features.device, image_features.dtype, image_features.shape[1])
     tile = tile_size or default_tile(image_features.device)
     if kind == "sigmoid":
-        from clip_train.loss.sigmoid import SigmoidLoss
-
         return SigmoidLoss.apply(image_features, text_features, logit_scale, logit_bias, batch, tile, tiles)
-    from clip_train.loss.softmax import SoftmaxLoss
-
     return SoftmaxLoss.apply(image_features, text_features, logit_scale, batch, tile, tiles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,13 +130,27 @@ def _agree(
     return ""
 
 
-def gather_with_grad(tensor: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """All ranks' rows, rank-major; backward sums every rank's gradient into the owner's rows."""
-    if batch.world == 1:
-        return tensor
-    from torch.distributed.nn.functional import all_gather
+class _GatherRows(torch.autograd.Function):
+    """All ranks' rows, rank-major; backward sums every rank's gradient into the owner's rows.
+    (``torch.distributed.nn.functional.all_gather`` does the same but is deprecated.)"""
 
-    return torch.cat(all_gather(tensor, group=batch.group), dim=0)
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, batch: Batch) -> torch.Tensor:  # type: ignore[override]
+        ctx.batch = batch
+        parts = [torch.empty_like(tensor) for _ in range(batch.world)]
+        dist.all_gather(parts, tensor.contiguous(), group=batch.group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.batch.group)
+        return grad.chunk(ctx.batch.world)[ctx.batch.rank], None
+
+
+def gather_with_grad(tensor: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """All ranks' rows, rank-major, differentiably (the identity on one rank)."""
+    return tensor if batch.world == 1 else _GatherRows.apply(tensor, batch)
 
 
 def row_dots(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
 
 import torch
 
-Kernel = Literal["auto", "torch", "triton"]
-KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
+from clip_train.config import LOSS_KERNELS
+from clip_train.loss import tiles_torch
 
 
 @dataclass(frozen=True)
@@ -31,13 +30,13 @@ def select_kernels(kernel: str, device: torch.device, dtype: torch.dtype, dim: i
     benchmark exercises; the Triton kernels keep the tile on chip but have not yet been timed on
     a GPU (``make gpu-check`` measures both). ``auto`` moves to Triton once that shows it faster.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"contrastive_loss: unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(
+            f"contrastive_loss: unknown kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}"
+        )
     if kernel != "triton":
-        from clip_train.loss import tiles_torch
-
         return Tiles(tiles_torch, torch.float64 if dtype == torch.float64 else torch.float32)
-    from clip_train.loss import tiles_triton
+    from clip_train.loss import tiles_triton  # Triton is optional: only this choice needs it
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:

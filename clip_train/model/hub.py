@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from huggingface_hub.errors import HFValidationError
+
 from clip_train.errors import UserError
 
 
@@ -18,8 +20,6 @@ def download_hint(name: str, key: str) -> str:
 
 def load_hf(auto_cls: type, source: str, key: str, **kwargs):
     """``auto_cls.from_pretrained`` from a local dir or the hub cache, with one-line errors."""
-    from huggingface_hub.errors import HFValidationError
-
     path = Path(source).expanduser()
     try:
         if path.is_dir():

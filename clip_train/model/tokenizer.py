@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from open_clip.tokenizer import SimpleTokenizer, get_clean_fn
+from transformers import AutoTokenizer
 
 from clip_train.model.hub import load_hf
 
@@ -24,8 +26,6 @@ class OpenCLIPTokenizer:
     pad_token_id = 0
 
     def __init__(self, context_length: int) -> None:
-        from open_clip.tokenizer import SimpleTokenizer
-
         self.context_length = context_length
         self._bpe = SimpleTokenizer(context_length=context_length)
         self.vocab_size: int = self._bpe.vocab_size
@@ -51,9 +51,6 @@ class HFTokenizer:
     """
 
     def __init__(self, source: str, context_length: int, key: str = "model.text.tokenizer") -> None:
-        from open_clip.tokenizer import get_clean_fn
-        from transformers import AutoTokenizer
-
         self.source, self.context_length, self.key = source, context_length, key
         self._tok = load_hf(AutoTokenizer, source, key)
         self._clean = get_clean_fn("whitespace")

@@ -15,9 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from clip_train.data import writers
+from clip_train.data.digits import write_digits
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sources = parser.add_subparsers(dest="source", metavar="SOURCE", required=True)
     folder = sources.add_parser(
         "folder", help="images (jpg/png/webp, searched recursively) with same-name .txt"
@@ -38,11 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clip_train.data import writers
-
     if args.source == "digits":
-        from clip_train.data.digits import write_digits
-
         counts = write_digits(
             args.out,
             size=args.size,

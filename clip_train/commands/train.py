@@ -13,6 +13,13 @@ import argparse
 import sys
 import traceback
 
+from clip_train.config import load_config
+from clip_train.distributed import init_distributed, shutdown_distributed
+from clip_train.errors import UserError
+from clip_train.preemption import EXIT_PREEMPTED, Preempted
+from clip_train.startup_checks import check_paths
+from clip_train.trainer import Trainer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML run config, e.g. configs/demo-digits.yaml")
@@ -20,13 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clip_train.config import load_config
-    from clip_train.distributed import init_distributed, shutdown_distributed
-    from clip_train.errors import UserError
-    from clip_train.preemption import EXIT_PREEMPTED, Preempted
-    from clip_train.startup_checks import check_paths
-    from clip_train.trainer import Trainer
-
     cfg = load_config(args.config, args.overrides).validate()  # fails before any process group exists
     check_paths(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)

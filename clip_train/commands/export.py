@@ -1,0 +1,47 @@
+"""Export a checkpoint for open_clip: ``clip-train export CHECKPOINT OUT --format open_clip``.
+
+``open_clip.create_model_and_transforms("local-dir:OUT")`` and ``open_clip.get_tokenizer("local-dir:OUT")``
+then give the embeddings clip_train gives (checked before the command finishes), so clip_benchmark
+and anything else built on open_clip can use the model; ``--push-to-hub REPO`` uploads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from clip_train.checkpoint import find_weights
+from clip_train.export import FORMATS, export_open_clip, push_to_hub
+from clip_train.loading import load
+from clip_train.model import OpenCLIPTokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint",
+        help="checkpoint directory, run directory (its newest checkpoint) or a .safetensors file",
+    )
+    parser.add_argument("out", type=Path, help="output directory (new, empty, or an earlier export)")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="open_clip", help="export format (default open_clip)"
+    )
+    parser.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hugging Face Hub repo")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+
+
+def run(args: argparse.Namespace) -> int:
+    source = find_weights(args.checkpoint)
+    model, _, _ = load(source)
+    out = args.out.resolve()
+    image, text = export_open_clip(model, out)
+    print(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
+    print(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
+    if isinstance(model.tokenizer, OpenCLIPTokenizer):
+        print(
+            'note: open_clip treats token id 0 as padding, which the bundled BPE also uses for "!" '
+            'directly before some punctuation (e.g. "!("); such captions embed slightly differently'
+        )
+    if args.push_to_hub:
+        url = push_to_hub(model, out, args.push_to_hub, private=args.private)
+        print(f'pushed to {url}: open_clip.create_model_and_transforms("hf-hub:{url.repo_id}")')
+    return 0

@@ -1,0 +1,216 @@
+"""``clip-train plan CONFIG --gpus 8 --gpu-mem 80``: per-GPU memory of one Gradient Cache step, for
+each loss implementation with and without offload, and the largest global batch that fits.
+
+    M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)   (Inf-CL eq. 10)
+
+Activations are measured on this machine (torch's MemTracker at two small chunk sizes, scaled
+linearly); every other term is counted from shapes (``clip_train/plan/estimate.py`` defines them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clip_train.bench.runner import in_fresh_process
+from clip_train.config import Config, load_config
+from clip_train.distributed import resolve_device
+from clip_train.errors import UserError
+from clip_train.loss.tiles_torch import default_tile
+from clip_train.memory import format_bytes
+from clip_train.plan import (
+    GIB,
+    IMPLS,
+    ModelProfile,
+    Setting,
+    breakdown,
+    max_batch,
+    measure_cpu_step,
+    profile_model,
+    usable_bytes,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config (e.g. configs/model/vit-b16-bert-base.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs (default 8)")
+    parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch (default: batch.global_size)")
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the plan as JSON")
+    parser.add_argument(
+        "--measure-chunks",
+        type=int,
+        nargs=2,
+        default=(2, 4),
+        metavar=("A", "B"),
+        help="chunk sizes of the activation measurement (default 2 4)",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="measure on")
+    parser.add_argument(
+        "--check-cpu",
+        action="store_true",
+        help="also run 2 real Gradient Cache steps on the CPU and compare their RSS growth with the plan",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    batch = args.batch if args.batch is not None else cfg.batch.global_size
+    _validate_args(args, batch)
+    cfg.batch.global_size = batch
+    cfg.validate(world_size=args.gpus)
+    chunks = tuple(args.measure_chunks)
+    profile = profile_model(cfg.model, cfg.train.precision, chunks, resolve_device(args.device).type)
+    capacity = usable_bytes(args.gpu_mem)
+    settings = _settings(cfg, args, batch, cfg.loss.tile_size or default_tile(torch.device("cuda")))
+    rows = [_row(profile, setting, capacity) for setting in settings]
+    print(_report(args, cfg, profile, rows, capacity))
+    result: dict[str, Any] = {
+        "config": str(args.config),
+        "overrides": list(args.overrides),
+        "gpu_mem_gib": args.gpu_mem,
+        "usable_bytes": capacity,
+        "profile": dataclasses.asdict(profile),
+        "rows": rows,
+    }
+    if args.check_cpu:
+        result["check_cpu"] = check = _check_cpu(args, cfg, settings, chunks)
+        print(
+            f"\ncheck-cpu: inf loss, no offload, batch {batch}, 2 Gradient Cache + {cfg.optim.name} steps "
+            f"in a fresh process\n  predicted {format_bytes(check['predicted'])} (peak without weights, "
+            f"which precede the baseline)\n  measured  {format_bytes(check['measured'])} (ru_maxrss growth)\n"
+            f"  ratio measured/predicted {check['ratio']:.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _validate_args(args: argparse.Namespace, batch: int) -> None:
+    if args.gpus <= 0:
+        raise UserError(f"--gpus {args.gpus}: must be >= 1")
+    if not args.gpu_mem > 0:
+        raise UserError(f"--gpu-mem {args.gpu_mem}: must be > 0 GiB")
+    if batch <= 0:
+        raise UserError(f"--batch {batch}: must be >= 1")
+    if args.check_cpu and args.gpus != 1:
+        raise UserError(f"--check-cpu runs one process on this machine: use --gpus 1, not {args.gpus}")
+
+
+def _settings(cfg: Config, args: argparse.Namespace, batch: int, tile: int) -> list[Setting]:
+    return [
+        Setting(
+            batch=batch,
+            gpus=args.gpus,
+            image_chunk=cfg.batch.image_chunk,
+            text_chunk=cfg.batch.text_chunk,
+            offload=offload,
+            impl=impl,
+            optimizer=cfg.optim.name,
+            tile=tile,
+            keep_last_graph=cfg.batch.keep_last_graph,
+            kind=cfg.loss.kind,
+        )
+        for impl in IMPLS
+        if not (impl == "local" and cfg.loss.kind == "sigmoid")  # a softmax-only implementation
+        for offload in (False, True)
+    ]
+
+
+def _check_cpu(
+    args: argparse.Namespace, cfg: Config, settings: list[Setting], chunks: tuple[int, int]
+) -> dict[str, float]:
+    """The inf, no-offload setting with the CPU's tile: predicted peak (weights excluded: they precede
+    the baseline) against the RSS growth of real steps in a fresh process."""
+    inf = next(s for s in settings if s.impl == "inf" and not s.offload)
+    setting = dataclasses.replace(inf, tile=cfg.loss.tile_size or default_tile(torch.device("cpu")))
+    part = breakdown(profile_model(cfg.model, cfg.train.precision, chunks, "cpu"), setting)
+    predicted = part.peak - part.weights
+    spec = {
+        "config": str(args.config),
+        "overrides": list(args.overrides),
+        "setting": dataclasses.asdict(setting),
+    }
+    measured = in_fresh_process(cpu_step, spec)
+    return {"predicted": predicted, "measured": measured, "ratio": measured / predicted}
+
+
+def cpu_step(spec: dict[str, Any]) -> int:
+    """``--check-cpu``'s fresh process: the config again, then real steps."""
+    cfg = load_config(spec["config"], spec["overrides"])
+    return measure_cpu_step(cfg.model, Setting(**spec["setting"]), cfg.train.precision)
+
+
+def _row(profile: ModelProfile, setting: Setting, capacity: float) -> dict[str, Any]:
+    part = breakdown(profile, setting)
+    return {
+        **dataclasses.asdict(setting),
+        **dataclasses.asdict(part),
+        "static": part.static,
+        "peak": part.peak,
+        "fits": part.peak <= capacity,
+        "max_batch": max_batch(profile, setting, capacity),
+    }
+
+
+def _report(
+    args: argparse.Namespace, cfg: Config, profile: ModelProfile, rows: list[dict], capacity: float
+) -> str:
+    first = rows[0]
+    chunks = f"image {first['image_chunk'] or 'all'} / text {first['text_chunk'] or 'all'} per GPU"
+    lines = [
+        f"plan: {args.config} {' '.join(args.overrides)}".rstrip(),
+        f"  {args.gpus} GPU(s) x {args.gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU after a "
+        f"{format_bytes(args.gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)",
+        f"  precision {profile.precision}, optimizer {cfg.optim.name}, embed_dim {profile.embed_dim}, "
+        f"chunks {chunks}, inf tile {first['tile']}",
+        f"  activations measured on {profile.device} with torch MemTracker (fwd+bwd at chunks "
+        f"{profile.measured_chunks[0]} and {profile.measured_chunks[1]}), scaled linearly in the chunk",
+    ]
+    lines += [f"  note: {note}" for note in profile.notes]
+    for tower in profile.towers:
+        replay = (
+            f"replay {format_bytes(tower.replay.per_sample)}/sample" if tower.replays else "frozen: no replay"
+        )
+        trunk = (
+            f", cached trunk {format_bytes(tower.trunk_per_sample)}/sample" if tower.trunk_per_sample else ""
+        )
+        lines.append(
+            f"  {tower.name:5s}: input {format_bytes(tower.input_per_sample)}/sample, encode "
+            f"{format_bytes(tower.encode.per_sample)}/sample, {replay}{trunk}"
+        )
+    lines.append(
+        f"  static per GPU: weights {format_bytes(first['weights'])}, grads {format_bytes(first['grads'])} "
+        f"(DDP's buckets hold them), optimizer {format_bytes(first['optimizer'])}"
+    )
+    lines.append(
+        f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "
+        "peak = static + data + cache + max(loss + kept graph, backbone, optim step)"
+    )
+    header = ("impl", "offload", "data", "cache", "loss", "kept", "backbone", "optim", "static", "peak")
+    money = ("data", "cache", "loss", "kept_graph", "backbone", "optimizer_step", "static", "peak")
+    table = [(*header, "fits", "max batch")] + [
+        (
+            row["impl"],
+            "yes" if row["offload"] else "no",
+            *(format_bytes(row[key]) for key in money),
+            "yes" if row["fits"] else "NO",
+            f"{row['max_batch']:,}",
+        )
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines += [
+        "  ".join(
+            cell.rjust(w) if i > 1 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in table
+    ]
+    return "\n".join(lines)

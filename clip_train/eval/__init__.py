@@ -1,0 +1,121 @@
+"""Zero-shot classification (class names × prompt templates → one text embedding per class) and
+image↔text retrieval recall@k.
+
+Every rank encodes its own share of the data; features, or just hit counts, are gathered at the
+end, so the work scales with the number of ranks instead of leaving them idle while rank 0
+evaluates. Runs as one process or under torchrun.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from clip_train.checkpoint import checkpoint_model_config, run_config_file
+from clip_train.config import Config, DataConfig, EvalConfig, load_config
+from clip_train.data.eval_sources import (
+    EvalError,
+    image_folder_batches,
+    is_image_folder,
+    labelled_images,
+    shard_batches,
+)
+from clip_train.distributed import rank_and_world
+from clip_train.eval.encode import encode_split
+from clip_train.eval.metrics import hits_at_k, retrieval_recall, zeroshot_from_features
+from clip_train.eval.zeroshot import build_zeroshot_classifier, zeroshot_accuracy, zeroshot_metadata
+
+__all__ = [
+    "EvalError",
+    "build_zeroshot_classifier",
+    "encode_split",
+    "eval_config",
+    "evaluate",
+    "hits_at_k",
+    "retrieval_recall",
+    "zeroshot_accuracy",
+    "zeroshot_from_features",
+    "zeroshot_metadata",
+]
+
+
+def evaluate(
+    model: nn.Module,
+    eval_cfg: EvalConfig,
+    data_cfg: DataConfig,
+    *,
+    device: torch.device,
+    precision: str,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Zero-shot and retrieval metrics (``zeroshot/top1``, ``retrieval/image_to_text_R@1``, …).
+
+    Call on every rank with the unwrapped model (not the DDP wrapper). When zero-shot reads
+    ``data.val`` too, one pass over it serves both.
+    """
+    rank, world = rank_and_world(group)
+    zeroshot_source = labelled_images(eval_cfg, data_cfg) if eval_cfg.zeroshot else ""
+    retrieval = eval_cfg.retrieval and bool(data_cfg.val)
+    shared_pass = retrieval and bool(eval_cfg.zeroshot) and zeroshot_source == data_cfg.val
+    encode = dict(device=device, precision=precision)
+    share = dict(
+        batch_size=eval_cfg.batch_size,
+        workers=data_cfg.workers,
+        rank=rank,
+        world_size=world,
+        pin_memory=device.type == "cuda",
+    )
+    if eval_cfg.zeroshot:  # check the class names and the labelled data before any long work
+        classnames, templates = zeroshot_metadata(eval_cfg.zeroshot)
+        if shared_pass:
+            zeroshot_batches = None
+        elif is_image_folder(zeroshot_source):
+            zeroshot_batches = image_folder_batches(
+                zeroshot_source, num_classes=len(classnames), image_size=model.image_size, **share
+            )
+        else:
+            zeroshot_batches = shard_batches(zeroshot_source, model, **share)
+    metrics: dict[str, float] = {}
+    if retrieval:
+        batches = shard_batches(data_cfg.val, model, **share)
+        val_split = encode_split(model, batches, text=True, labels=shared_pass, source=data_cfg.val, **encode)
+        recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
+        metrics |= {f"retrieval/{k}": v for k, v in recall.items()}
+    if eval_cfg.zeroshot:
+        classifier = build_zeroshot_classifier(
+            model, classnames, templates, batch_size=eval_cfg.batch_size, group=group, **encode
+        )
+        if shared_pass:
+            split = val_split
+        else:
+            split = encode_split(
+                model, zeroshot_batches, text=False, labels=True, source=zeroshot_source, **encode
+            )
+        accuracy = zeroshot_from_features(split.image_features, split.labels, classifier, group=group)
+        metrics |= {f"zeroshot/{k}": v for k, v in accuracy.items()}
+    return metrics
+
+
+def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Config:
+    """The config to evaluate ``weights`` with: ``config`` with ``overrides``; without one, the
+    checkpoint's own model section and, for the rest (data, eval, train), the config.yaml of the
+    run it belongs to, if it is still beside it. Checked for something to evaluate."""
+    if config is not None:
+        cfg = load_config(config, overrides)
+    else:
+        model_overrides = [item for item in overrides if item.startswith("model.")]
+        if model_overrides:
+            raise EvalError(
+                f"override {model_overrides[0]}: without a CONFIG the checkpoint's own model config is "
+                "used; give the config to change the model"
+            )
+        cfg = load_config(run_config_file(weights.parent), overrides)
+        cfg.model = checkpoint_model_config(weights.parent)
+    if cfg.eval.batch_size <= 0:
+        raise EvalError(f"eval.batch_size={cfg.eval.batch_size} must be > 0")
+    if not cfg.eval.zeroshot and not (cfg.eval.retrieval and cfg.data.val):
+        raise EvalError("nothing to evaluate: set eval.zeroshot=FILE|imagenet and/or data.val=SHARDS")
+    return cfg

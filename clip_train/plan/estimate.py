@@ -1,0 +1,259 @@
+"""Per-GPU memory of one Gradient Cache step from a measured profile (Inf-CL eq. 10), and the
+largest global batch that fits: arithmetic only, without torch or the loss's internals.
+
+    M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)
+
+* static — fp32 weights, gradients and optimizer state of the trainable parameters (LiT-frozen
+  ones have neither). DDP's buckets add nothing: the gradients are views into them.
+* M_data — the raw per-rank batch (uint8 images, int64 ids and mask); with offload only two
+  chunks of the stream being consumed are on the device.
+* M_cache — Gradient Cache's fp32 features and their gradients (2 towers × n × d each) and a LiT
+  tower's cached frozen-trunk output (on the host with offload).
+* M_loss — the loss implementation's workspace: b×b matrices for vanilla, n×b for local, O(n·d)
+  plus tile² for inf (n = b / gpus).
+* M_kept — the graph of the last chunk encoded, which Gradient Cache keeps through the loss
+  instead of replaying that chunk (inf loss and ``batch.keep_last_graph`` only).
+* M_backbone — the peak of one chunk's graph-less encode or with-grad replay, *measured* at two
+  small chunk sizes (``profile.py``) and extrapolated linearly.
+
+A reserve of 5 % of the GPU plus 1 GiB (at most 10 % of the GPU, so toy budgets still plan) covers
+the CUDA context and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from clip_train.config import LOSS_IMPLS
+from clip_train.errors import UserError
+
+GIB = 2**30
+FP32 = 4
+IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
+RESERVE_FIXED, RESERVE_FIXED_CAP, RESERVE_FRACTION = 1 * GIB, 0.10, 0.05
+# Elements per strip of a tile that the PyTorch tiles work through at once on the CPU, where
+# ``loss_workspace`` is measured (``loss/tiles_torch.py``'s STRIP_ELEMENTS; a test holds them equal).
+STRIP_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Line:
+    """``fixed + per_sample · rows`` bytes, through two measurements."""
+
+    fixed: float
+    per_sample: float
+
+    @classmethod
+    def through(cls, rows: tuple[int, int], measured: tuple[float, float]) -> Line:
+        slope = (measured[1] - measured[0]) / (rows[1] - rows[0])
+        return cls(measured[0] - slope * rows[0], slope)
+
+    def at(self, rows: int) -> float:
+        return self.fixed + self.per_sample * rows
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The maximum of several lines: a forward peak and a backward peak extrapolate separately."""
+
+    lines: tuple[Line, ...]
+
+    def at(self, rows: int) -> float:
+        return max((line.at(rows) for line in self.lines), default=0.0)
+
+    @property
+    def per_sample(self) -> float:
+        """The slope that dominates at large chunks."""
+        return max((line.per_sample for line in self.lines), default=0.0)
+
+
+@dataclass(frozen=True)
+class TowerProfile:
+    """One tower's measured chunk memory above the static part, raw chunk inputs excluded."""
+
+    name: str
+    encode: Envelope  # stage 1: graph-less forward of a chunk
+    graph: Envelope  # with-grad forward of the trainable part: a kept chunk (empty: no replay)
+    replay: Envelope  # stage 3: with-grad forward + backward of the trainable part (empty: no replay)
+    trunk_per_sample: int  # bytes of the cached frozen-trunk output (0 unless LiT caches a trunk)
+    input_per_sample: int  # raw bytes: uint8 pixels, or int64 ids + mask
+    replays: bool
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    image: TowerProfile
+    text: TowerProfile
+    embed_dim: int
+    weight_bytes: int  # every parameter and buffer as stored (fp32)
+    trainable_bytes: int
+    adamw_bytes: int
+    adafactor_bytes: int
+    device: str
+    precision: str
+    measured_chunks: tuple[int, int]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def towers(self) -> tuple[TowerProfile, TowerProfile]:
+        return self.image, self.text
+
+
+def adafactor_state_numel(shape: tuple[int, ...]) -> int:
+    """torch's Adafactor: row and column second-moment factors for >= 2-D, a full vector otherwise."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the plan varies: global batch, GPUs, chunking, offload, loss implementation."""
+
+    batch: int
+    gpus: int
+    image_chunk: int  # 0 = the whole per-rank batch
+    text_chunk: int
+    offload: bool
+    impl: str
+    optimizer: str = "adamw"
+    tile: int = 4096  # loss.tile_size, or the tiled loss's default on the device
+    keep_last_graph: bool = True  # batch.keep_last_graph
+    kind: str = "softmax"  # loss.kind
+
+    @property
+    def per_rank(self) -> int:
+        return self.batch // self.gpus
+
+    def chunk(self, tower: str) -> int:
+        chunk = self.image_chunk if tower == "image" else self.text_chunk
+        return min(chunk, self.per_rank) if chunk else self.per_rank
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Per-GPU bytes of one setting; ``peak`` is eq. 10 plus the static part."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    data: float
+    cache: float
+    loss: float
+    kept_graph: float  # alive through the loss: the last chunk encoded keeps its graph
+    backbone: float
+    optimizer_step: float  # foreach optimizers hold one parameter-sized temporary during step()
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def transient(self) -> float:
+        """The largest of eq. 10's alternatives: the loss (beside the kept chunk graph), one chunk's
+        encode/replay, the optimizer step."""
+        return max(self.loss + self.kept_graph, self.backbone, self.optimizer_step)
+
+    @property
+    def peak(self) -> float:
+        return self.static + self.data + self.cache + self.transient
+
+
+def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int, kind: str = "softmax") -> float:
+    """Bytes the loss allocates beyond the cached features and their gradients (fp32), from
+    MemTracker measurements of the real losses on the PyTorch path (``tests/test_plan.py``).
+
+    Softmax. vanilla: 4 b×b matrices (logits, both softmaxes, their gradient: Inf-CL measures CLIP
+    at 16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus
+    all-gathered features of both towers; inf: n×d blocks (row dot-product temporaries and,
+    across GPUs, the ring's text blocks and gradient accumulators in hand and in flight: 2 on one
+    GPU, 9 on several, measured at W = 1, 3 and 4; 8 at W = 2), one t×t tile and a strip of it,
+    and O(n) log-sum-exp vectors. The reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6
+    n·b (local) on CPU, gradients included.
+
+    Sigmoid. vanilla: 5 n×b matrices (logits, signs, their product, its log-sigmoid and gradient)
+    and the gathered texts; inf: n×d blocks (2 on one GPU, 7 on several; 6 at W = 2, no column
+    state travels), one tile and a strip.
+    """
+    n = batch // gpus
+    if impl == "vanilla" and kind == "sigmoid":
+        return 5 * n * batch * FP32 + (batch * dim * FP32 if gpus > 1 else 0)
+    gathered = 2 * batch * dim * FP32 if gpus > 1 else 0
+    if impl == "vanilla":
+        return 4 * batch * batch * FP32 + gathered
+    if impl == "local":
+        return 4 * n * batch * FP32 + gathered
+    if impl == "inf":
+        side = min(tile, n)
+        strip = min(side * side, STRIP_ELEMENTS)
+        if kind == "sigmoid":
+            return ((7 if gpus > 1 else 2) * n * dim + side * side + strip) * FP32
+        return ((9 if gpus > 1 else 2) * n * dim + side * side + strip + 8 * n) * FP32
+    raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(IMPLS)}")
+
+
+def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
+    n = setting.per_rank
+    trainable = profile.trainable_bytes
+    optimizer = {"adamw": profile.adamw_bytes, "adafactor": profile.adafactor_bytes}[setting.optimizer]
+    # Raw input and cached-trunk streams: all on the device, or (offload) two chunks of the largest.
+    streams = [(t.input_per_sample, setting.chunk(t.name)) for t in profile.towers]
+    streams += [(t.trunk_per_sample, setting.chunk(t.name)) for t in profile.towers]
+    if setting.offload:  # the chunk in use and the one prefetched behind it
+        data = max(size * min(2 * chunk, n) for size, chunk in streams)
+    else:
+        data = n * sum(t.input_per_sample for t in profile.towers)
+    features = 2 * n * profile.embed_dim * FP32
+    feature_grads = sum(n * profile.embed_dim * FP32 for t in profile.towers if t.replays)
+    trunk = 0 if setting.offload else n * sum(t.trunk_per_sample for t in profile.towers)
+    backbone = max(
+        max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
+    )
+    replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
+    keeps = replaying and setting.impl == "inf" and setting.keep_last_graph
+    kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if keeps else 0.0
+    return Breakdown(
+        weights=profile.weight_bytes,
+        grads=trainable,
+        optimizer=optimizer,
+        data=data,
+        cache=features + feature_grads + trunk,
+        loss=loss_workspace(
+            setting.impl, setting.batch, setting.gpus, profile.embed_dim, setting.tile, setting.kind
+        ),
+        kept_graph=max(kept_graph, 0.0),
+        backbone=max(backbone, 0.0),
+        optimizer_step=trainable,
+    )
+
+
+def usable_bytes(gpu_mem_gib: float) -> float:
+    """GPU memory minus the reserve for the CUDA context and allocator fragmentation."""
+    total = gpu_mem_gib * GIB
+    return total * (1 - RESERVE_FRACTION) - min(RESERVE_FIXED, RESERVE_FIXED_CAP * total)
+
+
+def batch_step(setting: Setting) -> int:
+    """Global batches must be multiples of gpus × every chunk size (config validation's rule)."""
+    return setting.gpus * math.lcm(setting.image_chunk or 1, setting.text_chunk or 1)
+
+
+def max_batch(profile: ModelProfile, setting: Setting, capacity: float, limit: int = 2**40) -> int:
+    """The largest multiple of ``batch_step`` whose peak fits ``capacity`` bytes (0 if none does)."""
+    step = batch_step(setting)
+
+    def fits(k: int) -> bool:
+        return breakdown(profile, dataclasses.replace(setting, batch=k * step)).peak <= capacity
+
+    if not fits(1):
+        return 0
+    high = 2
+    while fits(high) and high * step < limit:
+        high *= 2
+    low = high // 2  # fits(low) holds; fits(high) does not (or the limit is reached)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low * step

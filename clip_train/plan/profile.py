@@ -1,0 +1,276 @@
+"""What the plan measures: the planning model (the config's architecture, random weights, no hub),
+each tower's chunk memory under torch's MemTracker at two chunk sizes, and (``--check-cpu``) the
+resident memory of real Gradient Cache steps to hold the estimate against."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import AutoConfig
+
+from clip_train.config import ModelConfig, OptimConfig
+from clip_train.engine import GradCache, TrainableHead
+from clip_train.errors import UserError
+from clip_train.memory import format_bytes, peak_bytes, used_bytes
+from clip_train.model import CLIP
+from clip_train.model.image import build_image_tower
+from clip_train.model.text import build_text_tower
+from clip_train.optim import build_optimizer
+from clip_train.plan.estimate import (
+    FP32,
+    Envelope,
+    Line,
+    ModelProfile,
+    Setting,
+    TowerProfile,
+    adafactor_state_numel,
+)
+from clip_train.precision import autocast
+
+# BERT-base's published hyperparameters: what a hub name of that family builds when the hub is
+# unreachable (the weights do not change the memory, only the shapes do).
+KNOWN_TEXT_CONFIGS: dict[str, dict[str, Any]] = {
+    name: dict(
+        model_type="bert",
+        vocab_size=vocab,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+    )
+    for name, vocab in (("bert-base-uncased", 30522), ("bert-base-cased", 28996))
+}
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def planning_model_config(model_cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
+    """The same architecture with random init and no hub access: weights do not change memory."""
+    notes = []
+    image = dataclasses.replace(model_cfg.image, pretrained="")
+    text = model_cfg.text
+    if not text.hf_config:
+        text = dataclasses.replace(text, hf_config=_text_hyperparameters(text.hf))
+        notes.append(f"text tower {text.hf!r} built from its config with random weights")
+    return dataclasses.replace(model_cfg, image=image, text=text), notes
+
+
+def _text_hyperparameters(source: str) -> dict[str, Any]:
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        if source in KNOWN_TEXT_CONFIGS:
+            return dict(KNOWN_TEXT_CONFIGS[source])
+        raise UserError(
+            f"model.text.hf={source!r}: its config is neither local nor cached and its shape is not known "
+            "here; pass model.text.hf_config={...} (hidden_size, num_hidden_layers, ...) to plan without it"
+        ) from None
+    return {"model_type": config.model_type, **config.to_diff_dict()}
+
+
+def build_planning_model(model_cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
+    """The CLIP model without a tokenizer (planning needs shapes only), random init, offline."""
+    cfg, notes = planning_model_config(model_cfg)
+    vocab = None if "vocab_size" in cfg.text.hf_config else 49408  # open_clip's BPE, as the tiny config
+    text = build_text_tower(cfg.text, cfg.embed_dim, vocab_size=vocab)
+    visual = build_image_tower(cfg.image, cfg.embed_dim)
+    return CLIP(visual, text, None, cfg.init_logit_scale, cfg.init_logit_bias), notes
+
+
+def _random_inputs(
+    model: nn.Module, tower: str, rows: int, context_length: int, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, ...]:
+    """A batch as the data pipeline delivers it: uint8 NCHW pixels, or int64 ids and mask."""
+    if tower == "image":
+        size = model.image_size
+        return (torch.randint(0, 256, (rows, 3, size, size), dtype=torch.uint8, device=device),)
+    vocab = model.text.encoder.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (rows, context_length), device=device)
+    return ids, torch.ones_like(ids)
+
+
+def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _dynamic_peak(tracker: MemTracker) -> int:
+    """Peak bytes of activations and temporaries, i.e. without parameters, buffers and gradients."""
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    return sum(v for k, v in snapshot.items() if k in ("Activation", "Temp", "Other"))
+
+
+@contextlib.contextmanager
+def _trackable(tower: nn.Module) -> Iterator[None]:
+    """Let MemTracker hook every parameter: it refuses frozen ones (``requires_grad=False``).
+
+    Harmless for the measurement: frozen parameters only run under ``no_grad`` (the graph-less
+    encode) or not at all (the replay of a LiT tower's trainable head), so no graph or gradient
+    changes while the flag is flipped.
+    """
+    frozen = [p for p in tower.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def _measured_precision(precision: str, device_type: str) -> str:
+    """CPU fp16 matmuls are emulated (~10x slower than bf16); bf16 has the same bytes per element."""
+    return "bf16" if precision == "fp16" and device_type == "cpu" else precision
+
+
+def measure_chunk(
+    model: nn.Module, tower_name: str, rows: int, context_length: int, precision: str
+) -> dict[str, float]:
+    """Peaks of one chunk's stage-1 encode and stage-3 replay (forward, then forward + backward)."""
+    tower = getattr(model, "visual" if tower_name == "image" else "text")
+    device = model.logit_scale.device
+    measured = _measured_precision(precision, device.type)
+
+    inputs = _random_inputs(model, tower_name, rows, context_length, device)
+    out: dict[str, float] = {}
+    tracker = MemTracker()
+    # Chunks are cloned inside the tracker so it counts them; they are then taken off again (they
+    # are M_data or the trunk cache, not activations).
+    with _trackable(tower), tracker, torch.no_grad(), autocast(device, measured):
+        chunk = tuple(t.clone() for t in inputs)
+        tower(*chunk)
+    out["encode"] = _dynamic_peak(tracker) - _nbytes(chunk)
+    with torch.no_grad(), autocast(device, measured):
+        hidden = tower.encode_frozen(*inputs)
+    out["trunk"] = _nbytes(hidden) / rows if tower.has_frozen_trunk else 0.0
+    if tower.is_frozen:
+        return out
+    head = TrainableHead(tower)
+    for p in tower.trainable_parameters():  # steady state: chunks accumulate into existing gradients
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    tracker = MemTracker()
+    on_cuda = device.type == "cuda"
+    if on_cuda:  # the caching allocator's own count, as a cross-check of the tracker's
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    with _trackable(tower), tracker:
+        chunk = tuple(h.clone() for h in hidden)
+        with autocast(device, measured):
+            features = head(*chunk)
+        out["forward"] = _dynamic_peak(tracker) - _nbytes(chunk)
+        features.backward(torch.randn_like(features))
+        del features
+    out["replay"] = _dynamic_peak(tracker) - _nbytes(chunk)
+    if on_cuda:
+        out["allocator_replay"] = torch.cuda.max_memory_allocated(device) - before - _nbytes(chunk)
+    return out
+
+
+def profile_model(
+    model_cfg: ModelConfig,
+    precision: str = "fp32",
+    chunks: tuple[int, int] = (2, 4),
+    device: str = "cpu",
+) -> ModelProfile:
+    """Build the model and measure each tower at two chunk sizes; the rest is counted from shapes."""
+    if not 0 < chunks[0] < chunks[1]:
+        raise UserError(f"--measure-chunks {chunks[0]} {chunks[1]}: need two sizes 0 < a < b")
+    torch.manual_seed(0)
+    model, notes = build_planning_model(model_cfg)
+    model.to(device).train()
+    if _measured_precision(precision, torch.device(device).type) != precision:
+        notes.append(f"{precision} autocast measured as bf16 on {device} (same bytes per element)")
+    length = model_cfg.text.context_length
+    towers = []
+    for name in ("image", "text"):
+        measured = [measure_chunk(model, name, rows, length, precision) for rows in chunks]
+
+        def line(key: str, runs: list[dict[str, float]] = measured) -> Line:
+            return Line.through(chunks, (runs[0][key], runs[1][key]))
+
+        tower = getattr(model, "visual" if name == "image" else "text")
+        replays = not tower.is_frozen
+        sample = _random_inputs(model, name, 1, length)
+        if replays and "allocator_replay" in measured[1]:
+            notes.append(
+                f"{name} replay at chunk {chunks[1]}: CUDA max_memory_allocated "
+                f"{format_bytes(measured[1]['allocator_replay'])} vs MemTracker "
+                f"{format_bytes(measured[1]['replay'])}"
+            )
+        towers.append(
+            TowerProfile(
+                name=name,
+                encode=Envelope((line("encode"),)),
+                graph=Envelope((line("forward"),) if replays else ()),
+                replay=Envelope((line("forward"), line("replay")) if replays else ()),
+                trunk_per_sample=round(measured[1]["trunk"]) if replays else 0,
+                input_per_sample=_nbytes(sample),
+                replays=replays,
+            )
+        )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ModelProfile(
+        image=towers[0],
+        text=towers[1],
+        embed_dim=model_cfg.embed_dim,
+        weight_bytes=sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
+        trainable_bytes=sum(p.numel() * FP32 for p in trainable),
+        adamw_bytes=sum(2 * p.numel() * FP32 for p in trainable),
+        adafactor_bytes=sum(adafactor_state_numel(tuple(p.shape)) * FP32 for p in trainable),
+        device=_describe_device(torch.device(device)),
+        precision=precision,
+        measured_chunks=chunks,
+        notes=tuple(notes),
+    )
+
+
+def _describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, steps: int = 2) -> int:
+    """Peak RSS growth (bytes) of ``steps`` Gradient Cache + optimizer steps over the model's baseline.
+
+    Run it in a fresh process: ru_maxrss is a process-wide high-water mark. The baseline is taken
+    after the model is built and has run one graph-less 1-sample forward (so lazily loaded kernels
+    are not counted as training memory). glibc's mmap threshold is pinned at 64 KiB first: its
+    default threshold rises after every large free, after which freed tensor memory stays in the
+    heap and RSS counts memory no tensor holds (measured: ~1.6x the live peak).
+    """
+    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    torch.manual_seed(0)
+    model, _ = build_planning_model(model_cfg)
+    model.train()
+    length = model_cfg.text.context_length
+    with torch.no_grad():
+        model(*_random_inputs(model, "image", 1, length), *_random_inputs(model, "text", 1, length))
+    opt = build_optimizer(OptimConfig(name=setting.optimizer), model)
+    engine = GradCache(
+        model,
+        image_chunk=setting.image_chunk,
+        text_chunk=setting.text_chunk,
+        precision=precision,
+        offload=setting.offload,
+        loss_impl=setting.impl,
+        tile_size=setting.tile,
+    )
+    cpu = torch.device("cpu")
+    baseline = used_bytes(cpu)
+    images = _random_inputs(model, "image", setting.batch, length)
+    text = _random_inputs(model, "text", setting.batch, length)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        engine.step(*images, *text)
+        opt.step()
+    return peak_bytes(cpu) - baseline
