@@ -93,8 +93,16 @@ def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl):
     assert 0.85 < peak / predicted < 1.15
 
 
-def test_the_estimate_strips_tiles_as_the_pytorch_tiles_do():
+def test_the_estimate_strips_tiles_as_the_pytorch_tiles_do(tiny_profile):
     assert STRIP_ELEMENTS == tiles_torch.STRIP_ELEMENTS  # the estimate keeps its own copy: no torch
+    # On CUDA the PyTorch tiles take the whole tile as one strip: a second t×t buffer, not 4 MiB.
+    for kind in ("softmax", "sigmoid"):
+        on_gpu, on_cpu = (
+            loss_workspace("inf", 65536, 8, 512, 8192, kind, device) for device in ("cuda", "cpu")
+        )
+        assert on_gpu - on_cpu == (8192**2 - STRIP_ELEMENTS) * FP32
+    planned = breakdown(tiny_profile, setting(tile=8192, batch=65536)).loss  # a plan is for CUDA
+    assert planned == loss_workspace("inf", 65536, 4, tiny_profile.embed_dim, 8192, device="cuda")
 
 
 def test_activation_slope_is_positive_and_linear():

@@ -129,7 +129,8 @@ def _check_cpu(
     """The inf, no-offload setting with the CPU's tile: predicted peak (weights excluded: they precede
     the baseline) against the RSS growth of real steps in a fresh process."""
     inf = next(s for s in settings if s.impl == "inf" and not s.offload)
-    setting = dataclasses.replace(inf, tile=cfg.loss.tile_size or default_tile(torch.device("cpu")))
+    tile = cfg.loss.tile_size or default_tile(torch.device("cpu"))
+    setting = dataclasses.replace(inf, tile=tile, device="cpu")
     part = breakdown(profile_model(cfg.model, cfg.train.precision, chunks, "cpu"), setting)
     predicted = part.peak - part.weights
     spec = {

@@ -122,6 +122,7 @@ class Setting:
     tile: int = 4096  # loss.tile_size, or the tiled loss's default on the device
     keep_last_graph: bool = True  # batch.keep_last_graph
     kind: str = "softmax"  # loss.kind
+    device: str = "cuda"  # where the loss's tiles run: the plan is for GPUs, --check-cpu runs here
 
     @property
     def per_rank(self) -> int:
@@ -161,7 +162,9 @@ class Breakdown:
         return self.static + self.data + self.cache + self.transient
 
 
-def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int, kind: str = "softmax") -> float:
+def loss_workspace(
+    impl: str, batch: int, gpus: int, dim: int, tile: int, kind: str = "softmax", device: str = "cuda"
+) -> float:
     """Bytes the loss allocates beyond the cached features and their gradients (fp32), from
     MemTracker measurements of the real losses on the PyTorch path (``tests/test_plan.py``).
 
@@ -169,9 +172,10 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int, kind: 
     at 16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus
     all-gathered features of both towers; inf: n×d blocks (row dot-product temporaries and,
     across GPUs, the ring's text blocks and gradient accumulators in hand and in flight: 2 on one
-    GPU, 9 on several, measured at W = 1, 3 and 4; 8 at W = 2), one t×t tile and a strip of it,
-    and O(n) log-sum-exp vectors. The reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6
-    n·b (local) on CPU, gradients included.
+    GPU, 9 on several, measured at W = 1, 3 and 4; 8 at W = 2), one t×t tile and a strip of it
+    (``STRIP_ELEMENTS`` on the CPU, the whole tile on CUDA), and O(n) log-sum-exp vectors. The
+    reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6 n·b (local) on CPU, gradients
+    included.
 
     Sigmoid. vanilla: 5 n×b matrices (logits, signs, their product, its log-sigmoid and gradient)
     and the gathered texts; inf: n×d blocks (2 on one GPU, 7 on several; 6 at W = 2, no column
@@ -187,7 +191,7 @@ def loss_workspace(impl: str, batch: int, gpus: int, dim: int, tile: int, kind: 
         return 4 * n * batch * FP32 + gathered
     if impl == "inf":
         side = min(tile, n)
-        strip = min(side * side, STRIP_ELEMENTS)
+        strip = min(side * side, STRIP_ELEMENTS) if device == "cpu" else side * side
         if kind == "sigmoid":
             return ((7 if gpus > 1 else 2) * n * dim + side * side + strip) * FP32
         return ((9 if gpus > 1 else 2) * n * dim + side * side + strip + 8 * n) * FP32
@@ -221,7 +225,13 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         data=data,
         cache=features + feature_grads + trunk,
         loss=loss_workspace(
-            setting.impl, setting.batch, setting.gpus, profile.embed_dim, setting.tile, setting.kind
+            setting.impl,
+            setting.batch,
+            setting.gpus,
+            profile.embed_dim,
+            setting.tile,
+            setting.kind,
+            setting.device,
         ),
         kept_graph=max(kept_graph, 0.0),
         backbone=max(backbone, 0.0),
