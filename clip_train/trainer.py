@@ -28,7 +28,7 @@ from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import DistEnv, sum_counts_over_ranks
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
-from clip_train.errors import UserError
+from clip_train.errors import naming_key
 from clip_train.eval import evaluate
 from clip_train.memory import peak_bytes
 from clip_train.model import build_model
@@ -160,10 +160,8 @@ class Trainer:
 
     def _init_weights(self, source: str) -> None:
         """Fine-tuning: another run's weights and nothing else; a resumed run skips this (its own win)."""
-        try:
+        with naming_key("model.init_from", source):
             load_weights(find_weights(source), self.model)
-        except UserError as err:
-            raise UserError(f"model.init_from={source}: {err}") from None
 
     # -- reporting -----------------------------------------------------------------------------
 

@@ -328,19 +328,21 @@ class GradCache:
         grads = torch.autograd.grad(scaled, wanted) if wanted else ()
         grads = dict(zip(map(id, wanted), grads, strict=True))
         image_grad, text_grad, *scalar_grads = (grads.get(id(leaf)) for leaf in leaves)
-        for param, grad in zip(scalars, scalar_grads, strict=True):
-            if grad is not None:
-                self._accumulate_rank_average(param, grad)
+        trained = [(p, g) for p, g in zip(scalars, scalar_grads, strict=True) if g is not None]
+        if trained:
+            self._accumulate_rank_average(trained)
         return loss.item(), image_grad, text_grad
 
-    def _accumulate_rank_average(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """A parameter of the loss (scale, bias), which DDP does not own: each rank's loss is its
-        share of the global mean, so the global gradient is the rank average."""
+    def _accumulate_rank_average(self, trained: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """The parameters of the loss (scale, bias), which DDP does not own: each rank's loss is its
+        share of the global mean, so the global gradient is the rank average (one all-reduce)."""
+        grads = torch.stack([grad for _, grad in trained])
         if self.world_size > 1:
-            dist.all_reduce(grad, group=self.group)
-            grad = grad / self.world_size
-        grad = grad.to(param.dtype)
-        param.grad = grad if param.grad is None else param.grad + grad
+            dist.all_reduce(grads, group=self.group)
+            grads = grads / self.world_size
+        for (param, _), grad in zip(trained, grads, strict=True):
+            grad = grad.to(param.dtype)
+            param.grad = grad if param.grad is None else param.grad + grad
 
     def _replay(
         self,

@@ -20,6 +20,7 @@ def download_hint(name: str, key: str) -> str:
 
 def load_hf(auto_cls: type, source: str, key: str, **kwargs):
     """``auto_cls.from_pretrained`` from a local dir or the hub cache, with one-line errors."""
+    check_local_dir(source, key)
     path = Path(source).expanduser()
     try:
         if path.is_dir():
@@ -29,14 +30,14 @@ def load_hf(auto_cls: type, source: str, key: str, **kwargs):
         if path.is_dir():
             reason = str(err).splitlines()[0]
             raise ModelLoadError(f"{key}={source!r}: cannot load from this directory: {reason}") from None
-        if _looks_like_path(source):
-            raise ModelLoadError(f"{key}={source!r}: no such directory") from None
         raise ModelLoadError(
             f"{key}={source!r} is neither a local directory nor in the local hub cache (offline?); "
             f"{download_hint(source, key)}"
         ) from None
 
 
-def _looks_like_path(source: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything else is meant as a local path."""
-    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
+def check_local_dir(source: str, key: str) -> None:
+    """A source meant as a local path must be a directory; a hub id (``name`` or ``org/name``) passes."""
+    looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
+    if looks_like_path and not Path(source).expanduser().is_dir():
+        raise ModelLoadError(f"{key}={source!r}: no such directory")

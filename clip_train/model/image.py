@@ -144,6 +144,20 @@ def create_trunk(cfg: ImageTowerConfig, *, load_pretrained: bool = True) -> nn.M
     return trunk
 
 
+def local_weights_file(source: str) -> Path:
+    """The state-dict file ``model.image.pretrained`` names: the file itself, or the first of
+    timm's hub file names in a directory."""
+    key, path = "model.image.pretrained", Path(source).expanduser()
+    if path.is_dir():
+        found = [path / name for name in _WEIGHT_FILES if (path / name).is_file()]
+        if not found:
+            raise ModelLoadError(f"{key}={source!r}: the directory holds none of {', '.join(_WEIGHT_FILES)}")
+        return found[0]
+    if not path.is_file():
+        raise ModelLoadError(f"{key}={source!r}: no such file or directory")
+    return path
+
+
 def load_local_weights(trunk: nn.Module, source: str) -> None:
     """Load a state-dict file, or a dir laid out like timm's hub repos, strictly (minus the classifier).
 
@@ -151,14 +165,7 @@ def load_local_weights(trunk: nn.Module, source: str) -> None:
     foreign layouts and resamples position embeddings to the configured image size.
     """
     key = "model.image.pretrained"
-    path = Path(source).expanduser()
-    if path.is_dir():
-        found = [path / name for name in _WEIGHT_FILES if (path / name).is_file()]
-        if not found:
-            raise ModelLoadError(f"{key}={source!r}: the directory holds none of {', '.join(_WEIGHT_FILES)}")
-        path = found[0]
-    elif not path.is_file():
-        raise ModelLoadError(f"{key}={source!r}: no such file or directory")
+    path = local_weights_file(source)
     try:
         state_dict = timm.models.load_state_dict(str(path))
     except Exception as err:  # torch.load / safetensors raise many types for a bad file
