@@ -1,12 +1,9 @@
-"""Step checkpoints: ``{out_dir}/checkpoints/step_{N:08d}/`` written atomically.
+"""Step checkpoints: ``{out_dir}/checkpoints/step_{N:08d}/``, written to a hidden directory and renamed,
+so a ``step_*`` directory is always complete.
 
-A checkpoint directory holds ``model.safetensors`` (the weights, readable with no project code)
-and ``train_state.pt`` (optimizer, scheduler, scaler, step, data position and every rank's RNG
-state), which loads with ``torch.load(weights_only=True)``. It also holds what rebuilds the model
-offline, without the run's config or the original weight directories: ``model.yaml`` (the model
-section of the resolved config) and ``text/`` (the text encoder's transformers config and the
-tokenizer files). It is first written to a hidden temporary directory and then renamed, so a
-directory named ``step_*`` is always complete.
+It holds ``model.safetensors`` (readable without this project), ``train_state.pt`` (every component's
+state; ``torch.load(weights_only=True)``), and what rebuilds the model offline: ``model.yaml`` (the
+model config) and ``text/`` (the text encoder's transformers config and tokenizer files).
 """
 
 from __future__ import annotations
@@ -61,7 +58,10 @@ def save_checkpoint(
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_weights(weights, tmp / MODEL_FILE, metadata={"step": str(step)})
     torch.save(train_state, tmp / STATE_FILE)
-    _write_model_files(tmp, model, model_cfg)
+    section = {"model": dataclasses.asdict(model_cfg)}
+    (tmp / MODEL_CONFIG_FILE).write_text(yaml.safe_dump(section, sort_keys=False))
+    model.text.encoder.config.save_pretrained(tmp / TEXT_DIR)
+    model.tokenizer.save_pretrained(tmp / TEXT_DIR)
     for path in tmp.rglob("*"):
         if path.is_file():
             with open(path, "rb") as f:
@@ -85,22 +85,9 @@ def save_weights(
     os.chmod(file, 0o666 & ~umask)  # what open() gives a new file: 0644 under the usual umask 022
 
 
-def _write_model_files(directory: Path, model: CLIP, model_cfg: ModelConfig) -> None:
-    """The model section, and the text encoder's config and tokenizer, which the weights file lacks."""
-    section = {"model": dataclasses.asdict(model_cfg)}
-    (directory / MODEL_CONFIG_FILE).write_text(yaml.safe_dump(section, sort_keys=False))
-    model.text.encoder.config.save_pretrained(directory / TEXT_DIR)
-    model.tokenizer.save_pretrained(directory / TEXT_DIR)
-
-
 def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
-    """The model config of a checkpoint, to rebuild it before loading its weights.
-
-    It is the checkpoint's ``model.yaml`` with the text encoder and tokenizer read from its own
-    ``text/`` and no pretrained or ``init_from`` weights named, so nothing outside the directory
-    is needed. A checkpoint written before checkpoints held these falls back to the run's
-    ``config.yaml`` (and the weight directories it names).
-    """
+    """The checkpoint's ``model.yaml``, pointed at its own ``text/`` and at no pretrained weights, so
+    nothing outside it is needed; an older checkpoint without one falls back to the run's config."""
     own = checkpoint / MODEL_CONFIG_FILE
     if not own.is_file():
         run_config = run_config_file(checkpoint)
@@ -176,15 +163,9 @@ def find_weights(path: str | os.PathLike) -> Path:
 
 
 def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
-    """Load ``model.safetensors`` from a checkpoint directory (or the file itself), strictly.
-
-    A file that does not fit raises a one-line ``UserError`` naming the missing, unexpected and
-    mis-shaped keys (the first few of each).
-    """
-    path = Path(path)
-    file = path / MODEL_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise UserError(f"no weights at {file}")
+    """Load the weights ``find_weights(path)`` names, strictly: a file that does not fit raises a
+    one-line ``UserError`` naming the first few missing, unexpected and mis-shaped keys."""
+    file = find_weights(path)
     weights = load_file(file, device=str(next(model.parameters()).device))
     own = model.state_dict()
     problems = {
@@ -243,40 +224,34 @@ class Checkpointer:
         gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
         rank, world = rank_and_world()
         if rank == 0:
-            state = {"world_size": world, **{name: part.state_dict() for name, part in self.shared.items()}}
+            state = {"world_size": world, **gathered}
+            state.update({name: part.state_dict() for name, part in self.shared.items()})
             keep, keep_every = self.cfg.keep, self.cfg.keep_every
-            save_checkpoint(
-                self.run_dir, step, self.model, self.model_cfg, state | gathered, keep, keep_every
-            )
+            save_checkpoint(self.run_dir, step, self.model, self.model_cfg, state, keep, keep_every)
         barrier()
 
     def restore(self) -> Path | None:
         """Load ``checkpoint.resume`` (none, ``auto`` or a path); refuse to write over another run's."""
         path = resolve_resume(self.cfg.resume, self.run_dir)
-        if path is None and self.cfg.resume != "auto" and complete_checkpoints(self.run_dir):
-            raise UserError(
-                f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it with "
-                "checkpoint.resume=auto or pick a new train.out_dir"
-            )
-        if path is not None:
-            self.load(path)
-        return path
-
-    def load(self, path: Path) -> bool:
-        """Weights and every component's state; False when the per-rank states were left out."""
+        if path is None:
+            if self.cfg.resume != "auto" and complete_checkpoints(self.run_dir):
+                raise UserError(
+                    f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
+                    "with checkpoint.resume=auto or pick a new train.out_dir"
+                )
+            return None
         load_weights(path, self.model)
         state = load_train_state(path)
         for name, part in self.shared.items():
             part.load_state_dict(state[name])
         rank, world = rank_and_world()
-        if state["world_size"] != world:
-            if rank == 0:
-                print(
-                    f"clip-train: resuming on {world} ranks from a {state['world_size']}-rank checkpoint: "
-                    "weights and optimizer are exact; dropout and data streams restart at the step",
-                    file=sys.stderr,
-                )
-            return False
-        for name, part in self.per_rank.items():
-            part.load_state_dict(state[name][rank])
-        return True
+        if state["world_size"] == world:
+            for name, part in self.per_rank.items():
+                part.load_state_dict(state[name][rank])
+        elif rank == 0:
+            print(
+                f"clip-train: resuming on {world} ranks from a {state['world_size']}-rank checkpoint: "
+                "weights and optimizer are exact; dropout and data streams restart at the step",
+                file=sys.stderr,
+            )
+        return path

@@ -1,9 +1,8 @@
 """Typed run configuration: YAML files, dotted ``key=value`` overrides and start-up checks.
 
-Every option lives in a dataclass below, so the dataclasses are the single reference for what a
-run can set (the README's config table is generated from them). A YAML file may pull in other
-files with a top-level ``include:`` list (paths relative to that file); later files and then the
-command-line overrides win.
+The dataclasses are the single reference for what a run can set (the README's config table is
+generated from their field comments). A YAML file may list others under a top-level ``include:``
+(paths relative to it); later files, then the command-line overrides, win.
 """
 
 from __future__ import annotations
@@ -37,11 +36,6 @@ LossKernel = Literal["auto", "torch", "triton"]
 PRECISIONS, LOSS_KINDS, LOSS_IMPLS, LOSS_KERNELS = (
     typing.get_args(choice) for choice in (Precision, LossKind, LossImpl, LossKernel)
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Sections
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -220,8 +214,12 @@ class Config:
             raise ConfigError("loss.impl=local is a softmax option; the sigmoid loss takes vanilla or inf")
         if self.loss.tile_size < 0:
             raise ConfigError(f"loss.tile_size={self.loss.tile_size} must be >= 0 (0 picks a size)")
+        if self.checkpoint.keep_every < 0 or self.checkpoint.keep_every % self.checkpoint.every_steps:
+            raise ConfigError(
+                f"checkpoint.keep_every={self.checkpoint.keep_every} must be 0 or a multiple of "
+                f"checkpoint.every_steps={self.checkpoint.every_steps}: only saved steps can be kept"
+            )
         _check_text_source(self.model.text)
-        _check_milestones(self.checkpoint)
         return self
 
 
@@ -251,14 +249,6 @@ def _check_text_source(text: TextTowerConfig) -> None:
         )
 
 
-def _check_milestones(checkpoint: CheckpointConfig) -> None:
-    if checkpoint.keep_every < 0 or checkpoint.keep_every % checkpoint.every_steps:
-        raise ConfigError(
-            f"checkpoint.keep_every={checkpoint.keep_every} must be 0 or a multiple of "
-            f"checkpoint.every_steps={checkpoint.every_steps}: only saved steps can be kept"
-        )
-
-
 def _check_batch(batch: BatchConfig, world: int) -> None:
     if batch.global_size <= 0 or batch.global_size % world:
         raise ConfigError(
@@ -276,17 +266,10 @@ def _check_batch(batch: BatchConfig, world: int) -> None:
             )
 
 
-# --------------------------------------------------------------------------------------------
-# Loading, overriding, saving
-# --------------------------------------------------------------------------------------------
-
-
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Load a YAML file (or the defaults when ``path`` is None), apply ``key=value`` overrides.
+    """Load a YAML file (or the defaults when ``path`` is None) and apply ``key=value`` overrides.
 
-    The result is type-checked but not cross-validated; call ``Config.validate`` at start-up,
-    once the world size is known.
-    """
+    Type-checked only: ``Config.validate`` cross-checks at start-up, once the world size is known."""
     raw: dict[str, Any] = _read_yaml_with_includes(Path(path)) if path is not None else {}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -395,20 +378,13 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{where} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in raw if k not in names]
-    if unknown:
-        key = unknown[0]
-        valid = list(
-            dict.fromkeys([prefix + n for n in names] + [prefix + key.name for key in config_keys(cls)])
-        )
-        near = difflib.get_close_matches(prefix + str(key), valid, n=3, cutoff=0.5)
+    unknown = [key for key in raw if key not in names]
+    if unknown:  # name the first one, with the nearest sections or leaf keys
+        valid = {prefix + name for name in names} | {prefix + leaf.name for leaf in config_keys(cls)}
+        near = difflib.get_close_matches(prefix + str(unknown[0]), valid, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(near)}?" if near else f"valid keys under {where}: {', '.join(names)}"
-        raise ConfigError(f"unknown config key {prefix}{key}: {hint}")
-    values = {}
-    for name in names:
-        if name in raw:
-            values[name] = _coerce(hints[name], raw[name], prefix + name)
-    return cls(**values)
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]}: {hint}")
+    return cls(**{name: _coerce(hints[name], raw[name], prefix + name) for name in names if name in raw})
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
@@ -444,43 +420,25 @@ _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 
 def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
+    if hint not in (bool, int, float, str, type(None)):
+        raise ConfigError(f"{key}: unsupported config type {hint!r}")
     bad = ConfigError(f"{key}={value!r}: expected {hint.__name__}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
-            return str(value).lower() in _TRUE
-        raise bad
-    if isinstance(value, bool):  # bool is an int subclass; never accept it as a number
-        raise bad
-    if hint is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                raise bad from None
-        raise bad
-    if hint is float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if hint is str:
-        if isinstance(value, (str, int, float)):
-            return str(value)
-        raise bad
-    if hint is Any:
-        return value
     if hint is type(None):
         if value is None:
             return None
         raise bad
-    raise ConfigError(f"{key}: unsupported config type {hint!r}")
+    if hint is bool:
+        if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise bad
+    # bool is an int subclass but never a number; a whole float (1e3) is an int, 1.5 is not
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
+    if hint is int and isinstance(value, float) and not value.is_integer():
+        raise bad
+    if hint is int and isinstance(value, str):
+        value = value.replace("_", "")  # 65_536
+    try:
+        return hint(value)  # float() also reads "1e-3", which PyYAML (wanting a dot) leaves a string
+    except ValueError:
+        raise bad from None

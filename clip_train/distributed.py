@@ -35,20 +35,15 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistEnv:
-    """Join the torchrun group (``env://``) if there is one, else run as a single process.
-
-    NCCL on CUDA and gloo on CPU, one device per ``LOCAL_RANK``. The timeout bounds every
-    collective, so a rank that dies cannot leave the others waiting forever.
-    """
+    """Join the torchrun group (NCCL on CUDA, gloo on CPU) if there is one, else run as one process.
+    The timeout bounds every collective, so a rank that dies cannot leave the others waiting forever."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = resolve_device(device).type == "cuda"
+    torch_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        torch_device = torch.device("cuda", local_rank)
-    else:
-        torch_device = torch.device("cpu")
+        torch.cuda.set_device(torch_device)
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
@@ -102,10 +97,10 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 
 
 def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Concatenate every rank's 2-D ``rows`` in rank order, and return each rank's row count.
+    """Every rank's 2-D ``rows`` concatenated in rank order, and each rank's row count.
 
-    ``all_gather`` needs equal shapes, so each rank pads to the largest block and the padding is
-    cut off after. A rank with no rows may pass a (0, 0) tensor: the width comes from the others.
+    ``all_gather`` needs equal shapes, so blocks are padded to the largest; a rank with no rows may
+    pass a (0, 0) tensor.
     """
     _, world = rank_and_world(group)
     if world == 1:

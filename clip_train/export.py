@@ -1,27 +1,12 @@
-"""The open_clip export of a trained model (``clip-train export CHECKPOINT OUT --format open_clip``).
+"""The open_clip export: a folder (or hub repo) that ``open_clip.create_model_and_transforms``
+loads as a ``CustomTextCLIP`` giving clip_train's embeddings, which the export checks before it keeps.
 
-``open_clip.create_model_and_transforms("local-dir:OUT")`` and ``open_clip.get_tokenizer("local-dir:OUT")``
-then give the embeddings clip_train gives, so clip_benchmark and anything else built on open_clip
-can use the model. OUT holds:
-
-* ``open_clip_config.json``: a ``CustomTextCLIP`` with a timm image tower (``timm_pool: ""`` keeps
-  the trunk's own pooling; a bias-free linear projection) and a transformers text tower (last
-  hidden state CLS or mask-aware mean pooling; a bias-free linear projection), and the
-  preprocessing (bicubic resize of the short side, centre crop, the trunk's mean and std);
-* ``open_clip_model.safetensors``: the weights under open_clip's names;
-* ``config.json``: both towers' architectures. open_clip resolves both tower names to this one
-  folder (or hub repo), so the file serves both: timm reads ``architecture``, ``model_args`` and
-  ``pretrained_cfg``, transformers the encoder's own keys;
-* the tokenizer's files when it is a transformers tokenizer (open_clip bundles its own BPE);
-* ``README.md``: a model card.
-
-open_clip reads the tower names in ``open_clip_config.json`` relative to the working directory,
-so an export names itself by its absolute path; export again after moving it. ``--push-to-hub
-REPO`` uploads the same files, with names that point at the repo.
-
-One difference cannot be configured: open_clip masks every token equal to the pad id, clip_train
-everything after the end token. With the bundled BPE, id 0 is padding and also "!" directly
-before certain punctuation in one word (e.g. "!(" or "!/"); such rare captions embed differently.
+It holds ``open_clip_config.json`` (model and preprocessing), ``open_clip_model.safetensors``, one
+``config.json`` that serves both towers (timm reads its ``architecture``/``model_args``, transformers
+the encoder keys), a transformers tokenizer's files and a model card. open_clip resolves the tower
+names relative to the working directory, so a folder export names itself by its absolute path.
+open_clip masks every token equal to the pad id, clip_train everything after the end token: with
+the bundled BPE, whose pad id 0 is also "!" before some punctuation ("!("), such captions differ.
 """
 
 from __future__ import annotations
@@ -72,11 +57,6 @@ class Location:
     @classmethod
     def hub(cls, repo: str) -> Location:
         return cls(f"hf-hub:{repo}", repo)
-
-
-# --------------------------------------------------------------------------------------------
-# What open_clip can express
-# --------------------------------------------------------------------------------------------
 
 
 def check_expressible(model: CLIP) -> None:
@@ -134,11 +114,10 @@ def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
     """The state dict under open_clip's names (``CustomTextCLIP`` with ``TimmModel``, ``HFTextEncoder``)."""
     weights = {}
     for name, tensor in model.state_dict().items():
-        for ours, theirs in RENAMES:
+        for ours, theirs in RENAMES:  # disjoint prefixes: at most one applies
             if name.startswith(ours):
                 name = theirs + name.removeprefix(ours)
-                break
-        weights[name] = tensor.detach().contiguous().cpu()
+        weights[name] = tensor.contiguous().cpu()
     return weights
 
 
@@ -155,11 +134,10 @@ def write_towers_config(model: CLIP, path: Path) -> None:
 
 def model_card(model: CLIP, at: Location) -> str:
     """A Hugging Face model card (open_clip's generator): the towers and how to load the export."""
-    name = at.name
     usage = (
         "```python\nimport open_clip\n\n"
-        f'model, _, preprocess = open_clip.create_model_and_transforms("{name}")\n'
-        f'tokenizer = open_clip.get_tokenizer("{name}")\n```\n'
+        f'model, _, preprocess = open_clip.create_model_and_transforms("{at.name}")\n'
+        f'tokenizer = open_clip.get_tokenizer("{at.name}")\n```\n'
     )
     details = {
         "Trained with": "clip_train",
@@ -168,7 +146,7 @@ def model_card(model: CLIP, at: Location) -> str:
         "Embedding dimension": model.text.proj.out_features,
     }
     card = {"license": "other", "tags": ["clip", "clip_train"], "details": details, "usage": usage}
-    return generate_readme(card, name.split("/")[-1])
+    return generate_readme(card, at.name.split("/")[-1])
 
 
 def location_files(model: CLIP, at: Location) -> dict[str, bytes]:
@@ -179,14 +157,8 @@ def location_files(model: CLIP, at: Location) -> dict[str, bytes]:
     }
 
 
-# --------------------------------------------------------------------------------------------
-# Writing, checking, pushing
-# --------------------------------------------------------------------------------------------
-
-
 def write_export(model: CLIP, out: Path) -> None:
     """Write the export into a temporary sibling of ``out`` and rename it into place."""
-
     if out.exists() and any(out.iterdir()) and not (out / HF_CONFIG_NAME).is_file():
         raise ExportError(f"{out} exists and is not an export; pick a new or empty directory")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -1,8 +1,5 @@
-"""``clip_train.load``: a trained model, its image preprocessing and its tokenizer, from a checkpoint.
-
-Everything comes from the checkpoint directory itself (weights, ``model.yaml``, ``text/``), so it
-loads offline, without the run's config or the weights the towers started from.
-"""
+"""``clip_train.load``: a trained model, its preprocessing and its tokenizer, offline, from nothing but
+the checkpoint directory (weights, ``model.yaml``, ``text/``)."""
 
 from __future__ import annotations
 

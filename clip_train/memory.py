@@ -1,7 +1,5 @@
-"""This process's memory, now and at its high-water mark, on the device being measured.
-
-On CUDA these are the caching allocator's counts; on CPU the resident set size, whose peak
-(``ru_maxrss``) is process-wide: a measurement that needs a peak of its own runs in a fresh process.
+"""This process's memory, now and at its peak: the caching allocator's counts on CUDA, else the resident
+set size, whose peak is process-wide (a measurement that needs its own peak runs in a fresh process).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""What a run reports: ``metrics.jsonl`` always, wandb when enabled, a progress bar on rank 0;
-and ``summarize``, which reads a run directory back.
-
-Only rank 0 constructs a ``RunMonitor``. The wandb run id is kept in the run directory, so a
-resumed run continues the same wandb run and step axis. wandb is offline unless the user sets
-``log.wandb.mode=online``; nothing here ever writes an API key.
+"""What rank 0 reports: ``metrics.jsonl``, wandb when enabled (the run id is kept in the run
+directory, so a resumed run continues it), a progress bar; and ``summarize``, which reads it back.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 
 class RunMonitor:
     def __init__(self, cfg: Config, run_dir: Path, start_step: int) -> None:
-        self.run_dir = run_dir
         self.metrics_file = (run_dir / "metrics.jsonl").open("a")
         self.progress = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
         self.wandb_run = _start_wandb(cfg, run_dir) if cfg.log.wandb.mode != "disabled" else None

@@ -1,5 +1,4 @@
-"""Optimizer, parameter groups, the warmup + cosine learning-rate schedule, and the guarded
-update that steps them."""
+"""Optimizer, parameter groups, the warmup + cosine schedule, and the guarded update that steps them."""
 
 from __future__ import annotations
 
@@ -62,12 +61,9 @@ class TrainingAborted(UserError):
 
 
 class Update:
-    """One optimizer step and what guards it: the fp16 loss scale, global-norm clipping, and the
-    NaN guard, which skips a step whose loss or gradient is not finite on any rank and stops the
-    run after ``train.max_bad_steps`` in a row. The guard's all-reduce also tells every rank
-    whether any was signalled to stop, so all of them stop after the same step.
-
-    ``state_dict`` / ``load_state_dict``: optimizer, schedule, scaler and the skipped-step count.
+    """One optimizer step and its guards: the fp16 loss scale, global-norm clipping, and skipping a
+    step whose loss or gradient is not finite on any rank (``train.max_bad_steps`` in a row stop
+    the run). The guard's all-reduce also carries "was any rank signalled?", so all stop together.
     """
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:

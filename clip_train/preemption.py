@@ -1,9 +1,6 @@
-"""Preemption: SIGTERM or SIGUSR1 makes the trainer checkpoint at the next step boundary and exit 75.
-
-SLURM sends SIGTERM before it preempts or cancels a job, and ``--signal=USR1@N`` N seconds before
-the time limit. The handler only records the signal: saving from inside it could interrupt a
-collective halfway. The trainer folds "was any rank signalled?" into the all-reduce every step
-already does, so all ranks stop after the same step, save, and exit with ``EXIT_PREEMPTED``.
+"""Preemption: SIGTERM (SLURM preempting or cancelling) or SIGUSR1 (``--signal=USR1@N``) makes the
+trainer checkpoint at the next step boundary and exit 75. The handler only records the signal:
+saving inside it could interrupt a collective halfway.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ class SignalFlag:
 
 @contextmanager
 def preemption_signals() -> Iterator[SignalFlag]:
-    """While the block runs, SIGTERM and SIGUSR1 set the flag instead of ending the process.
-
-    Outside the main thread Python cannot install handlers; the flag then stays unset.
-    """
+    """While the block runs, SIGTERM and SIGUSR1 set the flag instead of ending the process (only in
+    the main thread, the only one that can install handlers; elsewhere the flag stays unset)."""
     flag = SignalFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -52,11 +47,7 @@ def preemption_signals() -> Iterator[SignalFlag]:
 
 
 def ignore_preemption_signals(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: loader workers leave SIGTERM and SIGUSR1 to the trainer.
-
-    torchrun signals each worker's whole process group and SLURM every process of a job step, so
-    the loader workers get the signal too; torch's own worker handler dies of SIGTERM, which would
-    fail the step before the checkpoint. A worker still exits when its trainer process is gone.
-    """
+    """A DataLoader ``worker_init_fn``: workers leave SIGTERM and SIGUSR1 to the trainer. torchrun and
+    SLURM signal them too, and a worker dying of SIGTERM would fail the step before the checkpoint."""
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)

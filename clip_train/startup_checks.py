@@ -1,8 +1,5 @@
-"""Every path a training run will read, checked before the process group and the model exist.
-
-Unchecked, a wrong path fails where it is first read: a zero-shot file after the last training
-step, an ``init_from`` source after the towers are built. Each check here is the one the reader
-of that path makes (the same function), so the user sees the same line naming the key, earlier.
+"""Every local path a training run will read, checked at start-up rather than where it is first read
+(a zero-shot file after the last step): each check is the reader's own, so the message is the same.
 Remote sources (``pipe:`` and URL shards, hub names) cannot be checked offline and pass.
 """
 
@@ -36,8 +33,7 @@ def check_paths(cfg: Config) -> None:
 
 
 def _check_model_sources(model: ModelConfig) -> None:
-    """Local pretrained weights, text encoder and tokenizer directories; ``init_from`` replaces the
-    towers' pretrained weights, so they are not read then."""
+    """Local pretrained weights (unread with ``init_from``), text encoder and tokenizer directories."""
     if not model.init_from and model.image.pretrained not in ("", "hub"):
         local_weights_file(model.image.pretrained)
     check_local_dir(model.text.hf, "model.text.hf")

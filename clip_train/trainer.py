@@ -1,10 +1,6 @@
-"""The training loop. It composes the model, the data pipeline, the Gradient Cache engine, the
-guarded optimizer update and the checkpointer, and owns the loop around them: logging, periodic
-checkpoints and evaluation, and stopping cleanly when the job is preempted.
-
-One step flows one way: the loader's batch goes to the engine (gradients of the global loss), the
-update steps the optimizer (or skips a non-finite step), the step count advances; the trainer,
-the update, the loader and the RNG streams are each a checkpoint component.
+"""The training loop: the loader's batch goes to the Gradient Cache engine, the guarded update steps
+the optimizer (or skips a non-finite step), and around it logging, checkpoints, evaluation and
+stopping cleanly on preemption. The trainer, update, loader and RNG streams are checkpoint components.
 """
 
 from __future__ import annotations
@@ -16,13 +12,7 @@ from typing import Any
 
 import torch
 
-from clip_train.checkpoint import (
-    RUN_CONFIG_FILE,
-    Checkpointer,
-    complete_checkpoints,
-    find_weights,
-    load_weights,
-)
+from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, complete_checkpoints, load_weights
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import DistEnv, sum_counts_over_ranks
@@ -77,8 +67,9 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         self.resumed_from = self.checkpointer.restore()
-        if self.resumed_from is None and cfg.model.init_from:
-            self._init_weights(cfg.model.init_from)
+        if self.resumed_from is None and cfg.model.init_from:  # fine-tuning: the weights and nothing else
+            with naming_key("model.init_from", cfg.model.init_from):
+                load_weights(cfg.model.init_from, self.model)
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
         self.engine = GradCache.from_config(self.model, cfg)
 
@@ -89,8 +80,6 @@ class Trainer:
         """The step; a loader whose own position was not restored replays its way to it."""
         self.step = state["step"]
         self.loader.start_at(self.step)
-
-    # -- the loop ------------------------------------------------------------------------------
 
     def train_step(self, batch: Batch, signalled: bool = False) -> StepResult:
         """One optimizer step on this rank's share of the global batch."""
@@ -105,9 +94,7 @@ class Trainer:
     def run(self) -> dict[str, float]:
         """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
 
-        A SIGTERM or SIGUSR1 on any rank ends the run after the current step, with a checkpoint
-        of it, by raising ``Preempted``.
-        """
+        A SIGTERM or SIGUSR1 on any rank checkpoints the current step and raises ``Preempted``."""
         cfg, env = self.cfg, self.env
         monitor = None
         if env.is_main:
@@ -122,10 +109,9 @@ class Trainer:
                 while self.step < cfg.train.max_steps:
                     started = time.perf_counter()
                     batch = next(self.loader)
-                    fetched = time.perf_counter()
+                    data_s = time.perf_counter() - started
                     result = self.train_step(batch, signals.received is not None)
-                    timing = (fetched - started, time.perf_counter() - started)
-                    self._after_step(result, monitor, timing)
+                    self._after_step(result, monitor, data_s, time.perf_counter() - started)
                     if result.stop:
                         raise self._preempted(signals)
             return self._evaluate(monitor)
@@ -135,7 +121,7 @@ class Trainer:
                 monitor.close()
 
     def _after_step(
-        self, result: StepResult, monitor: RunMonitor | None, timing: tuple[float, float]
+        self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float
     ) -> None:
         """Log, checkpoint (only good steps, and every step that stops the run) and evaluate."""
         cfg, last = self.cfg, self.step == self.cfg.train.max_steps
@@ -143,7 +129,7 @@ class Trainer:
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
             self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS, self.env.device)
         if monitor is not None:
-            self._report(monitor, result, *timing, at_log)
+            self._report(monitor, result, data_s, step_s, at_log)
         at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
         if (at_checkpoint or result.stop) and not self.update.bad_in_a_row:
             self.checkpointer.save(self.step)
@@ -157,13 +143,6 @@ class Trainer:
             f"{cause}: stopped after step {self.step}; checkpoint.resume=auto continues from "
             f"{kept[-1] if kept else 'the start'}"
         )
-
-    def _init_weights(self, source: str) -> None:
-        """Fine-tuning: another run's weights and nothing else; a resumed run skips this (its own win)."""
-        with naming_key("model.init_from", source):
-            load_weights(find_weights(source), self.model)
-
-    # -- reporting -----------------------------------------------------------------------------
 
     def summary(self) -> str:
         """The start-up line: how big the model is, where it runs, and how each step is cut up."""

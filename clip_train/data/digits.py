@@ -1,18 +1,10 @@
 """The demo data set: scikit-learn's 1797 bundled 8x8 handwritten digits as WebDataset shards.
 
-Nothing is downloaded: the images ship with scikit-learn. ``write_digits(out)`` writes
-
-* ``out/train/``: 80% of the images (a fixed-seed split) in ``train_shards`` shards + ``sizes.json``
-* ``out/val/``: the other 20% in ``val_shards`` shards + ``sizes.json``
-* ``out/zeroshot.json``: ``{"classnames": [...], "templates": [...]}``
-
-Every sample is ``{key}.png`` (dark ink on white, upscaled to ``size`` px, RGB), ``{key}.txt`` (one
-caption drawn by a seeded RNG from ``CAPTION_TEMPLATES``) and ``{key}.json`` (``{"label": int}``).
-
-``zeroshot.json`` format, read by zero-shot eval: ``classnames[i]`` is the name of label ``i``;
-each template holds one ``{}`` that a class name fills ("a handwritten {}." -> "a handwritten
-seven."). The templates differ from the training captions, so zero-shot accuracy measures
-generalisation to new phrasings.
+``write_digits(out)`` writes ``out/train`` and ``out/val`` (a seeded 80/20 split) and
+``out/zeroshot.json``. Each sample is a ``{key}.png`` (dark ink on white, upscaled, RGB), a
+``{key}.txt`` caption drawn from ``CAPTION_TEMPLATES`` and a ``{key}.json`` ``{"label": int}``.
+``zeroshot.json`` holds ``{"classnames": [...], "templates": [...]}``: ``classnames[i]`` names label
+i; each template has one ``{}`` for it and is phrased unlike the captions, to test generalisation.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ def _png(pixels: np.ndarray, size: int) -> bytes:
 
 def write_digits(
     out: Path, *, size: int = 32, seed: int = 0, train_shards: int = 8, val_shards: int = 2
-) -> dict:
+) -> dict[str, int]:
     """Write the demo set under ``out``; return {"train": n, "val": n}. Reruns skip finished parts."""
     from sklearn.datasets import load_digits  # an optional ("demo") dependency
 

@@ -60,11 +60,8 @@ def image_folder_batches(
     world_size: int,
     pin_memory: bool = False,
 ) -> Iterator[LabelledImages]:
-    """This rank's strided share of a torchvision ImageFolder, as uint8 centre crops.
-
-    Class folders sort into label order, which for ImageNet's synset folders is the order of
-    open_clip's class names. The folder is checked now, before any encoding.
-    """
+    """This rank's strided share of an ImageFolder as uint8 centre crops, checked now, before any
+    encoding. Class folders sort into label order, for ImageNet's synsets open_clip's class order."""
     dataset = ImageFolder(root, transform=eval_transform(image_size))
     if len(dataset.classes) != num_classes:
         raise EvalError(

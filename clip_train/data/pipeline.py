@@ -1,23 +1,17 @@
 """Training and eval loaders: shards -> checked samples -> uint8 batches, built in DataLoader workers.
 
-How the training stream is laid out (this is what makes ranks agree and resume exact):
+How the training stream makes ranks agree and resume exact:
 
-* S = steps per epoch (``data.num_samples // batch.global_size``), W = loader workers. Step i of a
-  rank comes from worker *role* ``i % W``: the DataLoader hands batches out round-robin, so its
-  worker d plays role ``(d + start_step) % W``. Role r's k-th batch is step ``r + k*W``, of epoch
-  ``(r + k*W) // S``; every role knows the epoch of each batch it makes, with nothing shared.
-* Per epoch a role reads a stream that depends only on (seed, epoch, rank, role): shards drawn
-  with replacement (``data.resampled``), or the seed+epoch shuffle of all shards that every rank
-  computes alike, split by rank, then by role, and cycled; then a seeded sample shuffle buffer.
-  The role makes exactly its share of the epoch's S batches and moves on, so every rank yields S
-  batches per epoch however uneven its shards are (what webdataset's ``with_epoch`` is for).
-* Each batch carries its role's position: (epoch, batches done in the epoch, raw items consumed
-  from the epoch's shuffled stream). ``TrainLoader.state_dict(step)`` keeps, per role, the
-  position after its last batch before ``step``. A loader built with that state drains as many
-  raw items (tar bytes, no image decoding) and goes on exactly where the old one stopped; crops
-  are seeded per item, so they match too. Without a state the position is derived from
-  ``start_step`` and the role replays its epoch so far, decoding to tell good samples from bad:
-  exact as well, only slower.
+* S = steps per epoch (``data.num_samples // batch.global_size``), W = loader workers. The DataLoader
+  hands batches out round-robin, so step i comes from worker *role* ``i % W`` (worker d plays role
+  ``(d + start_step) % W``); role r's k-th batch is step ``r + k*W``, of epoch ``(r + k*W) // S``.
+* A role's epoch stream depends only on (seed, epoch, rank, role): shards drawn with replacement
+  (``data.resampled``) or its rank's and role's split of the seed+epoch shard shuffle, cycled, then
+  a seeded shuffle buffer. It makes exactly its share of the epoch's S batches, so every rank yields
+  S batches per epoch however uneven its shards are.
+* Each batch carries its role's position (epoch, batches done, raw items consumed). A loader given
+  ``state_dict()`` skips that many raw items undecoded; without a state a role replays its epoch so
+  far, decoding to tell good samples from bad (exact too, only slower). Crops are seeded per item.
 """
 
 from __future__ import annotations
@@ -84,11 +78,6 @@ def _collate(samples: list[tuple[Decoded, torch.Tensor]], tokenizer: Tokenizer, 
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Training stream
-# --------------------------------------------------------------------------------------------
-
-
 class Position(NamedTuple):
     epoch: int
     done: int  # batches the role has made in this epoch
@@ -144,10 +133,6 @@ def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[dict[str, Any
             raise DataError(f"the shards {sorted(pool)[:4]}{'...' if len(pool) > 4 else ''} hold no samples")
 
 
-def _drain(items: Iterator[Any], count: int) -> None:
-    collections.deque(itertools.islice(items, count), maxlen=0)
-
-
 def _replay(items: Iterator[dict[str, Any]], good_wanted: int) -> int:
     """Consume items until ``good_wanted`` usable samples went by; return the items consumed."""
     consumed = good = 0
@@ -161,20 +146,15 @@ def _replay(items: Iterator[dict[str, Any]], good_wanted: int) -> int:
     return consumed
 
 
+@dataclass
 class TrainStream(IterableDataset):
     """The per-worker generator of training batches (runs inside DataLoader workers)."""
 
-    def __init__(
-        self,
-        spec: _TrainSpec,
-        transform: ImageTransform,
-        tokenizer: Tokenizer,
-        starts: list[Position],
-        start_step: int,
-    ) -> None:
-        super().__init__()
-        self.spec, self.transform, self.tokenizer = spec, transform, tokenizer
-        self.starts, self.start_step = starts, start_step
+    spec: _TrainSpec
+    transform: ImageTransform
+    tokenizer: Tokenizer
+    starts: list[Position]  # per role
+    start_step: int
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -218,8 +198,8 @@ class TrainStream(IterableDataset):
         if done >= wanted:
             return
         items = self._raw_items(role, epoch)
-        if consumed >= 0:
-            _drain(items, consumed)
+        if consumed >= 0:  # skip the items the saved position went past, undecoded
+            collections.deque(itertools.islice(items, consumed), maxlen=0)
         else:
             consumed = _replay(items, done * spec.batch_size)
         batch: list[tuple[Decoded, torch.Tensor]] = []
@@ -245,10 +225,8 @@ class TrainStream(IterableDataset):
 class TrainLoader:
     """A rank's training batches, forever across epochs (the trainer stops at its max_steps).
 
-    Attributes: ``steps_per_epoch``, ``batch_size`` (per rank). ``skip_counts()`` gives the skipped
-    samples by reason, over all workers. ``state_dict()`` is the JSON-able position after the
-    batches handed out so far; ``load_state_dict`` (or ``start_at`` without a state) positions a
-    fresh loader there. The state is per rank: gather every rank's state into the checkpoint.
+    ``state_dict()`` is the JSON-able position after the batches handed out so far, per rank (the
+    checkpoint gathers every rank's); ``load_state_dict`` or ``start_at`` positions a fresh loader.
     """
 
     def __init__(
@@ -263,13 +241,12 @@ class TrainLoader:
         self._spec, self._transform, self._tokenizer = spec, transform, tokenizer
         self._workers, self._pin_memory = workers, pin_memory
         self.steps_per_epoch = spec.steps_per_epoch
-        self.batch_size = spec.batch_size
+        self.batch_size = spec.batch_size  # per rank
         self.start_at(0)
 
     def start_at(self, step: int, state: dict[str, Any] | None = None) -> None:
-        """Position the stream before batch ``step``: exactly where ``state`` (this rank's
-        ``state_dict()`` at that step) says, draining raw items without decoding them; or, without
-        a state, by replaying each worker's epoch so far (exact too, only slower)."""
+        """Position the stream before batch ``step``, from this rank's ``state_dict()`` at that step
+        if given (fast), else by replaying each role's epoch so far."""
         spec = self._spec
         if state is not None:
             starts = _restore(state, spec, step)
@@ -287,8 +264,8 @@ class TrainLoader:
             generator=torch.Generator().manual_seed(_seed(spec.seed, spec.rank)),
         )
         self._iterator: Iterator[Batch] | None = None
-        self._start_step, self._starts, self._step = step, starts, step
-        self._positions: dict[int, Position] = {}
+        self._step = step
+        self._positions = list(starts)  # per role: where it stands after its last batch handed out
         self._skipped: collections.Counter[str] = collections.Counter(state["skipped"] if state else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -307,27 +284,22 @@ class TrainLoader:
         role, epoch, done, consumed = batch.position
         if role != self._step % self._spec.roles:
             raise RuntimeError(f"data loader order broke: step {self._step} came from worker role {role}")
-        self._positions[self._step] = Position(epoch, done, consumed)
-        self._positions.pop(self._step - self._spec.roles, None)  # only each role's last is needed
+        self._positions[role] = Position(epoch, done, consumed)
         self._step += 1
         self._skipped.update(batch.skipped)
         return batch
 
     def skip_counts(self) -> dict[str, int]:
+        """Skipped samples by reason, over all workers and, after a resume, the run so far."""
         return dict(self._skipped)
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position after the batches handed out so far: each role's after its last."""
-        step, roles = self._step, self._spec.roles
-        positions = []
-        for role in range(roles):
-            last = step - 1 - (step - 1 - role) % roles  # the role's last step before `step`
-            positions.append(list(self._positions[last] if last >= self._start_step else self._starts[role]))
+        """The data position after the batches handed out so far."""
         return {
             "version": STATE_VERSION,
-            "step": step,
+            "step": self._step,
             **_fingerprint(self._spec),
-            "positions": positions,
+            "positions": [list(position) for position in self._positions],
             "skipped": dict(self._skipped),
         }
 
@@ -417,28 +389,17 @@ def build_train_loader(
     return TrainLoader(spec, transform, tokenizer, workers=data_cfg.workers, pin_memory=pin_memory)
 
 
-# --------------------------------------------------------------------------------------------
-# Eval stream
-# --------------------------------------------------------------------------------------------
-
-
+@dataclass
 class EvalStream(IterableDataset):
     """Every sample once across ranks: workers split the shards, ranks split each shard's samples
     (sample i goes to rank i % world_size), so any number of shards serves any world size."""
 
-    def __init__(
-        self,
-        urls: list[str],
-        *,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        transform: ImageTransform,
-        tokenizer: Tokenizer,
-    ) -> None:
-        super().__init__()
-        self.urls, self.rank, self.world_size, self.batch_size = urls, rank, world_size, batch_size
-        self.transform, self.tokenizer = transform, tokenizer
+    urls: list[str]
+    rank: int
+    world_size: int
+    batch_size: int
+    transform: ImageTransform
+    tokenizer: Tokenizer
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()

@@ -1,8 +1,7 @@
 """One sample's bytes to a checked ``Decoded`` sample, and the per-worker tally of skipped ones.
 
-A bad sample (or a bad shard) never stops training: it raises ``BadSample`` with a short reason,
-the worker counts it in its ``SkipTally`` and moves on. The counts travel to the trainer inside
-each batch; only a skip *rate* above ``data.max_skip_fraction`` stops the run, with ``DataError``.
+A bad sample or shard never stops training by itself: the worker counts its ``BadSample`` reason
+and moves on; only a skip *rate* above ``data.max_skip_fraction`` stops the run, with ``DataError``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
@@ -46,7 +45,6 @@ class BadSample(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -54,11 +52,11 @@ class Decoded:
     key: str
     image: Image.Image  # RGB, fully loaded
     caption: str
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any]
 
 
-def check_sample(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
-    """The cheap checks (no image decode): return (image extension, caption, json metadata)."""
+def decode_sample(raw: dict[str, Any]) -> Decoded:
+    """Check a grouped tar sample and decode its image to RGB; raise ``BadSample`` if unusable."""
     if "__bad__" in raw:
         raise BadSample(raw["__bad__"], raw.get("__error__", ""))
     members = {k: v for k, v in raw.items() if not k.startswith("__")}
@@ -83,14 +81,8 @@ def check_sample(raw: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
             raise BadSample("bad_json", str(err)) from None
         if not isinstance(meta, dict):
             raise BadSample("bad_json", f"expected an object, got {type(meta).__name__}")
-    return ext, caption, meta
-
-
-def decode_sample(raw: dict[str, Any]) -> Decoded:
-    """Check a grouped tar sample and decode its image to RGB; raise ``BadSample`` if unusable."""
-    ext, caption, meta = check_sample(raw)
     try:
-        image = Image.open(io.BytesIO(raw[ext])).convert("RGB")
+        image = Image.open(io.BytesIO(members[ext])).convert("RGB")
     except Exception as err:  # arbitrary bytes make PIL raise many types; all mean "undecodable"
         raise BadSample("bad_image", f"{type(err).__name__}: {err}") from None
     return Decoded(key=raw["__key__"], image=image, caption=caption, meta=meta)
@@ -103,10 +95,11 @@ class SkipTally:
     the very first ones cannot stop a run; an all-bad stream still stops after ``min_seen``.
     """
 
-    def __init__(self, max_fraction: float, min_seen: int, warn_every_s: float = 30.0) -> None:
+    WARN_EVERY_S = 30.0
+
+    def __init__(self, max_fraction: float, min_seen: int) -> None:
         self.max_fraction = max_fraction
         self.min_seen = min_seen
-        self.warn_every_s = warn_every_s
         self.good = 0
         self.total: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()
@@ -119,7 +112,7 @@ class SkipTally:
         self.total[bad.reason] += 1
         self._pending[bad.reason] += 1
         now = time.monotonic()
-        if now - self._last_warning >= self.warn_every_s:
+        if now - self._last_warning >= self.WARN_EVERY_S:
             self._last_warning = now
             log.warning(
                 "skipped sample %r of %s (%s); skipped so far by this worker: %s",

@@ -1,8 +1,8 @@
-"""Where samples come from: shard specs (braces, ``::``, directories, ``pipe:``), sizes, tar reading.
+"""Where samples come from: shard specs, their sizes, and tar reading.
 
-A shard spec is what ``data.train``/``data.val`` hold: webdataset URLs with brace expansion
-(``/data/{00000..00099}.tar``), ``pipe:`` commands (``pipe:aws s3 cp s3://b/{0..9}.tar -``), several
-sources joined with ``::``, and local directories, which stand for every ``.tar`` in them (sorted).
+A shard spec (``data.train``/``data.val``) is webdataset URLs with brace expansion
+(``/data/{00000..00099}.tar``) or ``pipe:`` commands, several sources joined with ``::``, and local
+directories, which stand for every ``.tar`` in them (sorted).
 """
 
 from __future__ import annotations
@@ -73,13 +73,10 @@ def dataset_size(urls: list[str]) -> int | None:
 def read_shard(url: str) -> Iterator[dict[str, Any]]:
     """Yield one shard's samples as ``{"__key__", "__url__", ext: bytes, ...}`` dicts, in tar order.
 
-    Problems become samples too, marked ``"__bad__": reason``, so they flow through the sample
-    shuffle in order and are counted when consumed (that keeps resume exact): a repeated key ->
-    ``duplicate_key``; an unreadable shard -> one ``shard_open`` record; a tar that breaks mid-way
-    -> one ``truncated_tar`` record, after the last sample known to be complete (one whose key
-    differs from the member that failed). A tar cut exactly at a header looks like a short shard
-    to ``tarfile``, so its last sample shows up as incomplete instead. webdataset >= 1.0 ends each
-    shard with an empty marker dict; it is ignored here.
+    Problems become samples marked ``"__bad__": reason``, so they pass the shuffle in order and are
+    counted when consumed (that keeps resume exact): a repeated key is ``duplicate_key``, an
+    unreadable shard one ``shard_open`` record, a tar that breaks mid-way one ``truncated_tar``
+    record after its last complete sample (a tar cut exactly at a header reads as a short shard).
     """
     errors: list[Exception] = []  # handlers append and return None, which tells webdataset to stop
     attempted: list[str] = []  # names tar_file_iterator is about to read (its select_files hook)
@@ -91,7 +88,7 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     current: dict[str, Any] | None = None
     delivered = 0
     for member in members:
-        if "fname" not in member:  # the end-of-shard marker
+        if "fname" not in member:  # webdataset >= 1.0's end-of-shard marker
             continue
         delivered += 1
         key, ext = base_plus_ext(member["fname"])

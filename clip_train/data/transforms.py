@@ -1,7 +1,7 @@
-"""Image augmentation in the loader workers: PIL in, uint8 (3, H, W) tensor out.
+"""Image transforms in the loader workers: PIL in, uint8 (3, H, W) tensor out.
 
-Images stay uint8 until they reach the device (4x smaller than fp32 in pinned memory and in the
-Gradient Cache offload); normalisation happens there, per chunk.
+Images stay uint8 until the device normalises them (4x smaller than fp32 in pinned memory and in
+the Gradient Cache offload).
 """
 
 from __future__ import annotations
@@ -48,12 +48,8 @@ def eval_transform(image_size: int) -> ImageTransform:
 
 
 def apply_seeded(transform: ImageTransform, image: Image.Image, seed: int) -> torch.Tensor:
-    """Run a random transform with its own seed, leaving the caller's torch RNG untouched.
-
-    Seeding per sample makes the crops a function of the sample's place in the stream, so a
-    resumed run crops exactly as the uninterrupted one would (also with ``data.workers=0``, where
-    this runs in the trainer's process).
-    """
+    """Run a random transform with its own seed, leaving the caller's torch RNG untouched (with
+    ``data.workers=0`` it is the trainer's), so a resumed run crops as the uninterrupted one."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return transform(image)

@@ -1,10 +1,7 @@
-"""Write WebDataset shards: contiguous samples, ``sizes.json``, and a manifest for idempotent reruns.
+"""Write WebDataset shards of ``{key}.{jpg|png|...}``, ``{key}.txt`` and optional ``{key}.json``.
 
-Each sample becomes ``{key}.{jpg|png|...}``, ``{key}.txt`` and optionally ``{key}.json``, written
-next to each other (webdataset's ``TarWriter``). Keys are sequential numbers, so they are unique
-and dot-free whatever the source file names are. A directory is written under ``OUT.partial``
-and renamed into place when complete; its ``.make_shards.json`` manifest records the source
-(paths, sizes, times, captions), so a rerun on an unchanged source does nothing.
+A directory is written under ``OUT.partial`` and renamed into place when complete, with
+``sizes.json`` and a manifest of its source, so a rerun on an unchanged source does nothing.
 """
 
 from __future__ import annotations
@@ -41,10 +38,7 @@ def write_shards(
     records: Iterable[Record], out_dir: Path, *, per_shard: int, total: int, source: dict[str, Any], desc: str
 ) -> bool:
     """Write ``records`` (``total`` of them) as shards of ``per_shard`` samples into ``out_dir``.
-
-    ``source`` identifies the input; when ``out_dir`` already holds shards written from the same
-    source with the same ``per_shard``, nothing is written and False is returned.
-    """
+    Return False, writing nothing, if it holds shards of the same ``source`` and ``per_shard``."""
     if per_shard <= 0:
         raise DataError(f"--per-shard={per_shard} must be > 0")
     if total <= 0:
@@ -129,7 +123,7 @@ def write_pairs(pairs: list[tuple[Path, str]], out_dir: Path, *, per_shard: int,
         digest.update(f"{path.resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\t{caption}\n".encode())
     records = (
         Record(
-            key=f"{index:09d}",
+            key=f"{index:09d}",  # unique and dot-free, whatever the file names
             image=path.read_bytes(),
             image_ext=path.suffix.lower().lstrip("."),
             caption=caption,

@@ -1,22 +1,15 @@
-"""One optimizer step's gradients with Gradient Cache (Gao et al. 2021).
+"""One optimizer step's gradients with Gradient Cache (Gao et al. 2021): activation memory set by the
+chunk sizes, not the batch size, and exactly the full-batch gradients of the global contrastive loss.
 
-Activation memory depends on the chunk sizes, not on the batch size, and the gradients are exactly
-the full-batch gradients of the global contrastive loss:
+1. encode every chunk without a graph, keeping the (B, d) features and the RNG state each chunk
+   started from (with ``keep_last_graph``, the last chunk of the last trained tower keeps its graph);
+2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache;
+3. replay each chunk under its RNG state (same dropout and drop-path masks) and backprop its
+   cached gradient into the tower; DDP syncs on each tower's last backward only;
+4. average the gradients of the loss's own parameters (logit scale, sigmoid bias) across ranks.
 
-1. encode every chunk without a graph, keeping only the (B, d) features per tower and the RNG state
-   each chunk started from; with the tiled loss and ``keep_last_graph``, the very last chunk (of
-   the last tower that trains) keeps its graph;
-2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache and the
-   logit-scale gradient;
-3. backprop the kept chunk's cached gradient, then replay every other chunk with its RNG state
-   restored (same dropout and drop-path masks) and backprop its cached gradient into the tower;
-   DDP syncs on each tower's last backward only;
-4. average the gradients of the loss's own parameters (logit scale, sigmoid bias) across ranks
-   (DDP does not own them).
-
-LiT: a tower with a frozen trunk (``has_frozen_trunk``) runs ``encode_frozen`` once per chunk and
-caches its output (on the device, or in pinned host memory with ``offload``), so replay only runs
-``encode_trainable``; a tower with nothing to train (``is_frozen``) is never replayed.
+LiT: a frozen trunk's output (``encode_frozen``) is cached in stage 1, on the device or in pinned host
+memory with ``offload``, so replay runs only ``encode_trainable``; a frozen tower is never replayed.
 """
 
 from __future__ import annotations
@@ -55,11 +48,7 @@ class StepStats:
 
 
 class TrainableHead(nn.Module):
-    """A tower's ``encode_trainable`` as a module's ``forward``: what DDP wraps and replay calls.
-
-    DDP only prepares its gradient reduction when called through ``forward``; the replay runs
-    ``encode_trainable``, so that is what DDP has to see.
-    """
+    """``tower.encode_trainable`` as ``forward``, the only call through which DDP reduces gradients."""
 
     def __init__(self, tower: nn.Module):
         super().__init__()
@@ -67,26 +56,6 @@ class TrainableHead(nn.Module):
 
     def forward(self, *hidden: torch.Tensor) -> torch.Tensor:
         return self.tower.encode_trainable(*hidden)
-
-
-def wrap_ddp(tower: nn.Module, group: dist.ProcessGroup | None = None) -> DistributedDataParallel:
-    """DDP over one tower's trainable part (a frozen tower has none; DDP would reject it).
-
-    Each tower gets its own DDP so each syncs once, on its own last replay chunk. Every trainable
-    parameter is used in every replay, so ``find_unused_parameters=False``. Buffers are synced
-    once at construction, not before every forward: the towers' buffers are constants (Gradient
-    Cache cannot be exact with batch-norm statistics anyway). Gradients are views into DDP's
-    buckets, so the trainable gradients are not held twice.
-    """
-    device = next(tower.parameters()).device
-    return DistributedDataParallel(
-        TrainableHead(tower),
-        device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=group,
-        find_unused_parameters=False,
-        forward_sync_buffers=False,
-        gradient_as_bucket_view=True,
-    )
 
 
 @dataclass(frozen=True)
@@ -115,15 +84,11 @@ class _Encoded:
 
 
 class GradCache:
-    """Gradient Cache for a ``clip_train.model.CLIP``: ``step`` leaves full-batch gradients in ``.grad``.
+    """Gradient Cache for a ``clip_train.model.CLIP``: ``step`` adds full-batch gradients to ``.grad``.
 
-    Gradients accumulate, so zero them before each step. With fp16, pass ``scale_loss`` (a
-    ``GradScaler``'s ``scale``): the loss is scaled before the cache is taken, so every ``.grad``
-    (towers, scale, bias) comes out scaled for ``scaler.unscale_``. With more than one rank, each
-    trainable tower is wrapped in its own DDP here (``wrap_ddp``).
-
-    ``precision``: fp32 and fp64 run the model in its own dtype (cast it for fp64); bf16 and fp16
-    encode under autocast. The features enter the loss in at least fp32.
+    With fp16, pass ``scale_loss`` (a ``GradScaler``'s ``scale``): the loss is scaled before the cache
+    is taken, so every ``.grad`` comes out scaled for ``scaler.unscale_``. fp32 and fp64 run the model
+    in its own dtype; bf16 and fp16 encode under autocast. The loss runs in at least fp32.
     """
 
     def __init__(
@@ -184,8 +149,17 @@ class GradCache:
         if chunk < 0:
             raise ValueError(f"{name}_chunk={chunk} must be >= 0 (0 = the whole per-rank batch)")
         replays = not module.is_frozen
-        distributed = replays and self.world_size > 1
-        head = wrap_ddp(module, self.group) if distributed else TrainableHead(module)
+        head = TrainableHead(module)
+        if replays and self.world_size > 1:
+            # One DDP per tower, so each syncs on its own last replay chunk. Buffers are synced once,
+            # at construction: they are constants (Gradient Cache cannot be exact with batch norm).
+            head = DistributedDataParallel(
+                head,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                process_group=self.group,
+                forward_sync_buffers=False,
+                gradient_as_bucket_view=True,  # .grad views DDP's buckets instead of a second copy
+            )
         return _Tower(module, head, chunk, replays, replays and module.has_frozen_trunk)
 
     def step(
@@ -221,18 +195,13 @@ class GradCache:
         text = self._encode(self.text, text_inputs, rows, streams, keep_graph=self.text is keeps_graph)
         encoded = self._clock()
         loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
-        cached = [image.features, text.features, image_grad, text_grad, *image.trunk_cache, *text.trunk_cache]
-        cache_bytes = _bytes(t for t in cached if t is not None)
-        del cached
+        cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
+        cache_bytes += _bytes(image.trunk_cache + text.trunk_cache)
         image.features = text.features = None  # replay needs only their gradients
         lossed = self._clock()
         with preserved_rng(self.device):  # the step consumes the RNG like one forward pass
-            for tower, cache, inputs, grad in (
-                (self.text, text, text_inputs, text_grad),
-                (self.image, image, image_inputs, image_grad),
-            ):
-                if grad is not None:
-                    self._replay(tower, cache, inputs, grad, streams)
+            self._replay(self.text, text, text_inputs, text_grad, streams)
+            self._replay(self.image, image, image_inputs, image_grad, streams)
         replayed = self._clock()
 
         return StepStats(
@@ -246,8 +215,6 @@ class GradCache:
             max_live_chunks=max(s.max_live for s in streams),
         )
 
-    # -- stages --------------------------------------------------------------------------------
-
     def _encode(
         self,
         tower: _Tower,
@@ -256,18 +223,15 @@ class GradCache:
         streams: list[ChunkStream],
         keep_graph: bool,
     ) -> _Encoded:
-        """Stage 1: graph-less features; RNG snapshots and the frozen-trunk cache for replay.
+        """Stage 1: graph-less features, each chunk's RNG state and the frozen-trunk cache for replay.
 
-        With ``keep_graph`` the last chunk is encoded with grad and keeps its graph, so replay
-        backpropagates it instead of encoding it again: one chunk forward less per step. Only the
-        last tower encoded does this, and replay starts with it, so the kept graph is gone before
-        any other chunk's graph exists. It does live through the loss, though: at the largest
-        batches the loss's O(n·d) workspace beside it can outweigh one chunk's forward, which is
-        what ``batch.keep_last_graph: false`` is for (``clip-train plan`` shows both).
+        With ``keep_graph`` the last chunk keeps its graph: replay backpropagates it first instead of
+        encoding it again, so it never meets another chunk's graph. It does live through the loss,
+        whose workspace can outweigh it at the largest batches: ``batch.keep_last_graph: false``.
         """
         out = _Encoded(chunk_bounds(rows, tower.chunk))
         keep_trunk_on_host = self.offload and self.device.type == "cuda"
-        kept_index = len(out.bounds) - 1 if keep_graph and tower.replays else None
+        kept_index = len(out.bounds) - 1 if keep_graph else None
 
         def encode(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
             start, end = out.bounds[index]
@@ -304,38 +268,32 @@ class GradCache:
         text_features: torch.Tensor,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
-        """Stage 2: the loss on leaf features; its gradients are the cache, plus the gradients of
-        the logit scale (and of the sigmoid loss's bias)."""
-        scalars = [p for p in (self.model.logit_scale, self.model.logit_bias) if p is not None]
-        leaves = (
-            image_features.requires_grad_(self.image.replays),
-            text_features.requires_grad_(self.text.replays),
-            *(p.detach().requires_grad_(p.requires_grad) for p in scalars),
-        )
+        """Stage 2: the loss on leaf features; their gradients are the cache."""
+        image_features.requires_grad_(self.image.replays)
+        text_features.requires_grad_(self.text.replays)
+        params = [p for p in (self.model.logit_scale, self.model.logit_bias) if p is not None]
+        leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
         loss = contrastive_loss(
-            leaves[0],
-            leaves[1],
-            leaves[2].exp(),
-            logit_bias=leaves[3] if len(leaves) > 3 else None,
+            image_features,
+            text_features,
+            leaves[0].exp(),
+            logit_bias=leaves[1] if len(leaves) > 1 else None,
             kind=self.loss_kind,
             impl=self.loss_impl,
             kernel=self.loss_kernel,
             group=self.group,
             tile_size=self.tile_size,
         )
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        scaled = scale_loss(loss) if scale_loss is not None else loss
-        grads = torch.autograd.grad(scaled, wanted) if wanted else ()
-        grads = dict(zip(map(id, wanted), grads, strict=True))
-        image_grad, text_grad, *scalar_grads = (grads.get(id(leaf)) for leaf in leaves)
-        trained = [(p, g) for p, g in zip(scalars, scalar_grads, strict=True) if g is not None]
+        if loss.requires_grad:
+            (scale_loss(loss) if scale_loss is not None else loss).backward()
+        trained = [(p, leaf.grad) for p, leaf in zip(params, leaves, strict=True) if leaf.grad is not None]
         if trained:
             self._accumulate_rank_average(trained)
-        return loss.item(), image_grad, text_grad
+        return loss.item(), image_features.grad, text_features.grad
 
     def _accumulate_rank_average(self, trained: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """The parameters of the loss (scale, bias), which DDP does not own: each rank's loss is its
-        share of the global mean, so the global gradient is the rank average (one all-reduce)."""
+        """The loss's parameters (scale, bias) are not DDP's: each rank's loss is its share of the
+        global mean, so their global gradient is the rank average."""
         grads = torch.stack([grad for _, grad in trained])
         if self.world_size > 1:
             dist.all_reduce(grads, group=self.group)
@@ -349,15 +307,19 @@ class GradCache:
         tower: _Tower,
         cache: _Encoded,
         inputs: Sequence[torch.Tensor],
-        grad: torch.Tensor,
+        grad: torch.Tensor | None,
         streams: list[ChunkStream],
     ) -> None:
         """Stage 3: re-encode each chunk with grad under its stage-1 RNG state, backprop the cache."""
+        if grad is None:  # nothing in the tower trains
+            return
         bounds = cache.bounds
         if cache.kept is not None:
             start, end = bounds[-1]
             cache.kept.backward(grad[start:end].to(cache.kept.dtype))
             cache.kept, bounds = None, bounds[:-1]
+        if not bounds:
+            return
         last = len(bounds) - 1
 
         def replay(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
@@ -371,13 +333,9 @@ class GradCache:
                     features = tower.head(*chunk)
                 features.backward(grad[start:end].to(features.dtype))
 
-        if not bounds:
-            return
         stream = ChunkStream(cache.trunk_cache or inputs, bounds, self.device)
         stream.run(replay)
         streams.append(stream)
-
-    # -- helpers -------------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
@@ -392,11 +350,9 @@ def _rows_like(
     like: torch.Tensor, rows: int, *, dtype: torch.dtype | None = None, host: bool = False
 ) -> torch.Tensor:
     """An empty (rows, *like.shape[1:]) buffer; pinned host memory when it should stream back fast."""
-    shape = (rows, *like.shape[1:])
-    if host:
-        return torch.empty(shape, dtype=dtype or like.dtype, pin_memory=True)
-    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    device = "cpu" if host else like.device
+    return torch.empty((rows, *like.shape[1:]), dtype=dtype or like.dtype, device=device, pin_memory=host)
 
 
-def _bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

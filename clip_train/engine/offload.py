@@ -1,8 +1,7 @@
-"""Chunked host→device streaming: the step's raw batch stays on the host, one chunk moves at a time.
+"""Chunked host→device streaming: the raw batch stays on the host and moves one chunk at a time.
 
-On CUDA the next chunk's copy runs on a side stream while the current chunk computes (pinned host
-memory and ``non_blocking`` copies make it asynchronous), so at most two chunks of input are on the
-device at once. Everywhere else chunks are plain slices.
+On CUDA the next chunk's copy (pinned memory, ``non_blocking``) runs on a side stream while the current
+chunk computes, so at most two input chunks are on the device at once; elsewhere chunks are slices.
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ def to_host(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torc
 
 
 class ChunkStream:
-    """The row chunks ``bounds`` of ``tensors`` (all with the same rows), each delivered on ``device``.
+    """The row chunks ``bounds`` of ``tensors``, each delivered on ``device``.
 
-    ``max_live`` is bookkeeping for tests and benchmarks: the most chunks of this stream alive at any
-    one time (handed out or prefetched); it stays <= 2 unless ``fn`` keeps references to old chunks.
+    ``max_live``, for tests and benchmarks: the most chunks alive at once (handed out or prefetched);
+    it stays <= 2 unless ``fn`` keeps references to old chunks.
     """
 
     def __init__(
@@ -44,9 +43,6 @@ class ChunkStream:
         self.device = device
         self.max_live = 0
         self._issued: list[weakref.ref] = []
-
-    def __len__(self) -> int:
-        return len(self.bounds)
 
     def run(self, fn: Callable[[int, tuple[torch.Tensor, ...]], None]) -> None:
         """Call ``fn(index, chunk)`` for every chunk in order, dropping each chunk before loading the

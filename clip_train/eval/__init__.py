@@ -1,9 +1,7 @@
-"""Zero-shot classification (class names × prompt templates → one text embedding per class) and
-image↔text retrieval recall@k.
+"""Zero-shot classification and image↔text retrieval recall@k, as one process or under torchrun.
 
-Every rank encodes its own share of the data; features, or just hit counts, are gathered at the
-end, so the work scales with the number of ranks instead of leaving them idle while rank 0
-evaluates. Runs as one process or under torchrun.
+Every rank encodes its own share of the data and only features or hit counts are gathered, so the
+work scales with the ranks instead of leaving them idle while rank 0 evaluates.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ def evaluate(
     rank, world = rank_and_world(group)
     zeroshot_source = labelled_images(eval_cfg, data_cfg) if eval_cfg.zeroshot else ""
     retrieval = eval_cfg.retrieval and bool(data_cfg.val)
-    shared_pass = retrieval and bool(eval_cfg.zeroshot) and zeroshot_source == data_cfg.val
+    shared_pass = retrieval and zeroshot_source == data_cfg.val
     encode = dict(device=device, precision=precision)
     share = dict(
         batch_size=eval_cfg.batch_size,

@@ -1,6 +1,6 @@
 """Metrics from features: hits@k with ties shared, retrieval recall and zero-shot accuracy.
 
-Each rank scores its own queries against everything it needs and only hit counts are summed over
+Each rank scores its own queries (gathering the keys they need) and only hit counts are summed over
 ranks, so a sharded eval gives the single-process numbers.
 """
 
@@ -51,12 +51,8 @@ def retrieval_recall(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """Image→text and text→image recall@k, where row i of both is one pair.
-
-    Under torch.distributed each rank passes its own pairs (any count, even zero); it gathers the
-    other side's features, ranks its own queries against all of them and the hits are summed, so
-    the result is the single-process one on the concatenated features. Ties: see ``hits_at_k``.
-    """
+    """Image→text and text→image recall@k, where row i of both is one pair. Each rank passes its
+    own pairs (any count, even zero); ties are shared as in ``hits_at_k``."""
     rank, _ = rank_and_world(group)
     all_images, counts = gather_rows(image_features, group)
     all_texts, _ = gather_rows(text_features, group)

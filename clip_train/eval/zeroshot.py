@@ -27,11 +27,8 @@ BUILTIN_ZEROSHOT: dict[str, Sequence[Template]] = {
 
 
 def zeroshot_metadata(spec: str) -> tuple[list[str], list[Template]]:
-    """Class names and prompt templates from ``imagenet``/``imagenet-simple`` or a JSON file.
-
-    The JSON holds ``{"classnames": [...], "templates": ["a photo of a {}.", ...]}``; the class
-    order is the label order.
-    """
+    """Class names (in label order) and prompt templates from ``imagenet``/``imagenet-simple`` or a
+    JSON file of ``{"classnames": [...], "templates": ["a photo of a {}.", ...]}``."""
     if spec in BUILTIN_ZEROSHOT:
         return list(zero_shot_metadata.IMAGENET_CLASSNAMES), list(BUILTIN_ZEROSHOT[spec])
     path = Path(spec)
@@ -66,10 +63,7 @@ def build_zeroshot_classifier(
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """(classes, d) L2-normalised class embeddings: each the mean over templates, re-normalised.
-
-    Ranks split the classes into contiguous blocks and gather them, so the rows stay in class
-    order and ImageNet's 80 000 prompts cost 1/world of the time on each rank.
-    """
+    Ranks encode contiguous blocks of classes and gather them, so the rows stay in class order."""
     fill = [t if callable(t) else t.format for t in templates]
     dtype = feature_dtype(precision)
     rank, world = rank_and_world(group)

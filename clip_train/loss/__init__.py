@@ -1,16 +1,14 @@
 """Contrastive losses for batches far larger than the b×b similarity matrix allows.
 
-``contrastive_loss`` is the one entry point, for the softmax loss (CLIP / InfoNCE) and the
-sigmoid loss (SigLIP). ``impl="inf"`` (the default through ``"auto"``) never materialises the
-similarity matrix: it tiles it on each rank (PyTorch tiles or Triton kernels, ``kernel``) and
-passes text blocks around a ring of ranks (``ring.py``). ``"vanilla"`` and ``"local"`` are
-the materialising baselines it is tested against.
+``contrastive_loss`` is the one entry point, for the softmax (CLIP / InfoNCE) and sigmoid (SigLIP)
+losses. ``impl="inf"`` (the default) never materialises the similarity matrix: it tiles it on each
+rank and passes text blocks around a ring of ranks; ``"vanilla"`` and ``"local"`` are the
+materialising baselines it is tested against.
 
 Gradient convention (Inf-CL's, with exact scale and bias gradients): each rank returns the mean
-loss over its own rows, so the average over ranks is the global loss. Backward gives each rank's
-features W × ∂L_global/∂(its features), and the per-rank logit-scale (and bias) gradients average
-to the global ones. Averaging parameter gradients across ranks, as DDP does, therefore yields
-exactly the gradient of the single-process global loss.
+loss over its own rows, so the average over ranks is the global loss, and each rank's features
+get W × ∂L_global/∂(its features). Averaging parameter gradients across ranks, as DDP does,
+therefore yields exactly the gradient of the single-process global loss.
 """
 
 from __future__ import annotations
@@ -42,33 +40,28 @@ def contrastive_loss(
     group: dist.ProcessGroup | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
-    """The loss of this rank's rows against the whole (all-rank) batch.
+    """The mean loss of this rank's rows against the whole (all-rank) batch, a 0-dim tensor.
 
     Args:
-        image_features: (n, d) this rank's image embeddings, L2-normalised.
-        text_features: (m, d) this rank's text embeddings, L2-normalised; every rank has the
-            same n and m.
-        logit_scale: the multiplier s (``exp`` of the learnable parameter), a 0-dim tensor.
+        image_features: (n, d) this rank's L2-normalised image embeddings.
+        text_features: (m, d) this rank's L2-normalised text embeddings; n and m agree across ranks.
+        logit_scale: the multiplier s (``exp`` of the learnable parameter).
         logit_bias: the sigmoid loss's additive bias b (required there, unused by softmax).
-        kind: ``"softmax"`` (CLIP) or ``"sigmoid"`` (SigLIP: every pair a binary problem,
-            ``X = s·I Tᵀ + b``, summed over the pairs and divided by n).
+        kind: ``"softmax"`` (CLIP) or ``"sigmoid"`` (SigLIP: ``X = s·I Tᵀ + b``, every pair a
+            binary problem, summed and divided by n).
         labels: softmax only. ``None`` for the symmetric CLIP loss (row i of rank r pairs with
-            global column r·n+i). Otherwise (n,) global column indices into the rank-major
-            concatenation of all ranks' text rows: one-directional InfoNCE with hard negatives.
-        impl: ``"inf"`` (tiles and a ring of ranks), ``"vanilla"``, ``"local"`` (softmax only)
-            or ``"auto"`` (= ``"inf"``).
+            global column r·n+i); else (n,) indices into all ranks' text rows, rank-major:
+            one-directional InfoNCE with hard negatives.
+        impl: ``"inf"`` (= ``"auto"``), ``"vanilla"`` or ``"local"`` (softmax only).
         kernel: inf's tiles: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``kernels.select_kernels``).
-        group: process group; ``None`` means the default group if torch.distributed is
-            initialised, else a single process.
+        group: process group; ``None`` is the default group, or a single process without one.
         tile_size: rows/columns per tile of the PyTorch tiles; ``None`` or 0 picks one per device.
-
-    Returns:
-        The mean loss over this rank's rows (a 0-dim tensor).
     """
-    if impl not in LOSS_IMPLS:
-        raise ValueError(f"contrastive_loss: unknown impl {impl!r}; choose one of {', '.join(LOSS_IMPLS)}")
-    if kind not in LOSS_KINDS:
-        raise ValueError(f"contrastive_loss: unknown kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
+    for name, value, choices in (("impl", impl, LOSS_IMPLS), ("kind", kind, LOSS_KINDS)):
+        if value not in choices:
+            raise ValueError(
+                f"contrastive_loss: unknown {name} {value!r}; choose one of {', '.join(choices)}"
+            )
     if kind == "sigmoid" and (labels is not None or impl == "local" or logit_bias is None):
         raise ValueError(
             "contrastive_loss: the sigmoid loss needs logit_bias and takes no labels; impl vanilla or inf"

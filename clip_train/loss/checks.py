@@ -13,25 +13,14 @@ from clip_train.distributed import rank_and_world
 
 @dataclass(frozen=True)
 class Batch:
-    """Where this rank's rows sit in the global batch.
-
-    ``labels`` always holds global text-column indices: in symmetric (CLIP) mode they are the
-    implied diagonal ``rank * n + arange(n)``, in hard-negative mode the caller's labels.
-    """
+    """Where this rank's rows sit in the global batch. ``labels`` holds global text columns: the
+    diagonal ``rank * n + arange(n)`` in symmetric (CLIP) mode, else the caller's hard-negative labels."""
 
     group: dist.ProcessGroup | None
     rank: int
     world: int
     labels: torch.Tensor
     symmetric: bool
-
-
-def resolve_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
-    """``group`` or the default group when torch.distributed is up, with this rank and the world size."""
-    rank, world = rank_and_world(group)
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
-    return group, rank, world
 
 
 def check_inputs(
@@ -43,11 +32,12 @@ def check_inputs(
 ) -> Batch:
     """Validate shapes (across ranks too) and return this rank's place in the global batch.
 
-    Every rank takes part in one agreement collective before anything can raise, so a problem
-    on one rank (no rows, labels out of range) fails every rank with the same message instead of
-    leaving the others waiting in the loss's collectives until the timeout.
+    Every rank joins one agreement collective before anything can raise, so a problem on one rank
+    fails every rank with the same message instead of leaving the others hanging until the timeout.
     """
-    group, rank, world = resolve_group(group)
+    rank, world = rank_and_world(group)
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
     problem = _local_problem(image_features, text_features, logit_scale, labels, world)
     if world > 1:
         problem = _agree(problem, image_features, text_features, group, world)
@@ -131,8 +121,8 @@ def _agree(
 
 
 class _GatherRows(torch.autograd.Function):
-    """All ranks' rows, rank-major; backward sums every rank's gradient into the owner's rows.
-    (``torch.distributed.nn.functional.all_gather`` does the same but is deprecated.)"""
+    """All ranks' rows, rank-major; backward sums every rank's gradient into the owner's rows
+    (as the deprecated ``torch.distributed.nn.functional.all_gather`` does)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, batch: Batch) -> torch.Tensor:  # type: ignore[override]
@@ -151,6 +141,13 @@ class _GatherRows(torch.autograd.Function):
 def gather_with_grad(tensor: torch.Tensor, batch: Batch) -> torch.Tensor:
     """All ranks' rows, rank-major, differentiably (the identity on one rank)."""
     return tensor if batch.world == 1 else _GatherRows.apply(tensor, batch)
+
+
+def grads_like(
+    grads: tuple[torch.Tensor, ...], inputs: list[tuple[torch.dtype, torch.Size]]
+) -> tuple[torch.Tensor, ...]:
+    """Each gradient in its input's (dtype, shape): the kernels accumulate in their own precision."""
+    return tuple(g.to(dtype).reshape(shape) for g, (dtype, shape) in zip(grads, inputs, strict=True))
 
 
 def row_dots(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

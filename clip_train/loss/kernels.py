@@ -25,10 +25,8 @@ def select_kernels(kernel: str, device: torch.device, dtype: torch.dtype, dim: i
     """``torch`` (PyTorch tiles in fp32/fp64, any device) or ``triton`` (fused kernels on CUDA, or on
     CPU tensors under ``TRITON_INTERPRET=1``; fp32 features with d ≤ 512, bf16/fp16 with d ≤ 1024).
 
-    ``auto`` is ``torch`` on every device. On CUDA the PyTorch tiles are 8192² cuBLAS matmuls with
-    bandwidth-bound elementwise passes between them, and they are the path every CPU test and
-    benchmark exercises; the Triton kernels keep the tile on chip but have not yet been timed on
-    a GPU (``make gpu-check`` measures both). ``auto`` moves to Triton once that shows it faster.
+    ``auto`` is ``torch``: the Triton kernels have not yet been timed against cuBLAS tiles on a GPU
+    (``make gpu-check`` measures both); ``auto`` moves to Triton once that shows it faster.
     """
     if kernel not in LOSS_KERNELS:
         raise ValueError(

@@ -1,12 +1,9 @@
-"""Reference losses that materialise the similarity matrix: the baselines the tiled loss must match.
+"""Losses that materialise the similarity matrix: the baselines the tiled loss must match.
 
-* ``vanilla_loss`` — CLIP's original: gather both towers with grad, build the full b×b logits.
-* ``local_loss`` — open_clip's ``local_loss=True, gather_with_grad=True``: this rank's rows
-  against all gathered columns, (n × b) in each direction.
-* ``vanilla_sigmoid_loss`` — SigLIP: this rank's rows against all gathered texts (n × b).
-
-Both return the mean loss over this rank's own rows (and, in symmetric mode, own columns), so
-the average over ranks is the global loss and the gathers' summed backward hands each rank
+``vanilla_loss`` is CLIP's original (the full b×b logits), ``local_loss`` open_clip's
+``local_loss=True, gather_with_grad=True`` (this rank's rows against all columns, both ways) and
+``vanilla_sigmoid_loss`` SigLIP's (this rank's rows against all texts). Each returns the mean
+over this rank's rows (and own columns), and the gathers' summed backward hands each rank
 W × ∂L_global/∂(its features).
 """
 
@@ -18,11 +15,13 @@ import torch.nn.functional as F
 from clip_train.loss.checks import Batch, gather_with_grad
 
 
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Low-precision logits in fp32, as autocast does for cross-entropy."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # Low-precision logits are upcast, as autocast does for cross-entropy.
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return F.cross_entropy(logits, labels)
+    return F.cross_entropy(_upcast(logits), labels)
 
 
 def vanilla_loss(
@@ -60,9 +59,7 @@ def vanilla_sigmoid_loss(
     batch: Batch,
 ) -> torch.Tensor:
     all_texts = gather_with_grad(text_features, batch)
-    logits = logit_scale * image_features @ all_texts.t() + logit_bias  # (n, W·n)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
+    logits = _upcast(logit_scale * image_features @ all_texts.t() + logit_bias)  # (n, W·n)
     signs = -torch.ones_like(logits)
     signs[torch.arange(len(logits), device=logits.device), batch.labels] = 1.0
     return -F.logsigmoid(signs * logits).sum() / image_features.shape[0]

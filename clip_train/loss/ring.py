@@ -1,12 +1,9 @@
 """The ring of ranks: text blocks travel from rank to rank, so no rank ever holds the whole batch.
 
-Forward, one pass: text block T_k starts at rank k and visits every rank; each rank computes its
-tiles against the block in hand, and state that belongs to the block (the softmax's column LSE)
-travels on with it, complete when it gets home. Backward, one more pass the other way round:
-each rank starts with the block the forward ended on and T_k travels with a dT_k accumulator,
-arriving home complete after the last hop, while dI accumulates locally. The next block's
-transfer is posted before computing on the block in hand and waited for after, so
-communication overlaps the matmuls. With one rank there is no communication.
+Forward: block T_k starts at rank k and visits every rank, carrying its own state (the softmax's
+column LSE), which is complete when it gets home. Backward: the other way round, T_k carries a
+dT_k accumulator home while dI accumulates locally. Each hop's transfer is posted before the
+compute on the block in hand and waited for after, so communication overlaps the matmuls.
 """
 
 from __future__ import annotations
@@ -21,23 +18,18 @@ import torch.distributed as dist
 from clip_train.loss.checks import Batch
 
 
-class Ring:
-    """Point-to-point exchange with this rank's ring neighbours (send to next, receive from previous)."""
-
-    def __init__(self, batch: Batch) -> None:
-        self.group, self.world = batch.group, batch.world
-        if self.world > 1:
-            self.next = dist.get_global_rank(self.group, (batch.rank + 1) % self.world)
-            self.prev = dist.get_global_rank(self.group, (batch.rank - 1) % self.world)
-
-    def start(self, send: list[torch.Tensor], recv: list[torch.Tensor], reverse: bool = False) -> list[Any]:
-        """Post the transfers; ``reverse`` sends to the previous rank and receives from the next."""
-        if self.world == 1 or not (send or recv):
-            return []
-        to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]
-        return dist.batch_isend_irecv(ops)
+def _exchange(
+    batch: Batch, send: list[torch.Tensor], recv: list[torch.Tensor], reverse: bool = False
+) -> list[Any]:
+    """Post the transfers to the next rank and from the previous one (``reverse``: the other way)."""
+    if batch.world == 1 or not (send or recv):
+        return []
+    hop = -1 if reverse else 1
+    to = dist.get_global_rank(batch.group, (batch.rank + hop) % batch.world)
+    source = dist.get_global_rank(batch.group, (batch.rank - hop) % batch.world)
+    ops = [dist.P2POp(dist.isend, t, to, batch.group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, source, batch.group) for t in recv]
+    return dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list[Any]) -> None:
@@ -54,22 +46,17 @@ def forward_pass(
     """Show every rank's text block to ``visit(owner, block, carried)``, which may update
     ``carried`` (the block's own state) in place. Returns the block in hand at the end, its
     carried state, and this rank's own block's carried state, home complete."""
-    ring = Ring(batch)
     held = carried
     for step in range(batch.world):
-        owner = (batch.rank - step) % batch.world
         last = step == batch.world - 1
-        next_block = None if last else torch.empty_like(block)
-        transfer = ring.start([] if last else [block], [] if last else [next_block])
-        visit(owner, block, carried)
+        next_block = block if last else torch.empty_like(block)
+        transfer = [] if last else _exchange(batch, [block], [next_block])
+        visit((batch.rank - step) % batch.world, block, carried)
         if carried is not None and batch.world > 1:  # the state moves on once it is updated
-            incoming = torch.empty_like(carried)
-            transfer += ring.start([carried], [incoming])
+            held, carried = carried, torch.empty_like(carried)
+            transfer += _exchange(batch, [held], [carried])
         _wait(transfer)
-        if carried is not None and batch.world > 1:
-            held, carried = carried, incoming
-        if not last:
-            block = next_block
+        block = next_block
     return block, held, carried
 
 
@@ -81,20 +68,16 @@ def backward_pass(
     """Starting from the block the forward ended on (``travelling``: the block and its state),
     call ``visit(owner, travelling)`` for every rank's block, the other way round; it returns
     that block's gradient accumulator, which follows the block home. Returns this rank's own."""
-    ring = Ring(batch)
     done = None  # the accumulator of the block visited in the previous step
     for step in range(batch.world):
-        owner = (batch.rank + 1 + step) % batch.world
         last = step == batch.world - 1
-        send, recv = ([], []) if last else (travelling, [torch.empty_like(t) for t in travelling])
-        if done is not None:
-            incoming = torch.empty_like(done)
-            send, recv = [*send, done], [*recv, incoming]
-        transfer = ring.start(send, recv, reverse=True)
-        accumulator = visit(owner, travelling)
+        send = ([] if last else travelling) + ([] if done is None else [done])
+        recv = [torch.empty_like(t) for t in send]
+        transfer = _exchange(batch, send, recv, reverse=True)
+        accumulator = visit((batch.rank + 1 + step) % batch.world, travelling)
         _wait(transfer)
         if done is not None:
-            accumulator += incoming
+            accumulator += recv[-1]
         done = accumulator
         if not last:
             travelling = recv[: len(travelling)]

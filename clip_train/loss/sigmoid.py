@@ -1,18 +1,11 @@
 """The sigmoid (SigLIP) loss, tiled on each rank and ringed across ranks (``impl="inf"``).
 
-``X = s·I Tᵀ + b``; every pair is a binary problem, positive on the diagonal and negative
-elsewhere, so rank r's loss is ``(1/n) [Σ_{i∈r, all j} softplus(X_ij) - Σ_{i∈r} X_ii]`` (SigLIP
-sums over pairs and divides by the images, as open_clip's ``SigLipLoss`` does per rank). There
-is no normaliser across a row or column: the gradient ``G = (w_r / n)·(sigmoid(X) - I)`` of each
-element depends on that element alone. So the forward computes the loss and the gradients
-together, for the unit coefficient, in one ring pass (3 matmuls a tile), the text-gradient
-accumulator travelling home with its block; the backward scales them by the upstream
-coefficient. Only when ranks backpropagate different coefficients (each weighs its own rows)
-does the backward recompute, with one more ring pass.
-
-Same convention as the softmax loss: the average over ranks is the global loss, each rank's
-features get the gradient of the sum of the rank losses, and the per-rank scale and bias
-gradients average to the global ones.
+``X = s·I Tᵀ + b``, positive on the diagonal, negative elsewhere; rank r's loss is
+``(1/n) [Σ_{i∈r, all j} softplus(X_ij) - Σ_{i∈r} X_ii]``, as open_clip's ``SigLipLoss``. With no
+normaliser, ``G = (w_r / n)·(sigmoid(X) - I)`` depends on each element alone, so the forward
+computes loss and unit-coefficient gradients in one ring pass and the backward only scales them;
+it recomputes (one more pass) only when ranks backpropagate different coefficients. Gradients
+follow the softmax loss's convention (see ``clip_train.loss``).
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ from typing import Any
 
 import torch
 
-from clip_train.loss.checks import Batch, row_dots
+from clip_train.loss.checks import Batch, grads_like, row_dots
 from clip_train.loss.kernels import Tiles
 from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
 
@@ -64,7 +57,7 @@ class SigmoidLoss(torch.autograd.Function):
         block, _, grad_texts = forward_pass(batch, texts, grad_texts, visit)
         ctx.save_for_backward(images, block, grad_images, grad_texts, g_sum)
         ctx.batch, ctx.tile, ctx.tiles, ctx.scale, ctx.bias = batch, tile, tiles, scale, bias
-        ctx.input_dtypes = [
+        ctx.input_meta = [
             (t.dtype, t.shape) for t in (image_features, text_features, logit_scale, logit_bias)
         ]
         return (softplus_sum - positives) / n
@@ -83,12 +76,7 @@ class SigmoidLoss(torch.autograd.Function):
             grad_images, grad_texts, grad_bias = _recompute(ctx, images, block, coef)
         grad_scale = row_dots(images, grad_images, grad_images.dtype).sum()
         grads = (grad_images * ctx.scale, grad_texts * ctx.scale, grad_scale, grad_bias)
-        return (
-            *(g.to(dtype).reshape(shape) for g, (dtype, shape) in zip(grads, ctx.input_dtypes, strict=True)),
-            None,
-            None,
-            None,
-        )
+        return (*grads_like(grads, ctx.input_meta), None, None, None)
 
 
 def _recompute(

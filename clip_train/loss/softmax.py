@@ -1,14 +1,10 @@
 """The softmax (CLIP / InfoNCE) loss, tiled on each rank and ringed across ranks (``impl="inf"``).
 
-Forward: each rank merges its tiles' log-sum-exps into its own row LSE and into the column LSE
-of the text block in hand, which travels with the block (symmetric mode; hard negatives need
-rows only). Backward: the tile kernels form G from both LSEs. A column's softmax term is part of
-its owner's loss, so it takes the owner's upstream gradient (one all-gather of W scalars), which
-may differ from this rank's.
-
-Scale gradient: rank r returns ⟨I_r, dI_r⟩ / s, i.e. Σ G∘X/s over its own rows' tiles. Summed
-over ranks that is every tile exactly once, so the per-rank values average to ∂L_global/∂s
-(Inf-CL instead returns the full sum on every rank, W× too large).
+The forward merges tile LSEs into this rank's row LSE and into the column LSE of the text block
+in hand, which travels with the block (hard negatives need rows only). A column's softmax term
+belongs to its owner's loss, so the backward weights it by the owner's upstream gradient. The
+scale gradient ⟨I_r, dI_r⟩ / s covers every tile exactly once over the ranks, so the per-rank
+values average to ∂L_global/∂s (Inf-CL returns the full sum on every rank, W× too large).
 """
 
 from __future__ import annotations
@@ -18,16 +14,14 @@ from typing import Any
 
 import torch
 
-from clip_train.loss.checks import Batch, row_dots
+from clip_train.loss.checks import Batch, grads_like, row_dots
 from clip_train.loss.kernels import Tiles
 from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
 
 
 def _positives(batch: Batch, owner: int, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rows whose positive lies in the text block of rank ``owner``, and the block rows they pair with.
-
-    ``None`` stands for the whole diagonal of the home block in symmetric mode (no indexing).
-    """
+    """Rows whose positive lies in rank ``owner``'s text block, and the block rows they pair with;
+    ``None`` in symmetric mode, where the positives are the home block's diagonal (no indexing)."""
     if batch.symmetric:
         return None
     rows = ((batch.labels // m) == owner).nonzero().squeeze(1)
@@ -72,7 +66,7 @@ class SoftmaxLoss(torch.autograd.Function):
         # The backward starts from the block in hand, the one the forward ended on.
         ctx.save_for_backward(images, block, row_lse, held_col_lse)
         ctx.batch, ctx.tile, ctx.tiles, ctx.scale, ctx.last_tile = batch, tile, tiles, scale, last_tile
-        ctx.input_dtypes = (image_features.dtype, text_features.dtype, logit_scale.dtype, logit_scale.shape)
+        ctx.input_meta = [(t.dtype, t.shape) for t in (image_features, text_features, logit_scale)]
         return loss
 
     @staticmethod
@@ -120,13 +114,6 @@ class SoftmaxLoss(torch.autograd.Function):
             return grad_block
 
         grad_texts = backward_pass(batch, [block] + ([col_lse] if col_lse is not None else []), visit)
-        image_dtype, text_dtype, scale_dtype, scale_shape = ctx.input_dtypes
         grad_scale = row_dots(images, grad_images, acc_dtype).sum()
-        return (
-            grad_images.mul_(ctx.scale).to(image_dtype),
-            grad_texts.mul_(ctx.scale).to(text_dtype),
-            grad_scale.to(scale_dtype).reshape(scale_shape),
-            None,
-            None,
-            None,
-        )
+        grads = (grad_images.mul_(ctx.scale), grad_texts.mul_(ctx.scale), grad_scale)
+        return (*grads_like(grads, ctx.input_meta), None, None, None)

@@ -1,15 +1,10 @@
 """PyTorch tiles: one text block against this rank's image rows, on any device.
 
-Each function walks the (n × m) similarity block ``X = s·I Tᵀ`` in t×t tiles and holds one
-tile at a time. A tile's logits come from one matmul into a tile buffer (the scale rides along
-as the matmul's ``alpha``, so it costs nothing); the elementwise work then runs over strips of
-its rows small enough to stay in cache, so a tile crosses main memory about twice however many
-elementwise steps it takes. The softmax forward feeds both directions from the same
-exponentials; its backward spends two more matmuls per tile on the gradients of both feature
-sets, and recomputes every tile except the forward's last, whose logits the forward hands over
-(:class:`LastTile`) along with its buffer. The sigmoid loss needs no normaliser, so one pass gives
-its loss and gradients. ``softmax.py`` and ``sigmoid.py`` call these once per text block in hand;
-``tiles_triton.py`` provides the same three functions as fused CUDA kernels.
+Each function walks the (n × m) block ``X = s·I Tᵀ`` in t×t tiles, one tile buffer at a time:
+one matmul fills it (the scale rides along as ``alpha``), then the elementwise work runs over
+cache-sized strips of its rows, so a tile crosses main memory about twice. The softmax backward
+recomputes every tile except the forward's last (:class:`LastTile`); the sigmoid loss needs no
+normaliser, so one pass gives its loss and gradients. ``tiles_triton.py`` has the same functions.
 """
 
 from __future__ import annotations
@@ -27,11 +22,8 @@ STRIP_ELEMENTS = 1 << 20
 
 @dataclass(frozen=True)
 class LastTile:
-    """The raw logits of the forward's last tile, so the backward can start there without a matmul.
-
-    ``buffer`` is the forward's whole tile buffer; the backward goes on using it for the tiles it
-    recomputes, so handing it over costs no memory.
-    """
+    """The forward's last tile, so the backward can start there without a matmul. ``buffer`` is
+    the forward's whole tile buffer, which the backward goes on using: the hand-over is free."""
 
     rows: slice
     cols: slice
@@ -48,27 +40,31 @@ def default_tile(device: torch.device) -> int:
     return 4096 if device.type == "cpu" else 8192
 
 
-def _default_strip(device: torch.device) -> int:
-    """Elements per strip: cache-sized on CPU; on CUDA the whole tile (each strip op is a kernel
-    launch there, and a tile's elementwise pass is bandwidth-bound either way)."""
-    return STRIP_ELEMENTS if device.type == "cpu" else 1 << 62
-
-
 def _tiles(size: int, tile: int) -> list[slice]:
     return [slice(start, min(start + tile, size)) for start in range(0, size, tile)]
+
+
+def _tile_grid(images: torch.Tensor, texts: torch.Tensor, tile: int) -> list[tuple[slice, slice]]:
+    return [(rows, cols) for rows in _tiles(len(images), tile) for cols in _tiles(len(texts), tile)]
 
 
 def _view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
+def _tile_buffer(images: torch.Tensor, texts: torch.Tensor, tile: int) -> torch.Tensor:
+    return images.new_empty(min(tile, len(images)) * min(tile, len(texts)))
+
+
 def _strip_buffer(
-    like: torch.Tensor, tile_rows: int, tile_cols: int, strip_elements: int | None
+    images: torch.Tensor, texts: torch.Tensor, tile: int, strip_elements: int | None
 ) -> torch.Tensor:
-    """Room for one strip: as many whole rows of a tile as fit in ``strip_elements`` (by default
-    the device's), at least one."""
-    elements = strip_elements or _default_strip(like.device)
-    return like.new_empty(min(tile_rows, max(1, elements // tile_cols)) * tile_cols)
+    """Room for as many whole rows of a tile as fit in ``strip_elements``, at least one. By default
+    cache-sized on CPU; on CUDA the whole tile (each strip op is a kernel launch there, and the
+    elementwise pass is bandwidth-bound either way)."""
+    rows, cols = min(tile, len(images)), min(tile, len(texts))
+    elements = strip_elements or (STRIP_ELEMENTS if images.device.type == "cpu" else rows * cols)
+    return images.new_empty(min(rows, max(1, elements // cols)) * cols)
 
 
 def _strips(tile: torch.Tensor, strip: torch.Tensor) -> Iterator[slice]:
@@ -78,10 +74,8 @@ def _strips(tile: torch.Tensor, strip: torch.Tensor) -> Iterator[slice]:
 def _exp_sums(
     logits: torch.Tensor, shift: torch.Tensor, col_weights: torch.Tensor | None, strip: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Row sums of ``exp(X - shift[:, None])`` and, with ``col_weights``, its weighted column sums.
-
-    ``logits`` is left intact (the backward may reuse it); the exponentials live in ``strip``.
-    """
+    """Row sums of ``exp(X - shift[:, None])`` and, with ``col_weights``, its weighted column sums;
+    the exponentials live in ``strip``, leaving ``logits`` intact for the backward."""
     rows, cols = logits.shape
     ones = logits.new_ones(cols)
     row_sums = logits.new_empty(rows)
@@ -107,33 +101,29 @@ def softmax_forward(
     """Merge the log-sum-exps of ``X = scale · images @ textsᵀ`` into ``row_lse`` and ``col_lse``.
 
     Rows are shifted by their maximum in the tile, so row sums lie in [1, t]. Columns reuse the
-    same exponentials, rescaled per row by ``exp(shift - max shift)`` ≤ 1 in the column sum;
-    this is exact unless a column lies so far below the tile's top row that its terms
-    underflow. Such columns (rare, only at large scales in fp32) are recomputed on their own.
-    Returns the last tile's logits for :func:`block_backward`.
+    same exponentials, weighted per row by ``exp(shift - max shift)`` ≤ 1; the rare columns whose
+    terms that underflows (large scales, fp32) are recomputed on their own. Returns the last tile
+    for :func:`softmax_backward`.
     """
     finfo = torch.finfo(images.dtype)
-    n, m = images.shape[0], texts.shape[0]
-    buffer = images.new_empty(min(tile, n) * min(tile, m))
-    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
-    for rows in _tiles(n, tile):
-        for cols in _tiles(m, tile):
-            images_tile, texts_tile = images[rows], texts[cols]
-            logits = _logits(buffer, images_tile, texts_tile, scale)
-            shift = logits.amax(dim=1)
-            top = shift.max()
-            col_weights = (shift - top).exp_() if col_lse is not None else None
-            row_sums, col_sums = _exp_sums(logits, shift, col_weights, strip)
-            torch.logaddexp(row_lse[rows], row_sums.log_().add_(shift), out=row_lse[rows])
-            if col_lse is None or col_sums is None:
-                continue
-            # Below this bound a sum may have lost more than a rounding error to underflow.
-            unsafe = col_sums < len(images_tile) * finfo.tiny / finfo.eps
-            col_tile_lse = col_sums.log_().add_(top)
-            if unsafe.any():
-                idx = unsafe.nonzero().squeeze(1)
-                col_tile_lse[idx] = torch.logsumexp(logits[:, idx], dim=0)
-            torch.logaddexp(col_lse[cols], col_tile_lse, out=col_lse[cols])
+    buffer = _tile_buffer(images, texts, tile)
+    strip = _strip_buffer(images, texts, tile, strip_elements)
+    for rows, cols in _tile_grid(images, texts, tile):
+        logits = _logits(buffer, images[rows], texts[cols], scale)
+        shift = logits.amax(dim=1)
+        top = shift.max()
+        col_weights = (shift - top).exp_() if col_lse is not None else None
+        row_sums, col_sums = _exp_sums(logits, shift, col_weights, strip)
+        torch.logaddexp(row_lse[rows], row_sums.log_().add_(shift), out=row_lse[rows])
+        if col_lse is None or col_sums is None:
+            continue
+        # Below this bound a sum may have lost more than a rounding error to underflow.
+        unsafe = col_sums < len(logits) * finfo.tiny / finfo.eps
+        col_tile_lse = col_sums.log_().add_(top)
+        if unsafe.any():
+            idx = unsafe.nonzero().squeeze(1)
+            col_tile_lse[idx] = torch.logsumexp(logits[:, idx], dim=0)
+        torch.logaddexp(col_lse[cols], col_tile_lse, out=col_lse[cols])
     return LastTile(rows, cols, buffer)
 
 
@@ -158,11 +148,8 @@ def _softmax_grads_(
     strip: torch.Tensor,
 ) -> torch.Tensor:
     """Overwrite ``logits`` with ``exp(X - row_shift[:, None]) + col_coef·exp(X - col_shift[None, :])``
-    (either term may be absent).
-
-    When the shifts are within a safe range of each other, the column term is the row term
-    times the rank-one factor ``exp(row_shift_i - col_shift_j)``: one ``exp`` per element.
-    """
+    (either term may be absent). With the shifts close enough, the column term is the row term
+    times the rank-one factor ``exp(row_shift_i - col_shift_j)``: one ``exp`` per element."""
     cols = logits.shape[1]
     # Past this gap a row term could underflow where the column term still matters.
     max_gap = -math.log(torch.finfo(logits.dtype).tiny) / 3
@@ -202,19 +189,16 @@ def softmax_backward(
     last_tile: LastTile | None = None,
     strip_elements: int | None = None,
 ) -> None:
-    """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts``.
-
-    ``G = row_coef·exp(X - row_lse[:, None]) + col_coef·exp(X - col_lse[None, :])``: the softmax
-    gradients of both directions, each with its upstream coefficient. ``last_tile``, the
-    forward's hand-over for this same block, is processed first and not recomputed.
+    """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts`` for
+    ``G = row_coef·exp(X - row_lse[:, None]) + col_coef·exp(X - col_lse[None, :])``, both directions'
+    softmax gradients. ``last_tile``, the forward's hand-over for this block, is not recomputed.
     """
-    n, m = images.shape[0], texts.shape[0]
     row_shift, row_sign = _fold(row_lse, row_coef)
     col_shift, col_sign = _fold(col_lse, col_coef)
     if row_shift is None and col_shift is None:
         return  # both coefficients are zero: G is zero
     sign = row_sign if row_shift is not None else col_sign  # G's overall sign; the other is relative
-    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
+    strip = _strip_buffer(images, texts, tile, strip_elements)
     for rows, cols, logits in _backward_tiles(images, texts, scale, tile, last_tile):
         row_shift_tile = row_shift[rows] if row_shift is not None else None
         col_shift_tile = col_shift[cols] if col_shift is not None else None
@@ -228,10 +212,9 @@ def _backward_tiles(
 ) -> Iterator[tuple[slice, slice, torch.Tensor]]:
     """Every tile's (rows, cols, logits), the forward's hand-over first (not recomputed); the
     caller may overwrite each tile's logits before asking for the next."""
-    n, m = images.shape[0], texts.shape[0]
-    order = [(rows, cols) for rows in _tiles(n, tile) for cols in _tiles(m, tile)]
+    order = _tile_grid(images, texts, tile)
     if last_tile is None:
-        buffer = images.new_empty(min(tile, n) * min(tile, m))
+        buffer = _tile_buffer(images, texts, tile)
     else:
         buffer = last_tile.buffer
         order.remove((last_tile.rows, last_tile.cols))
@@ -251,28 +234,25 @@ def sigmoid_forward_backward(
     tile: int,
     strip_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sigmoid loss's block in one pass over the tiles, ``X = scale · images @ textsᵀ + bias``.
+    """The sigmoid loss's block in one pass, ``X = scale · images @ textsᵀ + bias`` (3 matmuls a tile).
 
-    Returns ``Σ softplus(X)`` (every pair's loss as a negative; the positives' correction is the
-    caller's) and ``Σ G``, and accumulates ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images``
-    into ``grad_texts`` for ``G = coef · sigmoid(X)``: the negatives' part of the gradient, which
-    depends on each element alone, so the forward can produce it with the loss (3 matmuls a tile).
+    Returns ``Σ softplus(X)`` (every pair as a negative; the positives are the caller's) and ``Σ G``,
+    and accumulates ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts`` for
+    ``G = coef · sigmoid(X)``, the negatives' gradient: it depends on each element alone.
     """
-    n, m = images.shape[0], texts.shape[0]
-    buffer = images.new_empty(min(tile, n) * min(tile, m))
-    strip = _strip_buffer(images, min(tile, n), min(tile, m), strip_elements)
+    buffer = _tile_buffer(images, texts, tile)
+    strip = _strip_buffer(images, texts, tile, strip_elements)
     softplus_total, sigmoid_total = images.new_zeros(()), images.new_zeros(())
-    for rows in _tiles(n, tile):
-        for cols in _tiles(m, tile):
-            logits = _logits(buffer, images[rows], texts[cols], scale)
-            for part in _strips(logits, strip):
-                x = logits[part].add_(bias)
-                other = _view(strip, part.stop - part.start, logits.shape[1])
-                # softplus(x) = relu(x) - log sigmoid(|x|): vectorised ops only (logaddexp and
-                # logsigmoid run 4-25x slower on CPU), and sigmoid(|x|) ∈ [0.5, 1] keeps the log exact.
-                softplus_total += torch.clamp(x, min=0, out=other).sum()
-                softplus_total -= torch.abs(x, out=other).sigmoid_().log_().sum()
-                sigmoid_total += x.sigmoid_().sum()
-            grad_images[rows].addmm_(logits, texts[cols], alpha=coef)
-            grad_texts[cols].addmm_(logits.t(), images[rows], alpha=coef)
+    for rows, cols in _tile_grid(images, texts, tile):
+        logits = _logits(buffer, images[rows], texts[cols], scale)
+        for part in _strips(logits, strip):
+            x = logits[part].add_(bias)
+            other = _view(strip, part.stop - part.start, logits.shape[1])
+            # softplus(x) = relu(x) - log sigmoid(|x|): vectorised ops only (logaddexp and
+            # logsigmoid run 4-25x slower on CPU), and sigmoid(|x|) ∈ [0.5, 1] keeps the log exact.
+            softplus_total += torch.clamp(x, min=0, out=other).sum()
+            softplus_total -= torch.abs(x, out=other).sigmoid_().log_().sum()
+            sigmoid_total += x.sigmoid_().sum()
+        grad_images[rows].addmm_(logits, texts[cols], alpha=coef)
+        grad_texts[cols].addmm_(logits.t(), images[rows], alpha=coef)
     return softplus_total, sigmoid_total * coef

@@ -1,27 +1,17 @@
-"""Triton tiles: one text block against this rank's image rows, as fused CUDA kernels.
+"""Triton tiles: the functions of ``tiles_torch.py`` as fused CUDA kernels.
 
-The functions of ``tiles_torch.py`` (except that the softmax forward hands no last tile to the
-backward). Features may be fp32, bf16 or fp16; logits, exponentials and every accumulator are
-fp32 (fp32 operands use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set).
+Features may be fp32, bf16 or fp16; logits, exponentials and accumulators are fp32 (fp32 dots
+use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set). The softmax forward writes
+per-tile row and column LSEs that the host merges; it hands no last tile to the backward.
 
-* Softmax forward: each program owns one (BLOCK_M × BLOCK_N) tile of ``X = s·I Tᵀ`` and writes the
-  tile's row and column log-sum-exps; the host merges them (a 1/BLOCK-sized reduction), column
-  chunk by column chunk to bound that buffer.
-* Gradients: no atomics. ``dI = G T`` and ``dT = Gᵀ I`` are two launches of one *owner* kernel:
-  each program owns a block of rows of one side (image rows for dI, text rows for dT), keeps
-  them and their whole gradient (BLOCK × the padded dim, fp32) in registers, and streams every
-  row of the other side past them: one load of each streamed block serves both the logits
-  (``a bᵀ``) and the gradient (``g b``). Each program then writes its own rows once. A tile-grid
-  backward, where every tile adds its (64 × d) partial gradients into both outputs, does
-  n·m·d/32 global atomic read-modify-writes: 275 GB at n = m = 65,536, d = 512. The owner
-  layout trades that for recomputing the logits once more (5 matmul-equivalents for the whole
-  loss instead of 4), and is why the Triton path takes d ≤ 1024 (≤ 512 for fp32 features).
-* Sigmoid: the two owner launches also sum each row's pair losses, so loss and gradients come
-  from 4 matmul-equivalents in all.
-
-Plain ``tl`` operations only — no inline PTX — with masked loads for ragged edges and int64
-offsets, so the kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them)
-and compile ahead of time for sm_80/sm_90 on a machine without a GPU (``tests/test_triton_aot.py``).
+Gradients use no atomics: ``dI = G T`` and ``dT = Gᵀ I`` are two launches of one *owner* kernel,
+each program holding a block of one side's rows and their whole fp32 gradient in registers while
+every row of the other side streams past. A tile-grid backward would instead do n·m·d/32 global
+atomic read-modify-writes (275 GB at n = m = 65,536, d = 512); the price is one more logits
+recomputation, and the d ≤ 1024 limit (≤ 512 for fp32). The sigmoid's owner launches also sum
+each row's pair losses. Plain ``tl`` ops, masked loads and int64 offsets keep the kernels runnable
+under ``TRITON_INTERPRET=1`` (how CI tests them) and compilable ahead of time for sm_80/sm_90
+without a GPU (``tests/test_triton_aot.py``).
 """
 
 from __future__ import annotations
@@ -56,10 +46,6 @@ class Launch:
     num_stages: int
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: TF32 for fp32 only when PyTorch allows it (never interpreted)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -69,33 +55,23 @@ def _precision(dtype: torch.dtype) -> str:
 
 def max_dim(dtype: torch.dtype) -> int:
     """The widest embedding the backward can hold on chip for features of ``dtype``."""
-    return max(OWNER_BLOCKS[_itemsize(dtype)])
+    return max(OWNER_BLOCKS[dtype.itemsize])
 
 
 def forward_launch(dtype: torch.dtype, has_cols: bool, precision: str) -> Launch:
     """16-bit operands take twice the rows and depth for the same shared memory; the fp32 logits
     tile and its exponentials bound the rest (128 × 128 spills)."""
     rows, depth = (128, 64) if dtype != torch.float32 else (64, 32)
-    constexprs = {
-        "HAS_COLS": has_cols,
-        "BLOCK_M": rows,
-        "BLOCK_N": 64,
-        "BLOCK_D": depth,
-        "PRECISION": precision,
-    }
+    constexprs = dict(HAS_COLS=has_cols, BLOCK_M=rows, BLOCK_N=64, BLOCK_D=depth, PRECISION=precision)
     return Launch(constexprs, num_warps=8, num_stages=3)
 
 
 def owner_launch(dtype: torch.dtype, dim: int, sigmoid: bool, precision: str) -> Launch:
     dim_block = max(64, triton.next_power_of_2(dim))
-    owned, streamed = OWNER_BLOCKS[_itemsize(dtype)][dim_block]
-    constexprs = {
-        "SIGMOID": sigmoid,
-        "BLOCK_OWNED": owned,
-        "BLOCK_STREAMED": streamed,
-        "BLOCK_DIM": dim_block,
-        "PRECISION": precision,
-    }
+    owned, streamed = OWNER_BLOCKS[dtype.itemsize][dim_block]
+    constexprs = dict(
+        SIGMOID=sigmoid, BLOCK_OWNED=owned, BLOCK_STREAMED=streamed, BLOCK_DIM=dim_block, PRECISION=precision
+    )
     return Launch(constexprs, num_warps=8, num_stages=2)
 
 
@@ -188,7 +164,7 @@ def _owner_kernel(
 
 def _check(features: tuple[torch.Tensor, ...], accumulators: tuple[torch.Tensor, ...] = ()) -> None:
     dtypes = {t.dtype for t in features}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
+    if len(dtypes) != 1 or features[0].dtype not in DTYPES:
         raise ValueError(f"triton loss kernels take fp32, bf16 or fp16 features of one dtype, got {dtypes}")
     for t in accumulators:
         if t.dtype != torch.float32:
@@ -196,8 +172,7 @@ def _check(features: tuple[torch.Tensor, ...], accumulators: tuple[torch.Tensor,
     for t in (*features, *accumulators):
         if not t.is_contiguous():
             raise ValueError(f"triton loss kernels take contiguous tensors, got strides {t.stride()}")
-    if features[0].shape[1] > max_dim(features[0].dtype):
-        limit = max_dim(features[0].dtype)
+    if features[0].shape[1] > (limit := max_dim(features[0].dtype)):
         raise ValueError(f"triton loss kernels take {features[0].dtype} features with d <= {limit}")
 
 
@@ -238,45 +213,25 @@ def softmax_forward(
 def _owner_pass(
     owned: torch.Tensor,
     streamed: torch.Tensor,
-    scale: float,
     grad: torch.Tensor,
-    *,
-    owned_lse: torch.Tensor | None = None,
-    owned_coef: float = 0.0,
-    streamed_lse: torch.Tensor | None = None,
-    streamed_coef: float = 0.0,
-    bias: float | None = None,
-    row_sums: torch.Tensor | None = None,
-    softplus_sums: torch.Tensor | None = None,
+    scale: float,
+    coefs: tuple[float, float, float],
+    lse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: float = 0.0,
+    sums: tuple[torch.Tensor, ...] | None = None,
 ) -> None:
-    """One launch of the owner kernel: ``grad += G @ streamed`` with G oriented owned × streamed.
+    """One owner-kernel launch, ``grad += G @ streamed`` with G oriented owned × streamed.
 
-    Softmax: an absent term (no column LSE in hard-negative mode) gets a zero coefficient and an
-    infinite LSE, so its exponentials are exactly 0 rather than 0 · (whatever overflowed).
-    Sigmoid (``bias`` given): ``owned_coef`` is the one coefficient; ``row_sums`` and
-    ``softplus_sums`` (both required) receive Σ_j g_ij and Σ_j softplus(x_ij + bias).
+    Softmax takes the (owned, streamed) LSEs; sigmoid takes ``sums``, which receive each owned
+    row's Σ_j g_ij and Σ_j softplus(x_ij + bias). ``coefs`` is (owned, streamed, grad_scale).
     """
-    sigmoid = bias is not None
-    if not sigmoid:
-        if owned_lse is None:
-            owned_lse, owned_coef = owned.new_full((len(owned),), float("inf"), dtype=torch.float32), 0.0
-        if streamed_lse is None:
-            streamed_lse, streamed_coef = (
-                owned.new_full((len(streamed),), float("inf"), dtype=torch.float32),
-                0.0,
-            )
-    grad_scale = max(abs(owned_coef), abs(streamed_coef)) or (1.0 if sigmoid else 0.0)
-    if grad_scale == 0:  # both softmax terms are zero: so is G
-        return
+    sigmoid = sums is not None
     launch = owner_launch(owned.dtype, owned.shape[1], sigmoid, _precision(owned.dtype))
-    grid = (triton.cdiv(owned.shape[0], launch.constexprs["BLOCK_OWNED"]),)
-    unused = grad  # pointers the specialisation never reads must still be tensors
-    lse = (unused, unused) if sigmoid else (owned_lse, streamed_lse)
-    sums = (row_sums, softplus_sums) if sigmoid else (unused, unused)
-    coefs = (owned_coef / grad_scale, streamed_coef / grad_scale, grad_scale)
+    grid = (triton.cdiv(len(owned), launch.constexprs["BLOCK_OWNED"]),)
+    unused = (grad, grad)  # pointers the specialisation never reads must still be tensors
     args = (
-        owned, streamed, *lse, grad, *sums, len(owned), len(streamed), owned.shape[1], owned.stride(0),
-        streamed.stride(0), scale, bias or 0.0, *coefs,
+        owned, streamed, *(lse or unused), grad, *(sums or unused), len(owned), len(streamed), owned.shape[1],
+        owned.stride(0), streamed.stride(0), scale, bias, *coefs,
     )  # fmt: skip
     _launch(_owner_kernel, grid, launch, *args)
 
@@ -299,11 +254,15 @@ def softmax_backward(
     ``last_tile`` is always ``None``: the Triton forward keeps no logits to hand over.
     """
     del tile, last_tile  # each program streams the whole other side; nothing to chunk or reuse
-    _check((images, texts), (row_lse, grad_images, grad_texts, *([col_lse] if col_lse is not None else [])))
-    rows = {"owned_lse": row_lse, "owned_coef": row_coef, "streamed_lse": col_lse, "streamed_coef": col_coef}
-    cols = {"owned_lse": col_lse, "owned_coef": col_coef, "streamed_lse": row_lse, "streamed_coef": row_coef}
-    _owner_pass(images, texts, scale, grad_images, **rows)
-    _owner_pass(texts, images, scale, grad_texts, **cols)
+    if col_lse is None:  # hard negatives: an infinite LSE makes the term exactly 0, not 0 · overflow
+        col_lse, col_coef = row_lse.new_full((len(texts),), float("inf")), 0.0
+    _check((images, texts), (row_lse, col_lse, grad_images, grad_texts))
+    grad_scale = max(abs(row_coef), abs(col_coef))
+    if grad_scale == 0:  # both terms are zero: so is G
+        return
+    row_coef, col_coef = row_coef / grad_scale, col_coef / grad_scale
+    _owner_pass(images, texts, grad_images, scale, (row_coef, col_coef, grad_scale), lse=(row_lse, col_lse))
+    _owner_pass(texts, images, grad_texts, scale, (col_coef, row_coef, grad_scale), lse=(col_lse, row_lse))
 
 
 def sigmoid_forward_backward(
@@ -320,39 +279,34 @@ def sigmoid_forward_backward(
     into ``grad_texts`` for ``G = coef · sigmoid(X)`` (see tiles_torch.py): two owner launches."""
     del tile  # each program streams the whole other side; nothing to chunk
     _check((images, texts), (grad_images, grad_texts))
-    sums = [images.new_zeros(len(t), dtype=torch.float32) for t in (images, images, texts, texts)]
-    _owner_pass(
-        images, texts, scale, grad_images, owned_coef=coef, bias=bias, row_sums=sums[0], softplus_sums=sums[1]
-    )
-    _owner_pass(
-        texts, images, scale, grad_texts, owned_coef=coef, bias=bias, row_sums=sums[2], softplus_sums=sums[3]
-    )
-    return sums[1].sum(), sums[0].sum()  # the text launch's sums are the same totals
+    grad_scale = abs(coef) or 1.0
+    coefs = (coef / grad_scale, 0.0, grad_scale)
+    row_sums = images.new_zeros(2, len(images), dtype=torch.float32)  # Σ_j g_ij and Σ_j softplus
+    col_sums = images.new_zeros(2, len(texts), dtype=torch.float32)
+    _owner_pass(images, texts, grad_images, scale, coefs, bias=bias, sums=row_sums.unbind())
+    _owner_pass(texts, images, grad_texts, scale, coefs, bias=bias, sums=col_sums.unbind())
+    return row_sums[1].sum(), row_sums[0].sum()  # the text launch's sums are the same totals
 
 
 def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
     """Every specialisation the functions above can launch, with its argument types: what
     ``tests/test_triton_aot.py`` compiles for each GPU architecture."""
-    precisions = {torch.float32: ("tf32", "ieee"), torch.bfloat16: ("ieee",), torch.float16: ("ieee",)}
     for dtype, name in DTYPES.items():
-        feature = f"*{name}"
-        tile_args = {"images": feature, "texts": feature, "n": "i32", "m": "i32", "dim": "i32"}
-        tile_args |= {"stride_images": "i32", "stride_texts": "i32", "scale": "fp32"}
+        forward_args = {
+            **dict.fromkeys(["images", "texts"], f"*{name}"),
+            **dict.fromkeys(["row_part", "col_part"], "*fp32"),
+            **dict.fromkeys(["n", "m", "dim", "stride_images", "stride_texts"], "i32"),
+            "scale": "fp32",
+        }
         owner_args = {
-            "owned": feature, "streamed": feature, "owned_lse": "*fp32", "streamed_lse": "*fp32",
-            "grad": "*fp32", "row_sums": "*fp32", "softplus_sums": "*fp32", "n_owned": "i32",
-            "n_streamed": "i32", "dim": "i32",
-            "stride_owned": "i32", "stride_streamed": "i32", "scale": "fp32", "bias": "fp32",
-            "owned_coef": "fp32", "streamed_coef": "fp32", "grad_scale": "fp32",
-        }  # fmt: skip
-        for precision in precisions[dtype]:
+            **dict.fromkeys(["owned", "streamed"], f"*{name}"),
+            **dict.fromkeys(["owned_lse", "streamed_lse", "grad", "row_sums", "softplus_sums"], "*fp32"),
+            **dict.fromkeys(["n_owned", "n_streamed", "dim", "stride_owned", "stride_streamed"], "i32"),
+            **dict.fromkeys(["scale", "bias", "owned_coef", "streamed_coef", "grad_scale"], "fp32"),
+        }
+        for precision in ("tf32", "ieee") if dtype == torch.float32 else ("ieee",):
             for has_cols in (True, False):
-                softmax_args = {**tile_args, "row_part": "*fp32", "col_part": "*fp32"}
-                yield (
-                    "_softmax_forward_kernel",
-                    forward_launch(dtype, has_cols, precision),
-                    softmax_args,
-                )
-            for dim_block in OWNER_BLOCKS[_itemsize(dtype)]:
+                yield "_softmax_forward_kernel", forward_launch(dtype, has_cols, precision), forward_args
+            for dim_block in OWNER_BLOCKS[dtype.itemsize]:
                 for sigmoid in (False, True):
                     yield "_owner_kernel", owner_launch(dtype, dim_block, sigmoid, precision), owner_args

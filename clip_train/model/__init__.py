@@ -87,10 +87,8 @@ def build_model(model_cfg: ModelConfig, *, load_pretrained: bool = True) -> CLIP
     weights, for a full checkpoint that replaces every weight anyway (eval, ``load``, ``init_from``).
     """
     text_cfg = model_cfg.text
-    if text_cfg.tokenizer:
-        tokenizer = build_tokenizer(text_cfg.tokenizer, text_cfg.context_length)
-    else:
-        tokenizer = build_tokenizer(text_cfg.hf, text_cfg.context_length, key="model.text.hf")
+    key = "model.text.tokenizer" if text_cfg.tokenizer else "model.text.hf"
+    tokenizer = build_tokenizer(text_cfg.tokenizer or text_cfg.hf, text_cfg.context_length, key)
     text = build_text_tower(
         text_cfg, model_cfg.embed_dim, vocab_size=tokenizer.vocab_size, load_pretrained=load_pretrained
     )

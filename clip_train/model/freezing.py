@@ -1,8 +1,7 @@
 """LiT locking shared by both towers: a frozen prefix that never trains and never leaves eval().
 
-A tower splits its forward into ``encode_frozen`` (input preparation plus, when locked, the frozen
-trunk) and ``encode_trainable`` (everything that receives gradients). Gradient Cache runs the first
-half once under ``no_grad`` and replays only the second, so the split is the tower's public contract.
+``encode_frozen`` (input preparation plus any frozen trunk) and ``encode_trainable`` (all that gets
+gradients) are the towers' contract: Gradient Cache runs the first once and replays only the second.
 """
 
 from __future__ import annotations
@@ -12,19 +11,28 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from clip_train.config import ConfigError, TowerConfig
+
 
 class LockableTower(nn.Module):
     """Base class: ``forward = encode_trainable(*encode_frozen(*inputs))``; frozen parts stay in eval()."""
 
+    proj: nn.Linear  # the projection into the shared embedding space, trainable unless lock_head
+
     def __init__(self) -> None:
         super().__init__()
         self.locked = False
+        self.unlocked_layers = 0
         self._frozen_module_names: list[str] = []
 
     def encode_frozen(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def encode_trainable(self, *hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _unlocked_modules(self) -> list[nn.Module]:
+        """The last ``unlocked_layers`` blocks and what follows them; a ConfigError if impossible."""
         raise NotImplementedError
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -34,6 +42,11 @@ class LockableTower(nn.Module):
     def has_frozen_trunk(self) -> bool:
         """True when locked, i.e. caching ``encode_frozen``'s output saves recomputing a trunk."""
         return self.locked
+
+    @property
+    def _splits_blocks(self) -> bool:
+        """Locked with ``unlocked_layers > 0``: the frozen and trainable halves split the block stack."""
+        return self.locked and self.unlocked_layers > 0
 
     @property
     def is_frozen(self) -> bool:
@@ -50,8 +63,18 @@ class LockableTower(nn.Module):
             self.get_submodule(name).eval()
         return self
 
-    def lock(self, trainable: list[nn.Module]) -> None:
-        """Freeze every parameter outside ``trainable`` and pin the frozen submodules to eval()."""
+    def lock(self, cfg: TowerConfig, key: str) -> None:
+        """LiT as ``cfg`` says: freeze all but the last ``unlocked_layers`` blocks and (unless
+        ``lock_head``) the projection, and pin the frozen submodules to eval(). ``key``: model.image/text.
+        """
+        if cfg.lock_head and not cfg.lock:
+            raise ConfigError(f"{key}.lock_head=true needs {key}.lock=true")
+        if not cfg.lock:
+            return
+        self.unlocked_layers = cfg.unlocked_layers
+        trainable = self._unlocked_modules() if cfg.unlocked_layers else []
+        if not cfg.lock_head:
+            trainable.append(self.proj)
         keep = {id(p) for module in trainable for p in module.parameters()}
         for p in self.parameters():
             if id(p) not in keep:

@@ -23,9 +23,7 @@ def load_hf(auto_cls: type, source: str, key: str, **kwargs):
     check_local_dir(source, key)
     path = Path(source).expanduser()
     try:
-        if path.is_dir():
-            return auto_cls.from_pretrained(str(path), **kwargs)
-        return auto_cls.from_pretrained(source, **kwargs)
+        return auto_cls.from_pretrained(str(path) if path.is_dir() else source, **kwargs)
     except (OSError, HFValidationError) as err:
         if path.is_dir():
             reason = str(err).splitlines()[0]

@@ -17,25 +17,17 @@ from clip_train.config import ConfigError, ImageTowerConfig
 from clip_train.model.freezing import LockableTower, init_projection
 from clip_train.model.hub import ModelLoadError, download_hint
 
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # timm's hub file names, first found wins
+
 
 class ImageTower(LockableTower):
     """timm trunk → projection → L2 norm; uint8 images are normalised here, on the model's device.
 
-    Split points: unlocked, ``encode_frozen`` only normalises pixels; locked with
-    ``unlocked_layers=0`` it runs the whole trunk and returns pooled (n, width) features; locked
-    with ``unlocked_layers=N`` (VisionTransformer only) it stops after the first depth−N blocks and
-    returns the token sequence.
+    ``encode_frozen`` returns the normalised pixels when unlocked, the pooled features when locked, and
+    the tokens after the first depth−N blocks when locked with ``unlocked_layers=N`` (ViT only).
     """
 
-    def __init__(
-        self,
-        trunk: nn.Module,
-        embed_dim: int,
-        *,
-        lock: bool = False,
-        unlocked_layers: int = 0,
-        lock_head: bool = False,
-    ) -> None:
+    def __init__(self, trunk: nn.Module, embed_dim: int, cfg: ImageTowerConfig) -> None:
         super().__init__()
         data_cfg = resolve_model_data_config(trunk)
         # timm's data config reports the pretrained resolution; a ViT built with img_size=… knows better
@@ -47,13 +39,7 @@ class ImageTower(LockableTower):
         self.register_buffer("pixel_std", torch.tensor(self.image_std).view(1, -1, 1, 1), persistent=False)
         self.trunk = trunk
         self.proj = init_projection(trunk.num_features, embed_dim)
-        self.unlocked_layers = unlocked_layers
-        if lock:
-            self.lock(_trainable_modules(trunk, unlocked_layers, [] if lock_head else [self.proj]))
-
-    @property
-    def _split_blocks(self) -> bool:
-        return self.locked and self.unlocked_layers > 0
+        self.lock(cfg, "model.image")
 
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 NCHW → normalised float in the model's dtype; float input is taken as normalised."""
@@ -73,7 +59,7 @@ class ImageTower(LockableTower):
         x = self.prepare(images)
         if not self.locked:
             return (x,)
-        if not self._split_blocks:
+        if not self._splits_blocks:
             return (self.trunk(x),)
         trunk = self.trunk
         x = trunk.norm_pre(trunk.patch_drop(trunk._pos_embed(trunk.patch_embed(x))))
@@ -81,10 +67,24 @@ class ImageTower(LockableTower):
             x = block(x)
         return (x,)
 
+    def _unlocked_modules(self) -> list[nn.Module]:
+        """The last N blocks, the final norm and the pooling."""
+        trunk, unlocked = self.trunk, self.unlocked_layers
+        if not isinstance(trunk, VisionTransformer):
+            raise ConfigError(
+                f"model.image.unlocked_layers={unlocked} needs a timm VisionTransformer, got "
+                f"{type(trunk).__name__}; use unlocked_layers=0 to lock the whole trunk"
+            )
+        depth = len(trunk.blocks)
+        if unlocked > depth:
+            raise ConfigError(f"model.image.unlocked_layers={unlocked} exceeds the trunk's {depth} blocks")
+        pooling = [trunk.norm, trunk.fc_norm, trunk.head_drop, trunk.head, trunk.attn_pool]
+        return [*trunk.blocks[depth - unlocked :], *(m for m in pooling if m is not None)]
+
     def encode_trainable(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.locked:
             pooled = self.trunk(hidden)
-        elif not self._split_blocks:
+        elif not self._splits_blocks:
             pooled = hidden
         else:
             trunk = self.trunk
@@ -97,28 +97,10 @@ class ImageTower(LockableTower):
         return F.normalize(self.proj(pooled), dim=-1)
 
 
-def _trainable_modules(trunk: nn.Module, unlocked_layers: int, head: list[nn.Module]) -> list[nn.Module]:
-    """What stays trainable under LiT: the last N blocks, final norm, pooling and the projection."""
-    if unlocked_layers == 0:
-        return head
-    if not isinstance(trunk, VisionTransformer):
-        raise ConfigError(
-            f"model.image.unlocked_layers={unlocked_layers} needs a timm VisionTransformer, got "
-            f"{type(trunk).__name__}; use unlocked_layers=0 to lock the whole trunk"
-        )
-    depth = len(trunk.blocks)
-    if unlocked_layers > depth:
-        raise ConfigError(f"model.image.unlocked_layers={unlocked_layers} exceeds the trunk's {depth} blocks")
-    pooling = [trunk.norm, trunk.fc_norm, trunk.head_drop, trunk.head]
-    if trunk.attn_pool is not None:
-        pooling.append(trunk.attn_pool)
-    return [*trunk.blocks[depth - unlocked_layers :], *pooling, *head]
-
-
 def create_trunk(cfg: ImageTowerConfig, *, load_pretrained: bool = True) -> nn.Module:
-    """The timm model with its classifier removed (``num_classes=0``: pooled features out).
+    """The timm model without its classifier (``num_classes=0``: pooled features out).
 
-    ``load_pretrained=False`` skips ``model.image.pretrained``: a full checkpoint supplies the weights.
+    ``load_pretrained=False`` skips ``model.image.pretrained``: a checkpoint supplies the weights.
     """
     if not timm.is_model(cfg.timm):
         raise ConfigError(f"model.image.timm={cfg.timm!r} is not a timm model name (see timm.list_models())")
@@ -145,8 +127,7 @@ def create_trunk(cfg: ImageTowerConfig, *, load_pretrained: bool = True) -> nn.M
 
 
 def local_weights_file(source: str) -> Path:
-    """The state-dict file ``model.image.pretrained`` names: the file itself, or the first of
-    timm's hub file names in a directory."""
+    """The state-dict file ``model.image.pretrained`` names: the file, or a ``_WEIGHT_FILES`` in the dir."""
     key, path = "model.image.pretrained", Path(source).expanduser()
     if path.is_dir():
         found = [path / name for name in _WEIGHT_FILES if (path / name).is_file()]
@@ -159,10 +140,8 @@ def local_weights_file(source: str) -> Path:
 
 
 def load_local_weights(trunk: nn.Module, source: str) -> None:
-    """Load a state-dict file, or a dir laid out like timm's hub repos, strictly (minus the classifier).
-
-    The architecture's own ``checkpoint_filter_fn`` (timm's convention per model file) adapts
-    foreign layouts and resamples position embeddings to the configured image size.
+    """Load ``local_weights_file(source)`` strictly, minus the classifier. The architecture's own
+    ``checkpoint_filter_fn`` adapts foreign layouts and resamples position embeddings to the image size.
     """
     key = "model.image.pretrained"
     path = local_weights_file(source)
@@ -174,8 +153,9 @@ def load_local_weights(trunk: nn.Module, source: str) -> None:
     if filter_fn is not None:
         state_dict = filter_fn(state_dict, trunk)
     own = trunk.state_dict()
-    classifiers = {name.split(".")[0] for name in _as_tuple(trunk.pretrained_cfg.get("classifier"))}
-    state_dict = {k: v for k, v in state_dict.items() if k in own or k.split(".")[0] not in classifiers}
+    classifier = trunk.pretrained_cfg.get("classifier") or ()  # a name or a tuple of names
+    heads = {name.split(".")[0] for name in ((classifier,) if isinstance(classifier, str) else classifier)}
+    state_dict = {k: v for k, v in state_dict.items() if k in own or k.split(".")[0] not in heads}
     try:
         missing, unexpected = trunk.load_state_dict(state_dict, strict=False)
     except RuntimeError as err:  # shape mismatches
@@ -188,22 +168,5 @@ def load_local_weights(trunk: nn.Module, source: str) -> None:
         )
 
 
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def _as_tuple(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
 def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained: bool = True) -> ImageTower:
-    if cfg.lock_head and not cfg.lock:
-        raise ConfigError("model.image.lock_head=true needs model.image.lock=true")
-    return ImageTower(
-        create_trunk(cfg, load_pretrained=load_pretrained),
-        embed_dim,
-        lock=cfg.lock,
-        unlocked_layers=cfg.unlocked_layers,
-        lock_head=cfg.lock_head,
-    )
+    return ImageTower(create_trunk(cfg, load_pretrained=load_pretrained), embed_dim, cfg)

@@ -1,8 +1,5 @@
-"""Tokenizers returning fixed-length ``input_ids``/``attention_mask``; picklable for DataLoader workers.
-
-Both kinds pickle as (class, constructor arguments) and rebuild in the worker, so nothing depends
-on whether the underlying library objects pickle.
-"""
+"""Tokenizers returning fixed-length ``input_ids``/``attention_mask``. For DataLoader workers both
+pickle as (class, constructor arguments), whether or not the library objects underneath pickle."""
 
 from __future__ import annotations
 

@@ -3,21 +3,8 @@ largest global batch that fits: arithmetic only, without torch or the loss's int
 
     M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)
 
-* static — fp32 weights, gradients and optimizer state of the trainable parameters (LiT-frozen
-  ones have neither). DDP's buckets add nothing: the gradients are views into them.
-* M_data — the raw per-rank batch (uint8 images, int64 ids and mask); with offload only two
-  chunks of the stream being consumed are on the device.
-* M_cache — Gradient Cache's fp32 features and their gradients (2 towers × n × d each) and a LiT
-  tower's cached frozen-trunk output (on the host with offload).
-* M_loss — the loss implementation's workspace: b×b matrices for vanilla, n×b for local, O(n·d)
-  plus tile² for inf (n = b / gpus).
-* M_kept — the graph of the last chunk encoded, which Gradient Cache keeps through the loss
-  instead of replaying that chunk (inf loss and ``batch.keep_last_graph`` only).
-* M_backbone — the peak of one chunk's graph-less encode or with-grad replay, *measured* at two
-  small chunk sizes (``profile.py``) and extrapolated linearly.
-
-A reserve of 5 % of the GPU plus 1 GiB (at most 10 % of the GPU, so toy budgets still plan) covers
-the CUDA context and allocator fragmentation.
+``Breakdown`` defines the terms. Only M_backbone is measured (``profile.py``, at two small chunk
+sizes, extrapolated linearly); the rest is counted from shapes.
 """
 
 from __future__ import annotations
@@ -137,14 +124,14 @@ class Setting:
 class Breakdown:
     """Per-GPU bytes of one setting; ``peak`` is eq. 10 plus the static part."""
 
-    weights: float
-    grads: float
-    optimizer: float
-    data: float
-    cache: float
-    loss: float
-    kept_graph: float  # alive through the loss: the last chunk encoded keeps its graph
-    backbone: float
+    weights: float  # every parameter and buffer, fp32
+    grads: float  # trainable parameters only (LiT-frozen ones have none); DDP's buckets are views of them
+    optimizer: float  # the trainable parameters' optimizer state
+    data: float  # M_data: the raw per-rank batch; with offload, two chunks of the stream in use
+    cache: float  # M_cache: fp32 features and their gradients, and a LiT tower's frozen-trunk output
+    loss: float  # M_loss: b×b (vanilla), n×b (local) or O(n·d) + tile² (inf) for n = b / gpus
+    kept_graph: float  # M_kept: inf only, the last chunk encoded keeps its graph through the loss
+    backbone: float  # M_backbone: the peak of one chunk's graph-less encode or with-grad replay
     optimizer_step: float  # foreach optimizers hold one parameter-sized temporary during step()
 
     @property
@@ -153,8 +140,8 @@ class Breakdown:
 
     @property
     def transient(self) -> float:
-        """The largest of eq. 10's alternatives: the loss (beside the kept chunk graph), one chunk's
-        encode/replay, the optimizer step."""
+        """Eq. 10's largest alternative: the loss beside the kept graph, a chunk's encode or replay,
+        or the optimizer step."""
         return max(self.loss + self.kept_graph, self.backbone, self.optimizer_step)
 
     @property
@@ -165,21 +152,17 @@ class Breakdown:
 def loss_workspace(
     impl: str, batch: int, gpus: int, dim: int, tile: int, kind: str = "softmax", device: str = "cuda"
 ) -> float:
-    """Bytes the loss allocates beyond the cached features and their gradients (fp32), from
+    """Bytes the loss allocates beyond the cached features and their gradients (fp32), fitted to
     MemTracker measurements of the real losses on the PyTorch path (``tests/test_plan.py``).
 
-    Softmax. vanilla: 4 b×b matrices (logits, both softmaxes, their gradient: Inf-CL measures CLIP
-    at 16.67 GB for 32k), local: 4 n×b (OpenCLIP's 8.63 GB at 64k on 8 GPUs), both plus
-    all-gathered features of both towers; inf: n×d blocks (row dot-product temporaries and,
-    across GPUs, the ring's text blocks and gradient accumulators in hand and in flight: 2 on one
-    GPU, 9 on several, measured at W = 1, 3 and 4; 8 at W = 2), one t×t tile and a strip of it
-    (``STRIP_ELEMENTS`` on the CPU, the whole tile on CUDA), and O(n) log-sum-exp vectors. The
-    reference losses measure 3.2-4.3 b² (vanilla) and 4.1-4.6 n·b (local) on CPU, gradients
-    included.
-
-    Sigmoid. vanilla: 5 n×b matrices (logits, signs, their product, its log-sigmoid and gradient)
-    and the gathered texts; inf: n×d blocks (2 on one GPU, 7 on several; 6 at W = 2, no column
-    state travels), one tile and a strip.
+    Softmax vanilla: 4 b×b matrices (logits, both softmaxes, their gradient; measured 3.2-4.3 b²,
+    and Inf-CL's 16.67 GB for CLIP at 32k); local: 4 n×b (measured 4.1-4.6 n·b; OpenCLIP's 8.63 GB
+    at 64k on 8 GPUs); both plus the gathered features of both towers. Sigmoid vanilla: 5 n×b
+    (logits, signs, their product, its log-sigmoid and gradient) plus the gathered texts.
+    inf: n×d blocks (row temporaries and, across GPUs, the ring's blocks and gradient accumulators in
+    hand and in flight): softmax 2 on one GPU and 9 on several (8 at W = 2), sigmoid 2 and 7 (6 at
+    W = 2: no column state travels); plus one t×t tile, a strip of it (``STRIP_ELEMENTS`` on the
+    CPU, the whole tile on CUDA) and, for softmax, O(n) log-sum-exp vectors.
     """
     n = batch // gpus
     if impl == "vanilla" and kind == "sigmoid":
@@ -199,7 +182,7 @@ def loss_workspace(
 
 
 def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
-    n = setting.per_rank
+    n, dim = setting.per_rank, profile.embed_dim
     trainable = profile.trainable_bytes
     optimizer = {"adamw": profile.adamw_bytes, "adafactor": profile.adafactor_bytes}[setting.optimizer]
     # Raw input and cached-trunk streams: all on the device, or (offload) two chunks of the largest.
@@ -209,30 +192,24 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         data = max(size * min(2 * chunk, n) for size, chunk in streams)
     else:
         data = n * sum(t.input_per_sample for t in profile.towers)
-    features = 2 * n * profile.embed_dim * FP32
-    feature_grads = sum(n * profile.embed_dim * FP32 for t in profile.towers if t.replays)
+    replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
+    features = (2 + len(replaying)) * n * dim * FP32  # both towers' features, the replayed ones' gradients
     trunk = 0 if setting.offload else n * sum(t.trunk_per_sample for t in profile.towers)
     backbone = max(
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )
-    replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
     keeps = replaying and setting.impl == "inf" and setting.keep_last_graph
     kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if keeps else 0.0
+    loss = loss_workspace(
+        setting.impl, setting.batch, setting.gpus, dim, setting.tile, setting.kind, setting.device
+    )
     return Breakdown(
         weights=profile.weight_bytes,
         grads=trainable,
         optimizer=optimizer,
         data=data,
-        cache=features + feature_grads + trunk,
-        loss=loss_workspace(
-            setting.impl,
-            setting.batch,
-            setting.gpus,
-            profile.embed_dim,
-            setting.tile,
-            setting.kind,
-            setting.device,
-        ),
+        cache=features + trunk,
+        loss=loss,
         kept_graph=max(kept_graph, 0.0),
         backbone=max(backbone, 0.0),
         optimizer_step=trainable,
@@ -240,19 +217,16 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
 
 
 def usable_bytes(gpu_mem_gib: float) -> float:
-    """GPU memory minus the reserve for the CUDA context and allocator fragmentation."""
+    """GPU memory minus a reserve for the CUDA context and allocator fragmentation: 5 % plus 1 GiB,
+    the GiB capped at 10 % so toy budgets still plan."""
     total = gpu_mem_gib * GIB
     return total * (1 - RESERVE_FRACTION) - min(RESERVE_FIXED, RESERVE_FIXED_CAP * total)
 
 
-def batch_step(setting: Setting) -> int:
-    """Global batches must be multiples of gpus × every chunk size (config validation's rule)."""
-    return setting.gpus * math.lcm(setting.image_chunk or 1, setting.text_chunk or 1)
-
-
 def max_batch(profile: ModelProfile, setting: Setting, capacity: float, limit: int = 2**40) -> int:
-    """The largest multiple of ``batch_step`` whose peak fits ``capacity`` bytes (0 if none does)."""
-    step = batch_step(setting)
+    """The largest global batch whose peak fits ``capacity`` bytes (0 if none does), a multiple of
+    gpus × every chunk size as config validation requires."""
+    step = setting.gpus * math.lcm(setting.image_chunk or 1, setting.text_chunk or 1)
 
     def fits(k: int) -> bool:
         return breakdown(profile, dataclasses.replace(setting, batch=k * step)).peak <= capacity

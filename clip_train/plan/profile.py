@@ -35,32 +35,13 @@ from clip_train.plan.estimate import (
 )
 from clip_train.precision import autocast
 
-# BERT-base's published hyperparameters: what a hub name of that family builds when the hub is
-# unreachable (the weights do not change the memory, only the shapes do).
+# What these hub names build when the hub is unreachable: transformers' BertConfig defaults are
+# bert-base's shapes (the weights do not change the memory, only the shapes do).
 KNOWN_TEXT_CONFIGS: dict[str, dict[str, Any]] = {
-    name: dict(
-        model_type="bert",
-        vocab_size=vocab,
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        max_position_embeddings=512,
-    )
-    for name, vocab in (("bert-base-uncased", 30522), ("bert-base-cased", 28996))
+    "bert-base-uncased": {"model_type": "bert", "vocab_size": 30522},
+    "bert-base-cased": {"model_type": "bert", "vocab_size": 28996},
 }
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
-def planning_model_config(model_cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
-    """The same architecture with random init and no hub access: weights do not change memory."""
-    notes = []
-    image = dataclasses.replace(model_cfg.image, pretrained="")
-    text = model_cfg.text
-    if not text.hf_config:
-        text = dataclasses.replace(text, hf_config=_text_hyperparameters(text.hf))
-        notes.append(f"text tower {text.hf!r} built from its config with random weights")
-    return dataclasses.replace(model_cfg, image=image, text=text), notes
 
 
 def _text_hyperparameters(source: str) -> dict[str, Any]:
@@ -77,12 +58,17 @@ def _text_hyperparameters(source: str) -> dict[str, Any]:
 
 
 def build_planning_model(model_cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
-    """The CLIP model without a tokenizer (planning needs shapes only), random init, offline."""
-    cfg, notes = planning_model_config(model_cfg)
-    vocab = None if "vocab_size" in cfg.text.hf_config else 49408  # open_clip's BPE, as the tiny config
-    text = build_text_tower(cfg.text, cfg.embed_dim, vocab_size=vocab)
-    visual = build_image_tower(cfg.image, cfg.embed_dim)
-    return CLIP(visual, text, None, cfg.init_logit_scale, cfg.init_logit_bias), notes
+    """The config's architecture, random init, offline and without a tokenizer: memory depends on
+    the shapes only, not on the weights."""
+    notes = []
+    text_cfg = model_cfg.text
+    if not text_cfg.hf_config:
+        text_cfg = dataclasses.replace(text_cfg, hf_config=_text_hyperparameters(text_cfg.hf))
+        notes.append(f"text tower {text_cfg.hf!r} built from its config with random weights")
+    vocab = None if "vocab_size" in text_cfg.hf_config else 49408  # open_clip's BPE, as the tiny config
+    text = build_text_tower(text_cfg, model_cfg.embed_dim, vocab_size=vocab)
+    visual = build_image_tower(dataclasses.replace(model_cfg.image, pretrained=""), model_cfg.embed_dim)
+    return CLIP(visual, text, None, model_cfg.init_logit_scale, model_cfg.init_logit_bias), notes
 
 
 def _random_inputs(
@@ -109,12 +95,8 @@ def _dynamic_peak(tracker: MemTracker) -> int:
 
 @contextlib.contextmanager
 def _trackable(tower: nn.Module) -> Iterator[None]:
-    """Let MemTracker hook every parameter: it refuses frozen ones (``requires_grad=False``).
-
-    Harmless for the measurement: frozen parameters only run under ``no_grad`` (the graph-less
-    encode) or not at all (the replay of a LiT tower's trainable head), so no graph or gradient
-    changes while the flag is flipped.
-    """
+    """Let MemTracker hook every parameter: it refuses frozen ones. Harmless, as frozen parameters
+    run only under ``no_grad`` (encode) or not at all (a LiT head's replay): no graph changes."""
     frozen = [p for p in tower.parameters() if not p.requires_grad]
     for p in frozen:
         p.requires_grad_(True)
@@ -190,46 +172,49 @@ def profile_model(
     if _measured_precision(precision, torch.device(device).type) != precision:
         notes.append(f"{precision} autocast measured as bf16 on {device} (same bytes per element)")
     length = model_cfg.text.context_length
-    towers = []
-    for name in ("image", "text"):
-        measured = [measure_chunk(model, name, rows, length, precision) for rows in chunks]
-
-        def line(key: str, runs: list[dict[str, float]] = measured) -> Line:
-            return Line.through(chunks, (runs[0][key], runs[1][key]))
-
-        tower = getattr(model, "visual" if name == "image" else "text")
-        replays = not tower.is_frozen
-        sample = _random_inputs(model, name, 1, length)
-        if replays and "allocator_replay" in measured[1]:
-            notes.append(
-                f"{name} replay at chunk {chunks[1]}: CUDA max_memory_allocated "
-                f"{format_bytes(measured[1]['allocator_replay'])} vs MemTracker "
-                f"{format_bytes(measured[1]['replay'])}"
-            )
-        towers.append(
-            TowerProfile(
-                name=name,
-                encode=Envelope((line("encode"),)),
-                graph=Envelope((line("forward"),) if replays else ()),
-                replay=Envelope((line("forward"), line("replay")) if replays else ()),
-                trunk_per_sample=round(measured[1]["trunk"]) if replays else 0,
-                input_per_sample=_nbytes(sample),
-                replays=replays,
-            )
-        )
+    image, text = (
+        _profile_tower(model, name, chunks, length, precision, notes) for name in ("image", "text")
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_bytes = sum(p.numel() * FP32 for p in trainable)
     return ModelProfile(
-        image=towers[0],
-        text=towers[1],
+        image=image,
+        text=text,
         embed_dim=model_cfg.embed_dim,
-        weight_bytes=sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
-        trainable_bytes=sum(p.numel() * FP32 for p in trainable),
-        adamw_bytes=sum(2 * p.numel() * FP32 for p in trainable),
+        weight_bytes=_nbytes((*model.parameters(), *model.buffers())),
+        trainable_bytes=trainable_bytes,
+        adamw_bytes=2 * trainable_bytes,
         adafactor_bytes=sum(adafactor_state_numel(tuple(p.shape)) * FP32 for p in trainable),
         device=_describe_device(torch.device(device)),
         precision=precision,
         measured_chunks=chunks,
         notes=tuple(notes),
+    )
+
+
+def _profile_tower(
+    model: nn.Module, name: str, chunks: tuple[int, int], length: int, precision: str, notes: list[str]
+) -> TowerProfile:
+    """Each peak of ``measure_chunk`` as a line through the two chunk sizes."""
+    small, large = (measure_chunk(model, name, rows, length, precision) for rows in chunks)
+
+    def line(key: str) -> Line:
+        return Line.through(chunks, (small[key], large[key]))
+
+    replays = not getattr(model, "visual" if name == "image" else "text").is_frozen
+    if replays and "allocator_replay" in large:
+        notes.append(
+            f"{name} replay at chunk {chunks[1]}: CUDA max_memory_allocated "
+            f"{format_bytes(large['allocator_replay'])} vs MemTracker {format_bytes(large['replay'])}"
+        )
+    return TowerProfile(
+        name=name,
+        encode=Envelope((line("encode"),)),
+        graph=Envelope((line("forward"),) if replays else ()),
+        replay=Envelope((line("forward"), line("replay")) if replays else ()),
+        trunk_per_sample=round(large["trunk"]) if replays else 0,
+        input_per_sample=_nbytes(_random_inputs(model, name, 1, length)),
+        replays=replays,
     )
 
 
@@ -242,11 +227,10 @@ def _describe_device(device: torch.device) -> str:
 def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, steps: int = 2) -> int:
     """Peak RSS growth (bytes) of ``steps`` Gradient Cache + optimizer steps over the model's baseline.
 
-    Run it in a fresh process: ru_maxrss is a process-wide high-water mark. The baseline is taken
-    after the model is built and has run one graph-less 1-sample forward (so lazily loaded kernels
-    are not counted as training memory). glibc's mmap threshold is pinned at 64 KiB first: its
-    default threshold rises after every large free, after which freed tensor memory stays in the
-    heap and RSS counts memory no tensor holds (measured: ~1.6x the live peak).
+    Run it in a fresh process: ru_maxrss is a process-wide high-water mark. The baseline follows a
+    graph-less 1-sample forward, so lazily loaded kernels are not counted. glibc's mmap threshold is
+    pinned at 64 KiB: by default it rises after each large free, and freed tensors then stay in the
+    heap, counted by RSS (measured: ~1.6x the live peak).
     """
     ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
     torch.manual_seed(0)
