@@ -203,6 +203,10 @@ class Config:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
         if len(self.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.optim.betas):
             raise ConfigError(f"optim.betas={self.optim.betas} must be two numbers in [0, 1)")
+        for key in ("rrc_scale", "rrc_ratio"):  # torchvision would take the first two and ignore the rest
+            low_high = getattr(self.data, key)
+            if len(low_high) != 2 or not 0.0 < low_high[0] <= low_high[1]:
+                raise ConfigError(f"data.{key}={low_high} must be two numbers 0 < low <= high")
         if not 0.0 <= self.data.max_skip_fraction <= 1.0:
             raise ConfigError(f"data.max_skip_fraction={self.data.max_skip_fraction} must lie in [0, 1]")
         if (self.loss.kind == "sigmoid") != (self.model.init_logit_bias is not None):

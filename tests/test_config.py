@@ -131,6 +131,9 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["optim.betas=[0.9]"], 1, r"optim\.betas"),
         (["train.max_steps=0"], 1, r"train\.max_steps=0 must be > 0"),
         (["data.max_skip_fraction=2"], 1, r"data\.max_skip_fraction"),
+        (["data.rrc_scale=[0.08,0.5,1.0]"], 1, r"data\.rrc_scale=\[0\.08, 0\.5, 1\.0\] must be two numbers"),
+        (["data.rrc_ratio=[1.33,0.75]"], 1, r"data\.rrc_ratio=\[1\.33, 0\.75\] must be two numbers"),
+        (["data.rrc_scale=[0,1]"], 1, r"data\.rrc_scale"),
     ],
 )
 def test_cross_field_validation(overrides, world, message):

@@ -35,7 +35,9 @@ from clip_train.config import DataConfig
 from clip_train.data import build_train_loader, expand_urls
 from clip_train.data.writers import Record, write_shards
 from clip_train.errors import UserError
+from clip_train.model.tokenizer import OpenCLIPTokenizer
 
+CONTEXT_LENGTH = 77  # open_clip's, for both loaders
 SHIM_NOTE = (
     "open_clip shim: open_clip_train.data.tar_file_expander = "
     "functools.partial(webdataset.tariterators.tar_file_expander, eof_value=None) "
@@ -131,17 +133,6 @@ def _samples_per_second(batches: Iterator, seconds: float, warmup: int) -> float
     return samples / elapsed
 
 
-class OpenClipTokenizer:
-    """open_clip's BPE tokenizer returning ids and the attention mask our loader expects."""
-
-    def __init__(self) -> None:
-        self.tokenizer = SimpleTokenizer()
-
-    def __call__(self, texts: list[str]) -> dict[str, Any]:
-        ids = self.tokenizer(texts)
-        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
-
-
 def _clip_train_batches(options: dict[str, Any]) -> Iterator:
     cfg = DataConfig(
         train=options["shards"],
@@ -157,7 +148,7 @@ def _clip_train_batches(options: dict[str, Any]) -> Iterator:
         world_size=1,
         seed=0,
         image_size=options["size"],
-        tokenizer=OpenClipTokenizer(),
+        tokenizer=OpenCLIPTokenizer(CONTEXT_LENGTH),
     )
     return ((batch.images, batch.input_ids) for batch in loader)
 
@@ -177,6 +168,6 @@ def _open_clip_batches(options: dict[str, Any]) -> Iterator:
     preprocess = open_clip.image_transform(
         options["size"], is_train=True, aug_cfg={"scale": tuple(options["scale"])}
     )
-    tokenizer = OpenClipTokenizer().tokenizer
+    tokenizer = SimpleTokenizer(context_length=CONTEXT_LENGTH)
     data = open_clip_data.get_wds_dataset(args, preprocess, is_train=True, epoch=0, tokenizer=tokenizer)
     return iter(data.dataloader)
