@@ -36,6 +36,7 @@ LossKernel = Literal["auto", "torch", "triton"]
 PRECISIONS, LOSS_KINDS, LOSS_IMPLS, LOSS_KERNELS = (
     typing.get_args(choice) for choice in (Precision, LossKind, LossImpl, LossKernel)
 )
+RESOLVED_LOSS_IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
 
 
 @dataclass

@@ -28,14 +28,16 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
-from clip_train.config import LOSS_IMPLS, LOSS_KERNELS, LOSS_KINDS
+from clip_train.config import LOSS_KERNELS, LOSS_KINDS, RESOLVED_LOSS_IMPLS
 from clip_train.distributed import resolve_device
 from clip_train.loss import contrastive_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
 
-RESOLVED = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
 # local is softmax-only; open_clip's SigLipLoss runs beside the sigmoid loss.
-IMPLS = {"softmax": RESOLVED, "sigmoid": (*(i for i in RESOLVED if i != "local"), "open_clip")}
+IMPLS = {
+    "softmax": RESOLVED_LOSS_IMPLS,
+    "sigmoid": (*(i for i in RESOLVED_LOSS_IMPLS if i != "local"), "open_clip"),
+}
 # Estimated peak extra bytes per rank, per element of the similarity matrix it materialises
 # (logits, log-softmaxes or log-sigmoids, labels and gradients), measured at small sizes with headroom.
 MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8}

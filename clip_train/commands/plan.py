@@ -18,14 +18,13 @@ from typing import Any
 import torch
 
 from clip_train.bench.runner import in_fresh_process
-from clip_train.config import Config, load_config
+from clip_train.config import RESOLVED_LOSS_IMPLS, Config, load_config
 from clip_train.distributed import resolve_device
 from clip_train.errors import UserError
 from clip_train.loss.tiles_torch import default_tile
 from clip_train.memory import format_bytes
 from clip_train.plan import (
     GIB,
-    IMPLS,
     ModelProfile,
     Setting,
     breakdown,
@@ -117,7 +116,7 @@ def _settings(cfg: Config, args: argparse.Namespace, batch: int, tile: int) -> l
             keep_last_graph=cfg.batch.keep_last_graph,
             kind=cfg.loss.kind,
         )
-        for impl in IMPLS
+        for impl in RESOLVED_LOSS_IMPLS
         if not (impl == "local" and cfg.loss.kind == "sigmoid")  # a softmax-only implementation
         for offload in (False, True)
     ]

@@ -3,7 +3,6 @@ hand, ``estimate`` turns a profile into per-GPU bytes and the largest batch that
 
 from clip_train.plan.estimate import (
     GIB,
-    IMPLS,
     Breakdown,
     ModelProfile,
     Setting,
@@ -16,7 +15,6 @@ from clip_train.plan.profile import measure_cpu_step, profile_model
 
 __all__ = [
     "GIB",
-    "IMPLS",
     "Breakdown",
     "ModelProfile",
     "Setting",

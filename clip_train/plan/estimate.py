@@ -13,12 +13,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from clip_train.config import LOSS_IMPLS
+from clip_train.config import RESOLVED_LOSS_IMPLS
 from clip_train.errors import UserError
 
 GIB = 2**30
 FP32 = 4
-IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
 RESERVE_FIXED, RESERVE_FIXED_CAP, RESERVE_FRACTION = 1 * GIB, 0.10, 0.05
 # Elements per strip of a tile that the PyTorch tiles work through at once on the CPU, where
 # ``loss_workspace`` is measured (``loss/tiles_torch.py``'s STRIP_ELEMENTS; a test holds them equal).
@@ -178,7 +177,7 @@ def loss_workspace(
         if kind == "sigmoid":
             return ((7 if gpus > 1 else 2) * n * dim + side * side + strip) * FP32
         return ((9 if gpus > 1 else 2) * n * dim + side * side + strip + 8 * n) * FP32
-    raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(RESOLVED_LOSS_IMPLS)}")
 
 
 def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
