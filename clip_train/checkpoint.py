@@ -120,6 +120,12 @@ def complete_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run directory, if it has one."""
+    found = complete_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
 def checkpoint_step(checkpoint: Path) -> int:
     """The step in a ``step_NNNNNNNN`` directory's name."""
     return int(_STEP_DIR.match(checkpoint.name).group(1))
@@ -130,8 +136,7 @@ def resolve_resume(resume: str, out_dir: str | os.PathLike) -> Path | None:
     if not resume:
         return None
     if resume == "auto":
-        found = complete_checkpoints(out_dir)
-        return found[-1] if found else None
+        return latest_checkpoint(out_dir)
     path = Path(resume)
     if not _is_complete(path):
         raise UserError(
@@ -152,9 +157,8 @@ def find_weights(path: str | os.PathLike) -> Path:
         return path
     if (path / MODEL_FILE).is_file():
         return path / MODEL_FILE
-    found = complete_checkpoints(path)
-    if found:
-        return found[-1] / MODEL_FILE
+    if (latest := latest_checkpoint(path)) is not None:
+        return latest / MODEL_FILE
     missing = f"has no {MODEL_FILE} and no complete checkpoints" if path.is_dir() else "does not exist"
     raise UserError(
         f"checkpoint not found: {path} {missing}; pass a checkpoint directory, a run directory or a "

@@ -16,7 +16,7 @@ from typing import Any
 import wandb
 from tqdm import tqdm
 
-from clip_train.checkpoint import complete_checkpoints
+from clip_train.checkpoint import latest_checkpoint
 from clip_train.config import Config
 from clip_train.errors import UserError
 
@@ -81,12 +81,11 @@ def summarize(run_dir: Path, prefix: str) -> list[str]:
     evals = [r for r in records if "zeroshot/top1" in r]
     if not train or not evals:
         raise UserError(f"{run_dir}: no training steps or no zero-shot eval in metrics.jsonl")
-    checkpoints = complete_checkpoints(run_dir)
     final = evals[-1]
     wall_s = train[-1]["time"] - train[0]["time"] + train[0]["time/step_s"]  # periodic evals included
     lines = [
         f"run directory   {run_dir}",
-        f"checkpoint      {checkpoints[-1] if checkpoints else 'none'}",
+        f"checkpoint      {latest_checkpoint(run_dir) or 'none'}",
         f"training        {train[-1]['step']} steps in {wall_s:.0f} s, "
         f"median {statistics.median(r['train/samples_per_s'] for r in train):.0f} samples/s, "
         f"final loss {train[-1]['train/loss']:.3f}",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from clip_train.checkpoint import complete_checkpoints
+from clip_train.checkpoint import latest_checkpoint
 from clip_train.config import Config, OptimConfig
 from clip_train.distributed import all_ranks_true, rank_and_world
 from clip_train.errors import UserError
@@ -104,11 +104,11 @@ class Update:
             file=sys.stderr,
         )
         if self.bad_in_a_row >= self.max_bad_steps:
-            kept = complete_checkpoints(self.run_dir)
             raise TrainingAborted(
                 f"{self.bad_in_a_row} consecutive steps had a non-finite loss or gradient norm "
                 f"(train.max_bad_steps={self.max_bad_steps}); stopped at step {step}. "
-                f"Last good checkpoint: {kept[-1] if kept else 'none'}. Lower optim.lr or use fp32/bf16."
+                f"Last good checkpoint: {latest_checkpoint(self.run_dir) or 'none'}. "
+                "Lower optim.lr or use fp32/bf16."
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, complete_checkpoints, load_weights
+from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, load_weights
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import DistEnv, sum_counts_over_ranks
@@ -137,11 +137,10 @@ class Trainer:
             self._evaluate(monitor)
 
     def _preempted(self, signals: SignalFlag) -> Preempted:
-        kept = complete_checkpoints(self.run_dir)
         cause = f"{signals.received.name} received" if signals.received else "another rank was signalled"
         return Preempted(
             f"{cause}: stopped after step {self.step}; checkpoint.resume=auto continues from "
-            f"{kept[-1] if kept else 'the start'}"
+            f"{latest_checkpoint(self.run_dir) or 'the start'}"
         )
 
     def summary(self) -> str:

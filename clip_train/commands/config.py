@@ -66,8 +66,10 @@ def update_readme(readme: Path) -> bool:
     head, _, rest = text.partition(README_BEGIN)
     _, _, tail = rest.partition(README_END)
     new = f"{head}{README_BEGIN}\n{markdown_table()}\n{README_END}{tail}"
+    if new == text:
+        return False
     readme.write_text(new)
-    return new != text
+    return True
 
 
 def _cells(key: ConfigKey) -> tuple[str, str, str, str]:
