@@ -202,6 +202,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclasses.dataclass(eq=False)
 class Checkpointer:
     """A run's checkpoints: saves, pruning and resume, over the model and every component's state.
 
@@ -210,18 +211,13 @@ class Checkpointer:
     checkpoint from another world size restores the shared state and the weights only.
     """
 
-    def __init__(
-        self,
-        run_dir: Path,
-        cfg: CheckpointConfig,
-        model: CLIP,
-        model_cfg: ModelConfig,
-        *,
-        shared: dict[str, Stateful],
-        per_rank: dict[str, Stateful],
-    ) -> None:
-        self.run_dir, self.cfg, self.model, self.model_cfg = run_dir, cfg, model, model_cfg
-        self.shared, self.per_rank = shared, per_rank
+    run_dir: Path
+    cfg: CheckpointConfig
+    model: CLIP
+    model_cfg: ModelConfig
+    _: dataclasses.KW_ONLY
+    shared: dict[str, Stateful]
+    per_rank: dict[str, Stateful]
 
     def save(self, step: int) -> None:
         """Every rank contributes its own state; rank 0 writes. A collective."""

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import operator
 import os
 import re
 import types
@@ -188,18 +189,20 @@ class Config:
                     f"model.{name}.unlocked_layers={tower.unlocked_layers} has no effect without "
                     f"model.{name}.lock=true; set the lock or drop unlocked_layers"
                 )
-        _check_positive(
-            ("model.embed_dim", self.model.embed_dim),
-            ("model.text.context_length", self.model.text.context_length),
-            ("train.max_steps", self.train.max_steps),
-            ("train.dist_timeout_s", self.train.dist_timeout_s),
-            ("train.max_bad_steps", self.train.max_bad_steps),
-            ("checkpoint.every_steps", self.checkpoint.every_steps),
-            ("checkpoint.keep", self.checkpoint.keep),
-            ("log.every_steps", self.log.every_steps),
-            ("eval.batch_size", self.eval.batch_size),
-            ("optim.lr", self.optim.lr),
-        )
+        for key in (
+            "model.embed_dim",
+            "model.text.context_length",
+            "train.max_steps",
+            "train.dist_timeout_s",
+            "train.max_bad_steps",
+            "checkpoint.every_steps",
+            "checkpoint.keep",
+            "log.every_steps",
+            "eval.batch_size",
+            "optim.lr",
+        ):
+            if (value := operator.attrgetter(key)(self)) <= 0:
+                raise ConfigError(f"{key}={value} must be > 0")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
         if len(self.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.optim.betas):
@@ -226,12 +229,6 @@ class Config:
             )
         _check_text_source(self.model.text)
         return self
-
-
-def _check_positive(*items: tuple[str, float]) -> None:
-    for key, value in items:
-        if value <= 0:
-            raise ConfigError(f"{key}={value} must be > 0")
 
 
 def _check_text_source(text: TextTowerConfig) -> None:
@@ -283,12 +280,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
                 f"override {item!r} is not of the form key=value (e.g. batch.global_size=65536)"
             )
         _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
-    return _resolve_loss_parameters(_build(Config, raw, prefix=""))
-
-
-def _resolve_loss_parameters(config: Config) -> Config:
-    """Fill the logit scale and bias left at None with the chosen loss's own initial values, so the
-    saved config (and each checkpoint's model.yaml) records what the model was built with."""
+    config = _build(Config, raw, prefix="")
+    # The logit scale and bias left at None take the chosen loss's own initial values, so the saved
+    # config (and each checkpoint's model.yaml) records what the model was built with.
     sigmoid = config.loss.kind == "sigmoid"
     if config.model.init_logit_scale is None:
         config.model.init_logit_scale = math.log(10.0) if sigmoid else math.log(1 / 0.07)

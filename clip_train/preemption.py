@@ -9,6 +9,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import FrameType
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -19,11 +20,11 @@ class Preempted(Exception):
     """The run saved a checkpoint and stopped on a signal; ``checkpoint.resume=auto`` continues it."""
 
 
+@dataclass
 class SignalFlag:
     """The first preemption signal this process received, or None."""
 
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
+    received: signal.Signals | None = None
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -35,10 +36,9 @@ def preemption_signals() -> Iterator[SignalFlag]:
     """While the block runs, SIGTERM and SIGUSR1 set the flag instead of ending the process (only in
     the main thread, the only one that can install handlers; elsewhere the flag stays unset)."""
     flag = SignalFlag()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = {sig: signal.signal(sig, flag._record) for sig in PREEMPTION_SIGNALS}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, flag._record) for sig in PREEMPTION_SIGNALS}
     try:
         yield flag
     finally:

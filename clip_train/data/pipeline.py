@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -35,6 +35,7 @@ from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transf
 from clip_train.preemption import ignore_preemption_signals
 
 Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
+RawSample = dict[str, Any]  # a tar sample as ``read_shard`` yields it
 STATE_VERSION = 1
 
 
@@ -117,7 +118,7 @@ class _TrainSpec:
     max_skip_fraction: float
 
 
-def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[dict[str, Any]]:
+def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
     """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards."""
     empty: set[str] = set()
     for url in shards:
@@ -133,7 +134,20 @@ def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[dict[str, Any
             raise DataError(f"the shards {sorted(pool)[:4]}{'...' if len(pool) > 4 else ''} hold no samples")
 
 
-def _replay(items: Iterator[dict[str, Any]], good_wanted: int) -> int:
+def _usable(items: Iterable[RawSample], tally: SkipTally, start: int = 0) -> Iterator[tuple[int, Decoded]]:
+    """Each usable sample with the count of items taken up to it, ``start`` of them before ``items``;
+    the unusable ones are counted in ``tally``."""
+    for taken, raw in enumerate(items, start + 1):
+        try:
+            sample = decode_sample(raw)
+        except BadSample as bad:
+            tally.add_bad(bad, raw)
+            continue
+        tally.add_good()
+        yield taken, sample
+
+
+def _replay(items: Iterator[RawSample], good_wanted: int) -> int:
     """Consume items until ``good_wanted`` usable samples went by; return the items consumed."""
     consumed = good = 0
     while good < good_wanted:
@@ -165,7 +179,7 @@ class TrainStream(IterableDataset):
             yield from self._epoch(role, epoch, done, consumed, tally)
             epoch, done, consumed = epoch + 1, 0, 0
 
-    def _raw_items(self, role: int, epoch: int) -> Iterator[dict[str, Any]]:
+    def _raw_items(self, role: int, epoch: int) -> Iterator[RawSample]:
         """The epoch's shuffled raw samples for ``role``: an endless stream of resampled shards, or
         passes over the role's share of the shards, each pass shuffled on its own (so an epoch of
         exactly one pass sees every sample once)."""
@@ -183,9 +197,7 @@ class TrainStream(IterableDataset):
         )
         return itertools.chain.from_iterable(passes)
 
-    def _shuffled(
-        self, items: Iterator[dict[str, Any]], role: int, epoch: int, part: int
-    ) -> Iterator[dict[str, Any]]:
+    def _shuffled(self, items: Iterator[RawSample], role: int, epoch: int, part: int) -> Iterator[RawSample]:
         spec = self.spec
         if spec.shuffle_buffer <= 1:
             return items
@@ -203,19 +215,12 @@ class TrainStream(IterableDataset):
         else:
             consumed = _replay(items, done * spec.batch_size)
         batch: list[tuple[Decoded, torch.Tensor]] = []
-        for raw in items:
-            consumed += 1
-            try:
-                sample = decode_sample(raw)
-            except BadSample as bad:
-                tally.add_bad(bad, raw)
-                continue
-            tally.add_good()
-            crop_seed = _seed("crop", spec.seed, epoch, spec.rank, role, consumed)
+        for taken, sample in _usable(items, tally, consumed):
+            crop_seed = _seed("crop", spec.seed, epoch, spec.rank, role, taken)
             batch.append((sample, apply_seeded(self.transform, sample.image, crop_seed)))
             if len(batch) == spec.batch_size:
                 done += 1
-                position = (role, epoch, done, consumed)
+                position = (role, epoch, done, taken)
                 yield _collate(batch, self.tokenizer, skipped=tally.take_pending(), position=position)
                 batch = []
                 if done == wanted:
@@ -294,7 +299,6 @@ class TrainLoader:
         return dict(self._skipped)
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position after the batches handed out so far."""
         return {
             "version": STATE_VERSION,
             "step": self._step,
@@ -407,14 +411,8 @@ class EvalStream(IterableDataset):
         tally = SkipTally(max_fraction=1.0, min_seen=1)
         batch: list[tuple[Decoded, torch.Tensor]] = []
         for url in self.urls[worker::workers]:
-            for index, raw in enumerate(read_shard(url)):
-                if index % self.world_size != self.rank:
-                    continue
-                try:
-                    sample = decode_sample(raw)
-                except BadSample as bad:
-                    tally.add_bad(bad, raw)
-                    continue
+            mine = itertools.islice(read_shard(url), self.rank, None, self.world_size)
+            for _, sample in _usable(mine, tally):
                 batch.append((sample, self.transform(sample.image)))
                 if len(batch) == self.batch_size:
                     yield _collate(batch, self.tokenizer, skipped=tally.take_pending())

@@ -81,6 +81,7 @@ class _Encoded:
     rng: list[RngState] = field(default_factory=list)
     trunk_cache: tuple[torch.Tensor, ...] = ()
     kept: torch.Tensor | None = None  # the last chunk's features, graph and all (see ``_encode``)
+    max_live: int = 0  # most input chunks alive at once while encoding or replaying
 
 
 class GradCache:
@@ -185,14 +186,13 @@ class GradCache:
         else:
             batch = tuple(t.to(self.device, non_blocking=True) for t in (images, input_ids, attention_mask))
         image_inputs, text_inputs = batch[:1], batch[1:]
-        streams: list[ChunkStream] = []
 
         start = self._clock()
         # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode).
         replaying = [tower for tower in (self.image, self.text) if tower.replays]
         keeps_graph = replaying[-1] if replaying and self.keep_last_graph else None
-        image = self._encode(self.image, image_inputs, rows, streams, keep_graph=self.image is keeps_graph)
-        text = self._encode(self.text, text_inputs, rows, streams, keep_graph=self.text is keeps_graph)
+        image = self._encode(self.image, image_inputs, rows, keep_graph=self.image is keeps_graph)
+        text = self._encode(self.text, text_inputs, rows, keep_graph=self.text is keeps_graph)
         encoded = self._clock()
         loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
         cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
@@ -200,8 +200,8 @@ class GradCache:
         image.features = text.features = None  # replay needs only their gradients
         lossed = self._clock()
         with preserved_rng(self.device):  # the step consumes the RNG like one forward pass
-            self._replay(self.text, text, text_inputs, text_grad, streams)
-            self._replay(self.image, image, image_inputs, image_grad, streams)
+            self._replay(self.text, text, text_inputs, text_grad)
+            self._replay(self.image, image, image_inputs, image_grad)
         replayed = self._clock()
 
         return StepStats(
@@ -212,17 +212,10 @@ class GradCache:
             peak_mem=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             cache_bytes=cache_bytes,
             batch_bytes=_bytes(batch),
-            max_live_chunks=max(s.max_live for s in streams),
+            max_live_chunks=max(image.max_live, text.max_live),
         )
 
-    def _encode(
-        self,
-        tower: _Tower,
-        inputs: Sequence[torch.Tensor],
-        rows: int,
-        streams: list[ChunkStream],
-        keep_graph: bool,
-    ) -> _Encoded:
+    def _encode(self, tower: _Tower, inputs: Sequence[torch.Tensor], rows: int, keep_graph: bool) -> _Encoded:
         """Stage 1: graph-less features, each chunk's RNG state and the frozen-trunk cache for replay.
 
         With ``keep_graph`` the last chunk keeps its graph: replay backpropagates it first instead of
@@ -259,7 +252,7 @@ class GradCache:
 
         stream = ChunkStream(inputs, out.bounds, self.device)
         stream.run(encode)
-        streams.append(stream)
+        out.max_live = stream.max_live
         return out
 
     def _loss(
@@ -308,7 +301,6 @@ class GradCache:
         cache: _Encoded,
         inputs: Sequence[torch.Tensor],
         grad: torch.Tensor | None,
-        streams: list[ChunkStream],
     ) -> None:
         """Stage 3: re-encode each chunk with grad under its stage-1 RNG state, backprop the cache."""
         if grad is None:  # nothing in the tower trains
@@ -335,7 +327,7 @@ class GradCache:
 
         stream = ChunkStream(cache.trunk_cache or inputs, bounds, self.device)
         stream.run(replay)
-        streams.append(stream)
+        cache.max_live = max(cache.max_live, stream.max_live)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)

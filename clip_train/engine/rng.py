@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +30,9 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
-@contextlib.contextmanager
-def preserved_rng(device: torch.device) -> Iterator[None]:
+def preserved_rng(device: torch.device) -> contextlib.AbstractContextManager:
     """Undo every RNG change made inside: replay rewinds the generators, the step must not leak that."""
-    state = RngState.capture(device)
-    try:
-        yield
-    finally:
-        state.restore()
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda")
 
 
 class ProcessRng:

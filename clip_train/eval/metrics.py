@@ -67,9 +67,8 @@ def retrieval_recall(
     total = sum(counts)
     if total == 0:
         raise EvalError("retrieval: no image-text pairs to evaluate")
-    metrics = {f"image_to_text_R@{k}": hits[i] / total for i, k in enumerate(ks)}
-    metrics |= {f"text_to_image_R@{k}": hits[len(ks) + i] / total for i, k in enumerate(ks)}
-    return metrics | {"n": float(total)}
+    names = [f"{direction}_R@{k}" for direction in ("image_to_text", "text_to_image") for k in ks]
+    return {name: h / total for name, h in zip(names, hits, strict=True)} | {"n": float(total)}
 
 
 def zeroshot_from_features(

@@ -4,8 +4,8 @@
 ``(1/n) [Σ_{i∈r, all j} softplus(X_ij) - Σ_{i∈r} X_ii]``, as open_clip's ``SigLipLoss``. With no
 normaliser, ``G = (w_r / n)·(sigmoid(X) - I)`` depends on each element alone, so the forward
 computes loss and unit-coefficient gradients in one ring pass and the backward only scales them;
-it recomputes (one more pass) only when ranks backpropagate different coefficients. Gradients
-follow the softmax loss's convention (see ``clip_train.loss``).
+it repeats the pass only when ranks backpropagate different coefficients. Gradients follow the
+softmax loss's convention (see ``clip_train.loss``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,32 @@ import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
 from clip_train.loss.kernels import Tiles
-from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
+from clip_train.loss.ring import forward_pass, rank_coefficients, without_autocast
+
+
+def _ring_pass(images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float) -> tuple[torch.Tensor, ...]:
+    """One pass of every rank's text block, each rank weighting its rows' ``G`` by its ``coef``:
+    ``Σ softplus(X)``, ``Σ X_ii``, ``Σ G`` and this rank's gradients without the factor s."""
+    batch: Batch = ctx.batch
+    acc_dtype = torch.promote_types(images.dtype, torch.float32)
+    n = images.shape[0]
+    grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
+    softplus_sum, g_sum, positives = (images.new_zeros((), dtype=acc_dtype) for _ in range(3))
+
+    def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
+        nonlocal softplus_sum, g_sum, positives
+        args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile)
+        softplus, g = ctx.tiles.functions.sigmoid_forward_backward(images, block, *args)
+        softplus_sum, g_sum = softplus_sum + softplus, g_sum + g
+        if owner == batch.rank:  # the positives: -X_ii in the loss, -coef on G's diagonal
+            positives = (row_dots(images, block, acc_dtype) * ctx.scale + ctx.bias).sum()
+            grad_images.sub_(block.to(acc_dtype), alpha=coef)
+            grad_block.sub_(images.to(acc_dtype), alpha=coef)
+            g_sum = g_sum - coef * n
+
+    grad_texts = texts.new_zeros(texts.shape, dtype=acc_dtype)
+    grad_texts = forward_pass(batch, texts, grad_texts, visit)[2]
+    return softplus_sum, positives, g_sum, grad_images, grad_texts
 
 
 class SigmoidLoss(torch.autograd.Function):
@@ -34,70 +59,27 @@ class SigmoidLoss(torch.autograd.Function):
     ) -> torch.Tensor:
         images = image_features.detach().to(tiles.feature_dtype).contiguous()
         texts = text_features.detach().to(tiles.feature_dtype).contiguous()
-        acc_dtype = torch.promote_types(images.dtype, torch.float32)
-        scale, bias = float(logit_scale), float(logit_bias)
-        n = images.shape[0]
+        ctx.batch, ctx.tile, ctx.tiles = batch, tile, tiles
+        ctx.scale, ctx.bias = float(logit_scale), float(logit_bias)
         # Gradients for a unit coefficient and without the factor s: G0 = sigmoid(X) - I.
-        grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
-        softplus_sum, g_sum, positives = (images.new_zeros((), dtype=acc_dtype) for _ in range(3))
-
-        def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
-            nonlocal softplus_sum, g_sum, positives
-            softplus, g = tiles.functions.sigmoid_forward_backward(
-                images, block, scale, bias, 1.0, grad_images, grad_block, tile
-            )
-            softplus_sum, g_sum = softplus_sum + softplus, g_sum + g
-            if owner == batch.rank:  # the positives: -X_ii in the loss, -1 on G's diagonal
-                positives = (row_dots(images, block, acc_dtype) * scale + bias).sum()
-                grad_images.sub_(block.to(acc_dtype))
-                grad_block.sub_(images.to(acc_dtype))
-                g_sum = g_sum - n
-
-        grad_texts = texts.new_zeros(texts.shape, dtype=acc_dtype)
-        block, _, grad_texts = forward_pass(batch, texts, grad_texts, visit)
-        ctx.save_for_backward(images, block, grad_images, grad_texts, g_sum)
-        ctx.batch, ctx.tile, ctx.tiles, ctx.scale, ctx.bias = batch, tile, tiles, scale, bias
+        softplus_sum, positives, g_sum, grad_images, grad_texts = _ring_pass(images, texts, ctx, 1.0)
+        ctx.save_for_backward(images, texts, grad_images, grad_texts, g_sum)
         ctx.input_meta = [
             (t.dtype, t.shape) for t in (image_features, text_features, logit_scale, logit_bias)
         ]
-        return (softplus_sum - positives) / n
+        return (softplus_sum - positives) / images.shape[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        images, block, grad_images, grad_texts, g_sum = ctx.saved_tensors
-        batch: Batch = ctx.batch
+        images, texts, grad_images, grad_texts, g_sum = ctx.saved_tensors
         coef = float(grad_loss) / images.shape[0]
-        coefs = rank_coefficients(coef, batch, images.device)
+        coefs = rank_coefficients(coef, ctx.batch, images.device)
         if all(c == coef for c in coefs):  # every G scales alike: the forward's gradients serve
             grad_images, grad_texts, grad_bias = grad_images * coef, grad_texts * coef, g_sum * coef
         else:
-            grad_images, grad_texts, grad_bias = _recompute(ctx, images, block, coef)
+            *_, grad_bias, grad_images, grad_texts = _ring_pass(images, texts, ctx, coef)
         grad_scale = row_dots(images, grad_images, grad_images.dtype).sum()
         grads = (grad_images * ctx.scale, grad_texts * ctx.scale, grad_scale, grad_bias)
         return (*grads_like(grads, ctx.input_meta), None, None, None)
-
-
-def _recompute(
-    ctx: Any, images: torch.Tensor, block: torch.Tensor, coef: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients with this rank's own coefficient on its rows: one more ring pass."""
-    batch: Batch = ctx.batch
-    acc_dtype = torch.promote_types(images.dtype, torch.float32)
-    grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
-    grad_bias = images.new_zeros((), dtype=acc_dtype)
-
-    def visit(owner: int, travelling: list[torch.Tensor]) -> torch.Tensor:
-        nonlocal grad_bias
-        (block,) = travelling
-        grad_block = images.new_zeros(block.shape, dtype=acc_dtype)
-        args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile)
-        grad_bias = grad_bias + ctx.tiles.functions.sigmoid_forward_backward(images, block, *args)[1]
-        if owner == batch.rank:
-            grad_images.sub_(block.to(acc_dtype), alpha=coef)
-            grad_block.sub_(images.to(acc_dtype), alpha=coef)
-            grad_bias = grad_bias - coef * images.shape[0]
-        return grad_block
-
-    return grad_images, backward_pass(batch, [block], visit), grad_bias

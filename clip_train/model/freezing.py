@@ -22,7 +22,7 @@ class LockableTower(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.locked = False
-        self.unlocked_layers = 0
+        self.unlocked_layers = 0  # > 0 only when locked: the frozen and trainable halves split the blocks
         self._frozen_module_names: list[str] = []
 
     def encode_frozen(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -42,11 +42,6 @@ class LockableTower(nn.Module):
     def has_frozen_trunk(self) -> bool:
         """True when locked, i.e. caching ``encode_frozen``'s output saves recomputing a trunk."""
         return self.locked
-
-    @property
-    def _splits_blocks(self) -> bool:
-        """Locked with ``unlocked_layers > 0``: the frozen and trainable halves split the block stack."""
-        return self.locked and self.unlocked_layers > 0
 
     @property
     def is_frozen(self) -> bool:
@@ -80,21 +75,14 @@ class LockableTower(nn.Module):
             if id(p) not in keep:
                 p.requires_grad_(False)
         self.locked = True
-        self._frozen_module_names = _frozen_subtrees(self, {id(m) for m in trainable}, prefix="")
+        # every submodule with no trainable module in or above it; not the tower, whose eval() calls train()
+        inside = {id(m) for module in trainable for m in module.modules()}
+        self._frozen_module_names = [
+            name
+            for name, module in self.named_modules()
+            if name and not any(id(m) in inside for m in module.modules())
+        ]
         self.train(self.training)
-
-
-def _frozen_subtrees(module: nn.Module, trainable: set[int], prefix: str) -> list[str]:
-    """Names of the largest submodules of ``module`` that contain no trainable module."""
-    names = []
-    for name, child in module.named_children():
-        if id(child) in trainable:
-            continue
-        if any(id(m) in trainable for m in child.modules()):
-            names += _frozen_subtrees(child, trainable, f"{prefix}{name}.")
-        else:
-            names.append(prefix + name)
-    return names
 
 
 def init_projection(width: int, embed_dim: int) -> nn.Linear:

@@ -59,16 +59,13 @@ class ImageTower(LockableTower):
         x = self.prepare(images)
         if not self.locked:
             return (x,)
-        if not self._splits_blocks:
+        if not self.unlocked_layers:
             return (self.trunk(x),)
         trunk = self.trunk
         x = trunk.norm_pre(trunk.patch_drop(trunk._pos_embed(trunk.patch_embed(x))))
-        for block in trunk.blocks[: len(trunk.blocks) - self.unlocked_layers]:
-            x = block(x)
-        return (x,)
+        return (trunk.blocks[: len(trunk.blocks) - self.unlocked_layers](x),)
 
     def _unlocked_modules(self) -> list[nn.Module]:
-        """The last N blocks, the final norm and the pooling."""
         trunk, unlocked = self.trunk, self.unlocked_layers
         if not isinstance(trunk, VisionTransformer):
             raise ConfigError(
@@ -84,7 +81,7 @@ class ImageTower(LockableTower):
     def encode_trainable(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.locked:
             pooled = self.trunk(hidden)
-        elif not self._splits_blocks:
+        elif not self.unlocked_layers:
             pooled = hidden
         else:
             trunk = self.trunk
@@ -97,8 +94,8 @@ class ImageTower(LockableTower):
         return F.normalize(self.proj(pooled), dim=-1)
 
 
-def create_trunk(cfg: ImageTowerConfig, *, load_pretrained: bool = True) -> nn.Module:
-    """The timm model without its classifier (``num_classes=0``: pooled features out).
+def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained: bool = True) -> ImageTower:
+    """The timm model without its classifier (``num_classes=0``: pooled features out) as a tower.
 
     ``load_pretrained=False`` skips ``model.image.pretrained``: a checkpoint supplies the weights.
     """
@@ -123,7 +120,7 @@ def create_trunk(cfg: ImageTowerConfig, *, load_pretrained: bool = True) -> nn.M
         load_local_weights(trunk, cfg.pretrained)
     if cfg.grad_checkpointing:
         trunk.set_grad_checkpointing(True)
-    return trunk
+    return ImageTower(trunk, embed_dim, cfg)
 
 
 def local_weights_file(source: str) -> Path:
@@ -166,7 +163,3 @@ def load_local_weights(trunk: nn.Module, source: str) -> None:
             f"{key}={source!r} does not fit {type(trunk).__name__}: {len(missing)} missing keys "
             f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}"
         )
-
-
-def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained: bool = True) -> ImageTower:
-    return ImageTower(create_trunk(cfg, load_pretrained=load_pretrained), embed_dim, cfg)

@@ -73,7 +73,7 @@ class TextTower(LockableTower):
         attention_mask = attention_mask.to(device, non_blocking=True)
         if not self.locked:
             return input_ids, attention_mask
-        if not self._splits_blocks:
+        if not self.unlocked_layers:
             hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             return (self.pool(hidden, attention_mask),)
         hidden = self.encoder.embeddings(input_ids=input_ids)
@@ -85,7 +85,7 @@ class TextTower(LockableTower):
             input_ids, attention_mask = hidden
             states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             pooled = self.pool(states, attention_mask)
-        elif not self._splits_blocks:
+        elif not self.unlocked_layers:
             (pooled,) = hidden
         else:
             states, attention_mask = hidden

@@ -18,7 +18,6 @@ from clip_train.errors import UserError
 
 GIB = 2**30
 FP32 = 4
-RESERVE_FIXED, RESERVE_FIXED_CAP, RESERVE_FRACTION = 1 * GIB, 0.10, 0.05
 # Elements per strip of a tile that the PyTorch tiles work through at once on the CPU, where
 # ``loss_workspace`` is measured (``loss/tiles_torch.py``'s STRIP_ELEMENTS; a test holds them equal).
 STRIP_ELEMENTS = 1 << 20
@@ -219,7 +218,7 @@ def usable_bytes(gpu_mem_gib: float) -> float:
     """GPU memory minus a reserve for the CUDA context and allocator fragmentation: 5 % plus 1 GiB,
     the GiB capped at 10 % so toy budgets still plan."""
     total = gpu_mem_gib * GIB
-    return total * (1 - RESERVE_FRACTION) - min(RESERVE_FIXED, RESERVE_FIXED_CAP * total)
+    return total * (1 - 0.05) - min(GIB, 0.10 * total)
 
 
 def max_batch(profile: ModelProfile, setting: Setting, capacity: float, limit: int = 2**40) -> int:
