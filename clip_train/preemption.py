@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: a temporary failure, run it again
@@ -36,7 +37,7 @@ def preemption_signals() -> Iterator[SignalFlag]:
     """While the block runs, SIGTERM and SIGUSR1 set the flag instead of ending the process (only in
     the main thread, the only one that can install handlers; elsewhere the flag stays unset)."""
     flag = SignalFlag()
-    previous = {}
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, flag._record) for sig in PREEMPTION_SIGNALS}
     try:

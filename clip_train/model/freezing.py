@@ -77,11 +77,13 @@ class LockableTower(nn.Module):
         self.locked = True
         # every submodule with no trainable module in or above it; not the tower, whose eval() calls train()
         inside = {id(m) for module in trainable for m in module.modules()}
-        self._frozen_module_names = [
+        frozen = {
             name
             for name, module in self.named_modules()
             if name and not any(id(m) in inside for m in module.modules())
-        ]
+        }
+        # only the largest frozen subtrees: their eval() reaches the rest
+        self._frozen_module_names = sorted(name for name in frozen if name.rpartition(".")[0] not in frozen)
         self.train(self.training)
 
 
