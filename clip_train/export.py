@@ -106,7 +106,7 @@ def open_clip_config(model: CLIP, at: Location) -> dict:
     }
     model_cfg = {"embed_dim": model.text.proj.out_features, "vision_cfg": vision_cfg, "text_cfg": text_cfg}
     if model.logit_bias is not None:  # a sigmoid-loss (SigLIP) model: open_clip builds the parameter
-        model_cfg["init_logit_bias"] = float(model.logit_bias)
+        model_cfg["init_logit_bias"] = model.logit_bias.item()
     return {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
 
 
