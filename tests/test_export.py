@@ -149,8 +149,7 @@ def test_cls_pooling_and_a_lit_locked_tower(tmp_path, digits, overrides, capsys)
 def test_a_sigmoid_loss_model_keeps_its_logit_bias(tmp_path, digits):
     """A SigLIP-style model: open_clip builds the bias parameter and loads its learned value."""
     checkpoint = checkpoint_of(tmp_path, "model.init_logit_bias=-7.5")
-    with warnings.catch_warnings():  # reading the trainable bias must not warn the user
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(action="error"):  # reading the trainable bias must not warn the user
         assert cli_main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
     model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'out'}")
     assert model.logit_bias is not None and model.logit_bias.item() == -7.5
