@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO_DATA ?= data/digits
 
-.PHONY: demo test gpu-check lint clean
+.PHONY: demo test test-floor gpu-wheels gpu-check gpu-figures lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,15 +34,48 @@ test: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
-# On a CUDA machine: the CUDA tests, then the loss and step benchmarks whose JSON and plots the
-# README's GPU figures come from. Elsewhere: one line, exit 0.
+# The floor of the supported range (pyproject's torch>=) as CI runs it: torch, torchvision, Triton
+# and numpy at the image's pins (docker/constraints.txt), in a venv that takes every other package
+# from .venv, so the two share their wheels (the CUDA libraries torch loads at import included).
+# It runs the tests of the version-dependent code: the collectives, the loss (Triton interpreter
+# and AOT compile), Gradient Cache, the update, checkpoints, the trainer and preemption.
+FLOOR_VENV ?= .venv-floor
+FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.py tests/test_triton_aot.py \
+	tests/test_gradcache*.py tests/test_optim.py tests/test_checkpoint*.py tests/test_trainer.py \
+	tests/test_exit_paths.py
+# A .pth line that appends .venv's site-packages (and its .pth files: the editable install) to sys.path.
+export ADD_SITE_PTH := import site, sys; open(site.getsitepackages()[0] + "/zz-clip-train-venv.pth", "w").write(f"import site; site.addsitedir({sys.argv[1]!r})\n")
+
+$(FLOOR_VENV)/.installed: docker/constraints.txt $(VENV)/.installed-dev+demo
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --no-deps -c docker/constraints.txt torch torchvision triton numpy
+	$(FLOOR_VENV)/bin/python -c "$$ADD_SITE_PTH" "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS)
+
+# The GPU check kit, for a GPU box without network: `make gpu-wheels` here writes the wheels such a
+# box (torch and torchvision preinstalled) lacks; copy the checkout with them, and on the box
+# `make gpu-check` installs them offline, runs the CUDA tests and one short benchmark into
+# gpu-check/DATE/. GPU_PYTHON=3.12 builds the wheels for the box's Python when it differs.
+GPU_WHEELS ?= dist/gpu-wheels
+gpu-wheels: $(VENV)/.installed-dev+demo
+	rm -rf $(GPU_WHEELS)
+	$(PY) launch/gpu_wheels.py $(GPU_WHEELS) $(if $(GPU_PYTHON),--python-version $(GPU_PYTHON))
+
+gpu-check:
+	PYTHON=$(PYTHON) WHEELS=$(GPU_WHEELS) launch/gpu-check.sh
+
+# On a CUDA machine with network: the loss and step benchmarks whose JSON and plots the README's
+# GPU figures come from. Elsewhere: one line, exit 0.
 FIGURES ?= docs/figures
-gpu-check: $(VENV)/.installed-dev+demo
+gpu-figures: $(VENV)/.installed-dev+demo
 	@if ! $(PY) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then \
-		echo "gpu-check: no CUDA GPU on this machine; nothing to check"; \
+		echo "gpu-figures: no CUDA GPU on this machine; nothing to measure"; \
 	else \
 		set -ex; \
-		$(PY) -m pytest -m cuda tests; \
 		for dtype in float32 bfloat16; do \
 			$(VENV)/bin/clip-train bench loss --device cuda --dtype $$dtype --dim 512 --repeats 5 \
 				--batch 16384,32768,65536,131072,262144 --impl vanilla,inf --kernel torch,triton \
@@ -58,4 +91,4 @@ lint: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache .ruff_cache

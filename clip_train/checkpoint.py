@@ -1,15 +1,23 @@
 """Step checkpoints: ``{out_dir}/checkpoints/step_{N:08d}/``, written to a hidden directory and renamed,
-so a ``step_*`` directory is always complete.
+so a ``step_*`` directory is never half-written.
 
 It holds ``model.safetensors`` (readable without this project), ``train_state.pt`` (every component's
-state; ``torch.load(weights_only=True)``), and what rebuilds the model offline: ``model.yaml`` (the
-model config) and ``text/`` (the text encoder's transformers config and tokenizer files).
+state; ``torch.load(weights_only=True)``), what rebuilds the model offline: ``model.yaml`` (the
+model config) and ``text/`` (the text encoder's transformers config and tokenizer files), and, written
+last, ``manifest.json``: every other file's size and SHA-256. Listing a run's checkpoints compares the
+sizes; resuming, evaluating, loading and exporting compare the checksums too, so a file damaged after
+the save (a truncated copy, a failing disk) is never used. Checkpoints from before manifests load
+unverified.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -18,11 +26,12 @@ from typing import Any, Protocol
 
 import torch
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from clip_train.config import CheckpointConfig, ModelConfig, load_config
-from clip_train.distributed import barrier, gather_to_main, rank_and_world
+from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.model import CLIP
 from clip_train.model.tokenizer import OPEN_CLIP
@@ -31,8 +40,13 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 MODEL_CONFIG_FILE = "model.yaml"
 TEXT_DIR = "text"
+MANIFEST_FILE = "manifest.json"
+HASH = "sha256"  # hashlib's name, and the manifest's key for each file's checksum
+TEMP_PREFIX = ".tmp_step_"  # a save in progress, or one whose process died
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config the trainer writes into the run directory
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# What a failed write raises: Python's OSError, torch.save's RuntimeError, safetensors' own error.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -47,32 +61,120 @@ def save_checkpoint(
     train_state: dict,
     keep: int,
     keep_every: int = 0,
+    *,
+    check_space: bool = True,
 ) -> Path:
     """Write one checkpoint atomically and prune all but the newest ``keep``, and the milestones
-    (steps divisible by ``keep_every``, when it is not 0). Call on one rank."""
+    (steps divisible by ``keep_every``, when it is not 0). Call on one rank.
+
+    A write that fails (a full disk, a quota, an I/O error) removes its temporary folder and raises a
+    one-line ``UserError`` with the space the save needs and the space free; with ``check_space`` a
+    disk that has less free space than the tensors is refused before anything is written. Older
+    checkpoints are pruned only once the new one is in place.
+    """
     root = checkpoint_root(out_dir)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = root / f"{TEMP_PREFIX}{step:08d}_{os.getpid()}"
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_weights(weights, tmp / MODEL_FILE, metadata={"step": str(step)})
-    torch.save(train_state, tmp / STATE_FILE)
-    section = {"model": dataclasses.asdict(model_cfg)}
-    (tmp / MODEL_CONFIG_FILE).write_text(yaml.safe_dump(section, sort_keys=False))
-    model.text.encoder.config.save_pretrained(tmp / TEXT_DIR)
-    model.tokenizer.save_pretrained(tmp / TEXT_DIR)
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+    needed = _tensor_bytes(weights) + _tensor_bytes(train_state)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if check_space and shutil.disk_usage(root).free < needed:
+            raise UserError(_cannot_save(final, needed, "not enough free space (checked before writing)"))
+        _write_checkpoint(tmp, step, weights, train_state, model, model_cfg)
+    except _WRITE_ERRORS as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(_cannot_save(final, needed, _write_failure(err))) from None
     if final.exists():  # a rerun of the same step after a restart replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)  # the rename itself reaches the disk
     for old in complete_checkpoints(out_dir)[:-keep]:
         if not (keep_every and checkpoint_step(old) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    train_state: dict,
+    model: CLIP,
+    model_cfg: ModelConfig,
+) -> None:
+    """Every file of a checkpoint into ``tmp``, the manifest last."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_weights(weights, tmp / MODEL_FILE, metadata={"step": str(step)})
+    with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch's error then carries the OSError
+        torch.save(train_state, f)
+    section = {"model": dataclasses.asdict(model_cfg)}
+    (tmp / MODEL_CONFIG_FILE).write_text(yaml.safe_dump(section, sort_keys=False))
+    model.text.encoder.config.save_pretrained(tmp / TEXT_DIR)
+    model.tokenizer.save_pretrained(tmp / TEXT_DIR)
+    write_manifest(tmp)
+
+
+def _tensor_bytes(tree: object) -> int:
+    """The bytes of the tensors in nested dicts, lists and tuples: what saving them writes, give or
+    take a little metadata."""
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return sum(_tensor_bytes(item) for item in tree) if isinstance(tree, list | tuple) else 0
+
+
+def _cannot_save(final: Path, needed: int, reason: str) -> str:
+    free = shutil.disk_usage(next(p for p in final.parents if p.exists())).free
+    return (
+        f"cannot save checkpoint {final}: {reason}; it needs about {_size(needed)} and {_size(free)} "
+        "is free there; the older checkpoints are intact"
+    )
+
+
+def _write_failure(err: Exception) -> str:
+    """The system's words for a failed write (torch wraps them in a RuntimeError), else the error's."""
+    cause = err if isinstance(err, OSError) else err.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for people: 512 bytes, 3.4 MiB, 12.0 GiB."""
+    if n < 1024:
+        return f"{n} bytes"
+    exponent = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**exponent:.1f} {'KMGT'[exponent - 1]}iB"
+
+
+def write_manifest(folder: Path) -> None:
+    """Record every file's size and checksum in ``manifest.json``, each flushed to the disk first,
+    and the manifest and the folders' entries last: a checkpoint verifies only once all of it is stored."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST_FILE)
+    entries = {p.relative_to(folder).as_posix(): _record(p) for p in files}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": entries}, indent=1))
+    for path in (folder / MANIFEST_FILE, *(p for p in folder.rglob("*") if p.is_dir()), folder):
+        _fsync(path)
+
+
+def _record(file: Path) -> dict[str, int | str]:
+    """A file's manifest entry, taken once the file is flushed to the disk."""
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
+        return {"bytes": os.fstat(f.fileno()).st_size, HASH: hashlib.file_digest(f, HASH).hexdigest()}
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_weights(
@@ -111,13 +213,17 @@ def run_config_file(checkpoint: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def complete_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
-    """Finished checkpoint directories, oldest first; temporary or partial ones are ignored."""
+def step_dirs(out_dir: str | os.PathLike) -> list[Path]:
+    """Every ``step_NNNNNNNN`` directory of a run, oldest first, whatever state its files are in."""
     root = checkpoint_root(out_dir)
-    if not root.is_dir():
-        return []
-    found = [d for d in root.iterdir() if _STEP_DIR.match(d.name) and _is_complete(d)]
+    found = [d for d in root.iterdir() if _STEP_DIR.match(d.name)] if root.is_dir() else []
     return sorted(found, key=checkpoint_step)
+
+
+def complete_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints whose files are all there at the sizes their manifests record, oldest first;
+    temporary and damaged ones are left out. Cheap: no checksum is computed."""
+    return [d for d in step_dirs(out_dir) if checkpoint_problem(d, checksums=False) is None]
 
 
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
@@ -131,46 +237,127 @@ def checkpoint_step(checkpoint: Path) -> int:
     return int(_STEP_DIR.match(checkpoint.name).group(1))
 
 
-def resolve_resume(resume: str, out_dir: str | os.PathLike) -> Path | None:
-    """``""`` → None; ``auto`` → the newest complete checkpoint (or None); else that path."""
+def checkpoint_problem(checkpoint: Path, *, checksums: bool, with_state: bool = True) -> str | None:
+    """Why ``checkpoint`` must not be used, or None: a file missing, or differing in size (with
+    ``checksums``, in content too) from the manifest. ``with_state=False`` leaves out
+    ``train_state.pt``, which only resuming reads. A checkpoint from before manifests only needs its
+    files to be there."""
+    if not checkpoint.is_dir():
+        return "is not a directory" if checkpoint.exists() else "does not exist"
+    required = [MODEL_FILE, STATE_FILE] if with_state else [MODEL_FILE]
+    if not (checkpoint / MANIFEST_FILE).is_file():
+        missing = [name for name in required if not (checkpoint / name).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    try:
+        recorded = read_manifest(checkpoint)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST_FILE} is damaged ({type(err).__name__}: {err})"
+    if unlisted := [name for name in required if name not in recorded]:
+        return f"{unlisted[0]} is not in {MANIFEST_FILE}"
+    checked = {name: entry for name, entry in recorded.items() if with_state or name != STATE_FILE}
+    for name, (size, digest) in checked.items():
+        if problem := _file_problem(checkpoint / name, size, digest if checksums else None):
+            return f"{name} {problem}"
+    return None
+
+
+def read_manifest(checkpoint: Path) -> dict[str, tuple[int, str]]:
+    """Each file's recorded (size, checksum), by its path relative to the checkpoint."""
+    entries = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
+    return {name: (int(entry["bytes"]), str(entry[HASH])) for name, entry in entries.items()}
+
+
+def _file_problem(file: Path, size: int, digest: str | None) -> str | None:
+    """How ``file`` differs from its size and (unless None) checksum in the manifest."""
+    try:
+        actual = file.stat().st_size
+        if actual != size:
+            return f"has {actual} bytes, the manifest says {size}"
+        if digest is not None:
+            with open(file, "rb") as f:
+                if hashlib.file_digest(f, HASH).hexdigest() != digest:
+                    return f"does not match its {HASH} in the manifest: changed or corrupted since the save"
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as err:
+        return f"cannot be read: {err.strerror or err}"
+    return None
+
+
+def newest_verified_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint whose files match their checksums; each newer one is passed over with a
+    line on stderr saying why."""
+    for checkpoint in reversed(step_dirs(out_dir)):
+        problem = checkpoint_problem(checkpoint, checksums=True)
+        if problem is None:
+            return checkpoint
+        print(f"clip-train: checkpoint {checkpoint.name} skipped: {problem}", file=sys.stderr)
+    return None
+
+
+def resolve_resume(resume: str, out_dir: str | os.PathLike, *, verify: bool = False) -> Path | None:
+    """``""`` → None; ``auto`` → the newest complete checkpoint (or None); else that path, which
+    must be a complete checkpoint. Without ``verify`` only the files' sizes are compared (the
+    start-up check on every rank); with it their checksums too, and ``auto`` passes over damaged
+    checkpoints to the newest sound one."""
     if not resume:
         return None
     if resume == "auto":
-        return latest_checkpoint(out_dir)
+        return newest_verified_checkpoint(out_dir) if verify else latest_checkpoint(out_dir)
     path = Path(resume)
-    if not _is_complete(path):
-        raise UserError(
-            f"checkpoint.resume={resume}: not a complete checkpoint (needs {MODEL_FILE}, {STATE_FILE})"
-        )
+    if problem := checkpoint_problem(path, checksums=verify):
+        raise UserError(f"checkpoint.resume={resume}: not a complete checkpoint: {problem}")
     return path
 
 
-def _is_complete(path: Path) -> bool:
-    return (path / MODEL_FILE).is_file() and (path / STATE_FILE).is_file()
+def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temporary folders of saves that never finished (their process was killed), and
+    return them. Only while no other process saves into ``out_dir``: at a run's start-up."""
+    stale = sorted(checkpoint_root(out_dir).glob(f"{TEMP_PREFIX}*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
-def find_weights(path: str | os.PathLike) -> Path:
-    """The weights of a checkpoint directory or of a run directory's newest complete checkpoint,
-    or ``path`` itself when it is a weights file."""
+def find_weights(path: str | os.PathLike, *, verify: bool = False) -> Path:
+    """The weights of a checkpoint directory or of a run directory's newest checkpoint, or ``path``
+    itself when it is a weights file. A checkpoint's files (all but ``train_state.pt``) are compared
+    with its manifest, by size, and with ``verify`` by checksum: one that differs is a one-line
+    ``UserError`` naming it."""
     path = Path(path)
-    if path.is_file():
-        return path
-    if (path / MODEL_FILE).is_file():
-        return path / MODEL_FILE
-    if (latest := latest_checkpoint(path)) is not None:
-        return latest / MODEL_FILE
-    missing = f"has no {MODEL_FILE} and no complete checkpoints" if path.is_dir() else "does not exist"
+    file = path if path.is_file() else _weights_in(path)
+    if file.name == MODEL_FILE and (
+        problem := checkpoint_problem(file.parent, checksums=verify, with_state=False)
+    ):
+        raise UserError(f"checkpoint {file.parent}: {problem}")
+    return file
+
+
+def _weights_in(folder: Path) -> Path:
+    """The weights file a checkpoint directory holds, or the newest checkpoint's of a run directory."""
+    if (folder / MODEL_FILE).is_file() or (folder / MANIFEST_FILE).is_file():
+        return folder / MODEL_FILE
+    if found := step_dirs(folder):
+        return found[-1] / MODEL_FILE
+    missing = f"has no {MODEL_FILE} and no complete checkpoints" if folder.is_dir() else "does not exist"
     raise UserError(
-        f"checkpoint not found: {path} {missing}; pass a checkpoint directory, a run directory or a "
+        f"checkpoint not found: {folder} {missing}; pass a checkpoint directory, a run directory or a "
         ".safetensors file"
     )
 
 
 def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
-    """Load the weights ``find_weights(path)`` names, strictly: a file that does not fit raises a
-    one-line ``UserError`` naming the first few missing, unexpected and mis-shaped keys."""
-    file = find_weights(path)
-    weights = load_file(file, device=str(next(model.parameters()).device))
+    """Load the weights ``find_weights(path, verify=True)`` names, as ``load_weights_file`` does."""
+    load_weights_file(find_weights(path, verify=True), model)
+
+
+def load_weights_file(file: Path, model: nn.Module) -> None:
+    """Load a weights file strictly: a file that does not fit raises a one-line ``UserError`` naming
+    the first few missing, unexpected and mis-shaped keys, a damaged one a line naming the file."""
+    try:
+        weights = load_file(file, device=str(next(model.parameters()).device))
+    except SafetensorError as err:
+        raise UserError(f"{file} is damaged (truncated or not a safetensors file): {err}") from None
     own = model.state_dict()
     problems = {
         "Missing key(s)": sorted(own.keys() - weights.keys()),
@@ -192,8 +379,21 @@ def _first(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def load_train_state(path: str | os.PathLike) -> dict:
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+def load_train_state(checkpoint: str | os.PathLike) -> dict:
+    """``train_state.pt`` under ``torch.load(weights_only=True)``: a file holding more than tensors
+    and plain data (a pickle that would run code) is refused, never loaded with fewer checks."""
+    file = Path(checkpoint) / STATE_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"{file} is not a trusted clip_train checkpoint: it holds Python objects that clip_train never "
+            "saves, so it is not loaded"
+        ) from None
+    except (RuntimeError, EOFError):
+        raise UserError(
+            f"{file} is damaged: torch.load cannot read it (truncated or not a torch file)"
+        ) from None
 
 
 class Stateful(Protocol):
@@ -220,27 +420,32 @@ class Checkpointer:
     per_rank: dict[str, Stateful]
 
     def save(self, step: int) -> None:
-        """Every rank contributes its own state; rank 0 writes. A collective."""
+        """Every rank contributes its own state; rank 0 writes. A collective: a save that fails raises
+        the same one-line ``UserError`` on every rank."""
         gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
-        rank, world = rank_and_world()
-        if rank == 0:
-            state = {"world_size": world, **gathered}
+
+        def write() -> Path:
+            state = {"world_size": rank_and_world()[1], **gathered}
             state.update({name: part.state_dict() for name, part in self.shared.items()})
-            keep, keep_every = self.cfg.keep, self.cfg.keep_every
-            save_checkpoint(self.run_dir, step, self.model, self.model_cfg, state, keep, keep_every)
-        barrier()
+            return save_checkpoint(
+                self.run_dir,
+                step,
+                self.model,
+                self.model_cfg,
+                state,
+                self.cfg.keep,
+                self.cfg.keep_every,
+                check_space=self.cfg.check_free_space,
+            )
+
+        decided_by_main(write)
 
     def restore(self) -> Path | None:
-        """Load ``checkpoint.resume`` (none, ``auto`` or a path); refuse to write over another run's."""
-        path = resolve_resume(self.cfg.resume, self.run_dir)
+        """Load ``checkpoint.resume`` (none, ``auto`` or a path), which rank 0 has chosen and verified."""
+        path = decided_by_main(self._resume_point)
         if path is None:
-            if self.cfg.resume != "auto" and complete_checkpoints(self.run_dir):
-                raise UserError(
-                    f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
-                    "with checkpoint.resume=auto or pick a new train.out_dir"
-                )
             return None
-        load_weights(path, self.model)
+        load_weights_file(path / MODEL_FILE, self.model)
         state = load_train_state(path)
         for name, part in self.shared.items():
             part.load_state_dict(state[name])
@@ -253,5 +458,23 @@ class Checkpointer:
                 f"clip-train: resuming on {world} ranks from a {state['world_size']}-rank checkpoint: "
                 "weights and optimizer are exact; dropout and data streams restart at the step",
                 file=sys.stderr,
+            )
+        return path
+
+    def _resume_point(self) -> Path | None:
+        """At start-up, on rank 0: remove dead saves' temporary folders, then pick the checkpoint to
+        resume and verify its checksums; refuse to write over another run's or over damaged ones."""
+        for stale in remove_stale_temp_dirs(self.run_dir):
+            print(f"clip-train: removed {stale}, left by a save that did not finish", file=sys.stderr)
+        path = resolve_resume(self.cfg.resume, self.run_dir, verify=True)
+        if path is None and step_dirs(self.run_dir):
+            if self.cfg.resume == "auto":
+                raise UserError(
+                    f"checkpoint.resume=auto: no checkpoint in {checkpoint_root(self.run_dir)} is sound (see "
+                    "above); resume from one with checkpoint.resume=PATH, or move them away to start afresh"
+                )
+            raise UserError(
+                f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
+                "with checkpoint.resume=auto or pick a new train.out_dir"
             )
         return path

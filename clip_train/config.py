@@ -138,7 +138,8 @@ class CheckpointConfig:
     every_steps: int = 1000  # also at the end of the run
     keep: int = 3  # newest complete checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (milestones); 0: none
-    resume: str = ""  # "" (fresh run), "auto" (newest complete checkpoint) or a checkpoint path
+    resume: str = ""  # "" (fresh run), "auto" (newest checkpoint that verifies) or a checkpoint path
+    check_free_space: bool = True  # refuse a save up front if the disk has less room than its tensors
 
 
 @dataclass
@@ -341,6 +342,8 @@ def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[st
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except OSError as err:  # a directory, no read permission, an I/O error
+        raise ConfigError(f"config file {path}: cannot read it: {err.strerror or err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from clip_train.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -130,3 +133,19 @@ def sum_counts_over_ranks(
     """``counts[key]`` (0 where missing) summed over all ranks, for every key; a collective."""
     values = torch.tensor([counts.get(key, 0) for key in keys], dtype=torch.long, device=device)
     return dict(zip(keys, sum_over_ranks(values).tolist(), strict=True))
+
+
+def decided_by_main(decide: Callable[[], T]) -> T:
+    """``decide()`` run on rank 0 only; its result returned, or its ``UserError`` raised, on every
+    rank, so that the ranks act on one decision and fail together. A collective."""
+    outcome: list[Any] = [None, None]
+    if rank_and_world()[0] == 0:
+        try:
+            outcome[0] = decide()
+        except UserError as err:
+            outcome[1] = str(err)
+    if rank_and_world()[1] > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise UserError(outcome[1])
+    return outcome[0]

@@ -3,8 +3,10 @@ loads as a ``CustomTextCLIP`` giving clip_train's embeddings, which the export c
 
 It holds ``open_clip_config.json`` (model and preprocessing), ``open_clip_model.safetensors``, one
 ``config.json`` that serves both towers (timm reads its ``architecture``/``model_args``, transformers
-the encoder keys), a transformers tokenizer's files and a model card. open_clip resolves the tower
-names relative to the working directory, so a folder export names itself by its absolute path.
+the encoder keys), a transformers tokenizer's files, a model card and the ``.clip_train_export``
+marker: an export replaces only an empty folder or an earlier export, never a folder of the user's.
+open_clip resolves the tower names relative to the working directory, so a folder export names
+itself by its absolute path.
 open_clip masks every token equal to the pad id, clip_train everything after the end token: with
 the bundled BPE, whose pad id 0 is also "!" before some punctuation ("!("), such captions differ.
 """
@@ -33,6 +35,7 @@ from clip_train.model import CLIP, HFTokenizer
 FORMATS = ("open_clip",)
 TOWERS_CONFIG = "config.json"
 MODEL_CARD = "README.md"
+MARKER = ".clip_train_export"  # in every export: a folder that a later export may replace
 POOLERS = {"cls": "cls_last_hidden_state_pooler", "mean": "mean_pooler"}  # open_clip's names
 RENAMES = (("visual.proj.", "visual.head.proj."), ("text.encoder.", "text.transformer."))  # ours, open_clip's
 VERIFY_TOLERANCE = 1e-4  # largest |difference| of unit-norm embeddings the export may show
@@ -157,20 +160,41 @@ def location_files(model: CLIP, at: Location) -> dict[str, bytes]:
     }
 
 
+def check_target(out: Path) -> None:
+    """One-line ``ExportError``, before anything is written, unless ``out`` is absent, an empty
+    folder or an earlier export (which holds the marker): what is there is replaced."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file; give a folder to export into")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ExportError(
+            f"{out} holds files and is not an earlier export (it has no {MARKER}); pick a new or empty folder"
+        )
+
+
 def write_export(model: CLIP, out: Path) -> None:
-    """Write the export into a temporary sibling of ``out`` and rename it into place."""
-    if out.exists() and any(out.iterdir()) and not (out / HF_CONFIG_NAME).is_file():
-        raise ExportError(f"{out} exists and is not an export; pick a new or empty directory")
+    """Write the export into a temporary sibling of ``out`` and swap it into place."""
+    check_target(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    (tmp / MARKER).write_text(
+        "written by clip-train export, which replaces this folder when exporting into it\n"
+    )
     save_weights(open_clip_weights(model), tmp / HF_SAFE_WEIGHTS_NAME)
     write_towers_config(model, tmp / TOWERS_CONFIG)
     model.tokenizer.save_pretrained(tmp)
     for name, content in location_files(model, Location.folder(out)).items():
         (tmp / name).write_bytes(content)
-    shutil.rmtree(out, ignore_errors=True)  # a previous export, or an empty directory
-    os.replace(tmp, out)
+    replace_folder(tmp, out)
+
+
+def replace_folder(new: Path, out: Path) -> None:
+    """Move ``new`` to ``out``; what was there is set aside first and deleted last."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def verify(model: CLIP, at: Location) -> tuple[float, float]:
@@ -192,7 +216,8 @@ def verify(model: CLIP, at: Location) -> tuple[float, float]:
 def hub_files(model: CLIP, out: Path, repo: str) -> dict[str, Path | bytes]:
     """What ``--push-to-hub`` uploads: the export's files, with names that point at ``repo``."""
     renamed = location_files(model, Location.hub(repo))
-    files: dict[str, Path | bytes] = {f.name: f for f in sorted(out.iterdir()) if f.name not in renamed}
+    not_copied = {*renamed, MARKER}
+    files: dict[str, Path | bytes] = {f.name: f for f in sorted(out.iterdir()) if f.name not in not_copied}
     return files | renamed
 
 

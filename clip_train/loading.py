@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from clip_train.checkpoint import checkpoint_model_config, find_weights, load_weights
+from clip_train.checkpoint import checkpoint_model_config, find_weights, load_weights_file
 from clip_train.data.transforms import ImageTransform, eval_transform
 from clip_train.model import CLIP, Tokenizer, build_model
 
@@ -25,7 +25,7 @@ def load(
         image_features = model.encode_image(torch.stack([preprocess(image) for image in images]))
         text_features = model.encode_text(**tokenizer(["a photo of the digit 3", "a photo of the digit 5"]))
     """
-    weights = find_weights(path)
+    weights = find_weights(path, verify=True)
     model = build_model(checkpoint_model_config(weights.parent), load_pretrained=False)
-    load_weights(weights, model)
+    load_weights_file(weights, model)
     return model.to(device).eval(), eval_transform(model.image_size), model.tokenizer

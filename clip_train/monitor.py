@@ -1,5 +1,6 @@
-"""What rank 0 reports: ``metrics.jsonl``, wandb when enabled (the run id is kept in the run
-directory, so a resumed run continues it), a progress bar; and ``summarize``, which reads it back.
+"""What rank 0 reports: ``metrics.jsonl`` (a resumed run first drops the records logged after its
+checkpoint, so no step appears twice), wandb when enabled (the run id is kept in the run directory,
+so a resumed run continues it), a progress bar; and ``summarize``, which reads it back.
 """
 
 from __future__ import annotations
@@ -7,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import secrets
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import wandb
 from tqdm import tqdm
 
 from clip_train.checkpoint import latest_checkpoint
@@ -25,7 +26,9 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 
 class RunMonitor:
     def __init__(self, cfg: Config, run_dir: Path, start_step: int) -> None:
-        self.metrics_file = (run_dir / "metrics.jsonl").open("a")
+        metrics = run_dir / "metrics.jsonl"
+        drop_records_after(metrics, start_step)
+        self.metrics_file = metrics.open("a")
         self.progress = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
         self.wandb_run = _start_wandb(cfg, run_dir) if cfg.log.wandb.mode != "disabled" else None
 
@@ -51,7 +54,33 @@ class RunMonitor:
             self.wandb_run.finish()
 
 
+def drop_records_after(metrics: Path, step: int) -> None:
+    """Remove the records logged after ``step`` from ``metrics`` (and a last line cut short by a
+    crash): a run resumed at ``step`` logs those steps again. Rewritten atomically, if at all."""
+    if not metrics.is_file():
+        return
+    lines = metrics.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _logged_step(line) <= step]
+    if len(kept) == len(lines):
+        return
+    rewritten = metrics.with_name(metrics.name + ".tmp")
+    rewritten.write_text("".join(kept))
+    os.replace(rewritten, metrics)
+
+
+def _logged_step(line: str) -> float:
+    """A record's step; infinity for a line that is not a whole record (cut short by a crash)."""
+    if not line.endswith("\n"):
+        return math.inf
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def _start_wandb(cfg: Config, run_dir: Path):
+    import wandb  # only for runs that log to it: the GPU check kit installs no wandb
+
     id_file = run_dir / WANDB_ID_FILE
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)

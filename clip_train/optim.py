@@ -63,7 +63,7 @@ class TrainingAborted(UserError):
 class Update:
     """One optimizer step and its guards: the fp16 loss scale, global-norm clipping, and skipping a
     step whose loss or gradient is not finite on any rank (``train.max_bad_steps`` in a row stop
-    the run). The guard's all-reduce also carries "was any rank signalled?", so all stop together.
+    the run).
     """
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
@@ -75,14 +75,14 @@ class Update:
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
         self.bad_in_a_row = self.bad_total = 0
 
-    def __call__(self, loss: float, step: int, signalled: bool = False) -> tuple[float, bool]:
-        """Unscale, clip and step (or skip); returns the gradient norm and whether to stop."""
+    def __call__(self, loss: float, step: int) -> float:
+        """Unscale, clip and step (or skip); returns the gradient norm."""
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        loss_ok, none_signalled = all_ranks_true([math.isfinite(loss), not signalled], self.device)
+        (loss_ok,) = all_ranks_true([math.isfinite(loss)], self.device)
         if loss_ok and math.isfinite(grad_norm):
             self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
             with torch.no_grad():
@@ -92,7 +92,7 @@ class Update:
             self._count_bad_step(loss, grad_norm, step)
         self.scaler.update()
         self.scheduler.step()
-        return grad_norm, not none_signalled
+        return grad_norm
 
     def _count_bad_step(self, loss: float, grad_norm: float, step: int) -> None:
         self.bad_in_a_row += 1

@@ -1,10 +1,12 @@
 """Preemption: SIGTERM (SLURM preempting or cancelling) or SIGUSR1 (``--signal=USR1@N``) makes the
-trainer checkpoint at the next step boundary and exit 75. The handler only records the signal:
-saving inside it could interrupt a collective halfway.
+trainer checkpoint the step in progress and exit 75. The handler only records the signal: saving
+inside it could interrupt a collective halfway. Once nothing is left to save (the final evaluation)
+the handler stops the process at once instead.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import threading
 from collections.abc import Iterator
@@ -26,10 +28,13 @@ class SignalFlag:
     """The first preemption signal this process received, or None."""
 
     received: signal.Signals | None = None
+    interrupting: bool = False  # raise ``Preempted`` in the handler instead of waiting for the step's end
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
+        if self.interrupting:
+            raise Preempted(f"{self.received.name} received")
 
 
 @contextmanager
@@ -52,3 +57,16 @@ def ignore_preemption_signals(worker_id: int) -> None:
     SLURM signal them too, and a worker dying of SIGTERM would fail the step before the checkpoint."""
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_worker_processes(timeout_s: float = 10.0) -> None:
+    """Kill the DataLoader workers still alive (this process's daemonic children). They ignore
+    SIGTERM, which is all the interpreter sends its daemonic children at exit before waiting on them:
+    a worker whose loader an exception's traceback keeps alive would make the process hang there."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if workers:  # the DataLoader's SIGCHLD handler would report their deaths as a failure
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in workers:
+        worker.kill()
+    for worker in workers:
+        worker.join(timeout_s)

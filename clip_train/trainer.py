@@ -15,10 +15,10 @@ import torch
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, load_weights
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
-from clip_train.distributed import DistEnv, sum_counts_over_ranks
+from clip_train.distributed import DistEnv, all_ranks_true, sum_counts_over_ranks
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
-from clip_train.errors import naming_key
+from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate
 from clip_train.memory import peak_bytes
 from clip_train.model import build_model
@@ -31,7 +31,6 @@ from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 class StepResult:
     stats: StepStats
     grad_norm: float
-    stop: bool  # some rank was signalled: save this step and stop
 
 
 class Trainer:
@@ -67,6 +66,12 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         self.resumed_from = self.checkpointer.restore()
+        if self.step > cfg.train.max_steps:
+            raise UserError(
+                f"train.max_steps={cfg.train.max_steps} is below step {self.step} of the checkpoint "
+                f"{self.resumed_from}: nothing to train; raise train.max_steps to continue the run"
+            )
+        self.saved_step = self.step  # the newest step on disk (0: none worth saving)
         if self.resumed_from is None and cfg.model.init_from:  # fine-tuning: the weights and nothing else
             with naming_key("model.init_from", cfg.model.init_from):
                 load_weights(cfg.model.init_from, self.model)
@@ -81,20 +86,22 @@ class Trainer:
         self.step = state["step"]
         self.loader.start_at(self.step)
 
-    def train_step(self, batch: Batch, signalled: bool = False) -> StepResult:
+    def train_step(self, batch: Batch) -> StepResult:
         """One optimizer step on this rank's share of the global batch."""
         self.update.optimizer.zero_grad(set_to_none=True)
         stats = self.engine.step(
             batch.images, batch.input_ids, batch.attention_mask, scale_loss=self.update.scaler.scale
         )
-        grad_norm, stop = self.update(stats.loss, self.step, signalled)
+        grad_norm = self.update(stats.loss, self.step)
         self.step += 1
-        return StepResult(stats, grad_norm, stop)
+        return StepResult(stats, grad_norm)
 
     def run(self) -> dict[str, float]:
         """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
 
-        A SIGTERM or SIGUSR1 on any rank checkpoints the current step and raises ``Preempted``."""
+        A SIGTERM or SIGUSR1 on any rank during a step checkpoints that step and raises ``Preempted``:
+        the ranks agree on it at each step boundary. During the final evaluation, when the last step
+        is saved, a signal raises ``Preempted`` at once."""
         cfg, env = self.cfg, self.env
         monitor = None
         if env.is_main:
@@ -106,15 +113,17 @@ class Trainer:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         try:
             with preemption_signals() as signals:
-                while self.step < cfg.train.max_steps:
+                while all_ranks_true([signals.received is None], env.device)[0]:
+                    if self.step >= cfg.train.max_steps:
+                        return self._final_evaluation(signals, monitor)
                     started = time.perf_counter()
                     batch = next(self.loader)
                     data_s = time.perf_counter() - started
-                    result = self.train_step(batch, signals.received is not None)
+                    result = self.train_step(batch)
                     self._after_step(result, monitor, data_s, time.perf_counter() - started)
-                    if result.stop:
-                        raise self._preempted(signals)
-            return self._evaluate(monitor)
+                if self.step > self.saved_step and not self.update.bad_in_a_row:
+                    self._save()
+                raise self._preempted(signals)
         finally:
             self.loader.close()  # its workers ignore SIGTERM (kept for preemption): stop them here
             if monitor is not None:
@@ -123,7 +132,7 @@ class Trainer:
     def _after_step(
         self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float
     ) -> None:
-        """Log, checkpoint (only good steps, and every step that stops the run) and evaluate."""
+        """Log, checkpoint (only good steps) and evaluate."""
         cfg, last = self.cfg, self.step == self.cfg.train.max_steps
         at_log = self.step % cfg.log.every_steps == 0 or last
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
@@ -131,10 +140,25 @@ class Trainer:
         if monitor is not None:
             self._report(monitor, result, data_s, step_s, at_log)
         at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
-        if (at_checkpoint or result.stop) and not self.update.bad_in_a_row:
-            self.checkpointer.save(self.step)
+        if at_checkpoint and not self.update.bad_in_a_row:
+            self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
             self._evaluate(monitor)
+
+    def _save(self) -> None:
+        self.checkpointer.save(self.step)
+        self.saved_step = self.step
+
+    def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
+        """The last step is saved, so a signal now stops the process without saving anything."""
+        signals.interrupting = True
+        try:
+            return self._evaluate(monitor)
+        except Preempted as stop:
+            raise Preempted(
+                f"{stop} during the final evaluation: nothing new saved; the last step's checkpoint "
+                f"{latest_checkpoint(self.run_dir)} is complete (clip-train eval evaluates it)"
+            ) from None
 
     def _preempted(self, signals: SignalFlag) -> Preempted:
         cause = f"{signals.received.name} received" if signals.received else "another rank was signalled"

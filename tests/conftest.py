@@ -25,6 +25,7 @@ def digits(tmp_path_factory) -> Path:
 def demo_run(digits, tmp_path_factory) -> Path:
     """A short real run of the demo recipe (tiny model, mean pooling) by the real CLI: checkpoints at
     steps 20 and 40, and a run config whose eval section is digits zero-shot on the val shards."""
+    from processes import run_to_end
     from small_runs import DEMO_CONFIG, run_overrides
 
     out = tmp_path_factory.mktemp("demo_run")
@@ -37,5 +38,6 @@ def demo_run(digits, tmp_path_factory) -> Path:
         f"eval.zeroshot_data={digits}/val",
     )
     command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    result = run_to_end(command)
+    assert result.returncode == 0, result.stderr[-3000:]
     return out

@@ -5,19 +5,15 @@ are measurements for the README, never asserted here)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+
+from processes import run_to_end
 
 
 def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
     out = tmp_path / "loss.json"
     command = [sys.executable, "-m", "clip_train", "bench", "loss", "--kind", "sigmoid", "--batch", "256"]
-    result = subprocess.run(
-        [*command, "--dim", "32", "--repeats", "1", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = run_to_end([*command, "--dim", "32", "--repeats", "1", "--json", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     measured = {point["impl"]: point for point in report["points"]}

@@ -22,6 +22,7 @@ from clip_train.checkpoint import (
     find_weights,
     load_train_state,
     load_weights,
+    remove_stale_temp_dirs,
     resolve_resume,
     save_checkpoint,
 )
@@ -126,21 +127,33 @@ def test_weights_that_do_not_fit_are_one_line_naming_the_keys(tmp_path, model):
     )
 
 
-def test_half_written_checkpoints_are_ignored(tmp_path, model):
+def test_half_written_checkpoints_are_ignored_and_dead_saves_removed(tmp_path, model):
     save_checkpoint(tmp_path, 5, model, MODEL_CFG, _state(5), keep=3)
     root = tmp_path / "checkpoints"
-    (root / ".tmp_step_00000009_123").mkdir()  # killed before the rename
-    (root / ".tmp_step_00000009_123" / MODEL_FILE).write_bytes(b"partial")
+    dead_save = root / ".tmp_step_00000009_123"  # killed before the rename
+    dead_save.mkdir()
+    (dead_save / MODEL_FILE).write_bytes(b"partial")
     (root / "step_00000008").mkdir()  # a directory that lost its files
     (root / "step_00000008" / MODEL_FILE).write_bytes(b"x")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005"]
     assert resolve_resume("auto", tmp_path).name == "step_00000005"
     assert resolve_resume("", tmp_path) is None
     assert resolve_resume("auto", tmp_path / "elsewhere") is None
+    assert remove_stale_temp_dirs(tmp_path) == [dead_save] and not dead_save.exists()
+    assert remove_stale_temp_dirs(tmp_path / "elsewhere") == []
 
 
 def test_resume_from_bad_path_is_clear(tmp_path):
-    with pytest.raises(UserError, match="not a complete checkpoint"):
+    with pytest.raises(
+        UserError,
+        match=re.escape(f"checkpoint.resume={tmp_path / 'nope'}: not a complete checkpoint: does not exist"),
+    ):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
+    with pytest.raises(
+        UserError,
+        match=re.escape(f"checkpoint.resume={tmp_path}: not a complete checkpoint: {MODEL_FILE} is missing"),
+    ):
+        resolve_resume(str(tmp_path), tmp_path)
 
 
 def test_rng_state_round_trip():

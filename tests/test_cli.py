@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import yaml
+from processes import run_to_end
 from small_runs import DEMO_CONFIG
 
 from clip_train.cli import BENCH_COMMANDS, COMMANDS, main
@@ -11,9 +12,7 @@ from clip_train.config import config_keys, load_config
 
 
 def clip_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "clip_train", *args], capture_output=True, text=True, timeout=120
-    )
+    return run_to_end([sys.executable, "-m", "clip_train", *args])
 
 
 def test_top_level_help_runs_as_a_module():
@@ -68,7 +67,7 @@ def test_bad_override_and_missing_file(tmp_path, capsys):
 def test_building_the_parser_imports_no_torch():
     """``--help`` of every command stays fast: command modules import torch only when they run."""
     code = "import sys, clip_train.cli as cli; cli.build_parser(); print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = run_to_end([sys.executable, "-c", code])
     assert result.stdout.strip() == "False", result.stderr
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import webdataset as wds
 from dist_utils import run_distributed
 from PIL import Image
+from processes import run_to_end
 from safetensors.torch import save_file
 from torch import nn
 
@@ -358,9 +359,7 @@ def tiny_model(tiny_config) -> nn.Module:
 
 
 def clip_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "clip_train", *args], capture_output=True, text=True, timeout=240, cwd=REPO
-    )
+    return run_to_end([sys.executable, "-m", "clip_train", *args], cwd=REPO)
 
 
 @pytest.mark.slow

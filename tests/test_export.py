@@ -20,6 +20,7 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image
+from processes import run_to_end
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 from test_model import write_bert_dir
 
@@ -27,7 +28,7 @@ import clip_train
 from clip_train import load_config
 from clip_train.checkpoint import save_checkpoint
 from clip_train.cli import main as cli_main
-from clip_train.export import Location, hub_files, verify
+from clip_train.export import MARKER, Location, hub_files, verify
 from clip_train.model import build_model
 
 TEXTS = [
@@ -86,13 +87,7 @@ def checkpoint_of(tmp_path: Path, *overrides: str) -> Path:
 
 
 def clip_train_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "clip_train", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **env},
-    )
+    return run_to_end([sys.executable, "-m", "clip_train", *args], env={**os.environ, **env})
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +108,7 @@ def exported_demo(demo_run, tmp_path_factory) -> Path:
 
 def test_the_trained_demo_model_with_mean_pooling(exported_demo, demo_run, digits):
     assert sorted(p.name for p in exported_demo.iterdir()) == [
+        MARKER,
         "README.md",
         "config.json",
         "open_clip_config.json",
@@ -233,15 +229,44 @@ def test_the_export_check_sees_a_tower_that_differs(tmp_path):
     assert image == 0 and text > 0.01
 
 
-def test_a_directory_that_is_not_an_export_is_left_alone(tmp_path, capsys):
-    checkpoint = checkpoint_of(tmp_path)
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "notes.txt").write_text("mine")
-    assert cli_main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        f"clip-train: error: {tmp_path / 'out'} exists and is not an export; pick a new or empty directory"
-    ]
-    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+def test_an_export_replaces_its_own_earlier_export(tmp_path):
+    checkpoint, out = checkpoint_of(tmp_path), tmp_path / "out"
+    assert cli_main(["export", str(checkpoint), str(out)]) == 0
+    (out / "open_clip_model.safetensors").write_bytes(b"from before")
+    assert cli_main(["export", str(checkpoint), str(out)]) == 0
+    assert (out / MARKER).is_file() and (out / "open_clip_model.safetensors").read_bytes() != b"from before"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folders left
+
+
+def files_under(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` with its content (None for a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (
+            "a git checkout",
+            "{out} holds files and is not an earlier export (it has no .clip_train_export); pick a new or "
+            "empty folder",
+        ),
+        ("a file", "{out} is a file; give a folder to export into"),
+    ],
+    ids=["a git checkout", "a file"],
+)
+def test_anything_but_an_earlier_export_is_left_untouched(tmp_path, capsys, target, message):
+    checkpoint, out = checkpoint_of(tmp_path / "source"), tmp_path / "out"
+    if target == "a file":
+        out.write_text("mine")
+    else:
+        (out / ".git").mkdir(parents=True)
+        (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        (out / "notes.txt").write_text("mine")
+    before = files_under(tmp_path)
+    assert cli_main(["export", str(checkpoint), str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"clip-train: error: {message.format(out=out)}"]
+    assert files_under(tmp_path) == before
 
 
 HUB_EMBEDDINGS = """
@@ -268,7 +293,9 @@ def test_what_push_to_hub_uploads_loads_from_the_hub(exported_demo, demo_run, di
     (cache / "refs" / "main").write_text(revision)
     snapshot = cache / "snapshots" / revision
     snapshot.mkdir(parents=True)
-    for name, content in hub_files(model, exported_demo, repo).items():
+    uploaded = hub_files(model, exported_demo, repo)
+    assert MARKER not in uploaded and (exported_demo / MARKER).is_file()  # the marker stays local
+    for name, content in uploaded.items():
         (snapshot / name).write_bytes(content if isinstance(content, bytes) else content.read_bytes())
     assert str(exported_demo) not in (snapshot / "open_clip_config.json").read_text()
     images = sample_images(digits)
@@ -278,7 +305,7 @@ def test_what_push_to_hub_uploads_loads_from_the_hub(exported_demo, demo_run, di
         image.save(paths[-1])
     command = [sys.executable, "-c", HUB_EMBEDDINGS, f"hf-hub:{repo}", json.dumps(paths), json.dumps(TEXTS)]
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    result = run_to_end(command, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = [torch.tensor(t) for t in json.loads(result.stdout.splitlines()[-1])]
     ours = clip_train_embeddings(demo_run, [Image.open(p) for p in paths], TEXTS)
@@ -343,7 +370,7 @@ def test_clip_benchmark_zero_shot_agrees_with_clip_train_eval(exported_demo, dem
         "--dataset", "wds/digits", "--dataset_root", str(root), "--task", "zeroshot_classification",
         "--no_amp", "--num_workers", "0", "--batch_size", "64", "--output", str(tmp_path / "result.json"),
     ]  # fmt: skip
-    result = subprocess.run(benchmark, capture_output=True, text=True, timeout=240)
+    result = run_to_end(benchmark)
     assert result.returncode == 0, result.stderr[-3000:]
     top1 = json.loads((tmp_path / "result.json").read_text())["metrics"]["acc1"]
     zeroshot = [f"eval.zeroshot={digits}/zeroshot.json", f"eval.zeroshot_data={digits}/val"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from clip_train.config import load_config
 from clip_train.engine import GradCache
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
+from clip_train.engine.rng import ProcessRng, saved_cuda_state
 from clip_train.loss import contrastive_loss
 from clip_train.model import build_model
 
@@ -142,6 +144,57 @@ def test_step_leaves_the_rng_as_one_forward_pass_would():
     after_step = torch.get_rng_state()
     reference_grads(model, batch, 3, 4)
     assert torch.equal(after_step, torch.get_rng_state())
+
+
+def _generator_states(count: int) -> list[torch.Tensor]:
+    """``count`` distinct generator states, standing in for one per CUDA device."""
+    return [torch.Generator().manual_seed(seed).get_state() for seed in range(count)]
+
+
+def _draws() -> tuple[float, torch.Tensor]:
+    return random.random(), torch.rand(3)
+
+
+def test_process_rng_restores_a_checkpoint_that_listed_every_device(monkeypatch):
+    """An older checkpoint holds ``torch.cuda.get_rng_state_all()``: it loads in a process without
+    a GPU (as on a GPU-less machine; the entries are stand-ins), and the Python and CPU streams
+    resume exactly."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rng = ProcessRng()
+    state = {**rng.state_dict(), "cuda": _generator_states(8)}
+    first = _draws()
+    rng.load_state_dict(state)
+    again = _draws()
+    assert first[0] == again[0] and torch.equal(first[1], again[1])
+
+
+@pytest.mark.parametrize(("local_rank", "devices", "entry"), [(None, 4, 0), ("2", 4, 2), ("3", 1, 0)])
+def test_an_old_device_list_gives_the_entry_of_the_device_the_rank_drew_on(
+    monkeypatch, local_rank, devices, entry
+):
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    states = _generator_states(devices)
+    assert saved_cuda_state(states) is states[entry]
+
+
+def test_process_rng_saves_and_restores_the_current_device_only(monkeypatch):
+    """torch.cuda's generator calls replaced by stand-ins: the state holds one device's generator
+    (not a list), and an old list restores its LOCAL_RANK entry onto the current device."""
+    current, restored = _generator_states(2)[1], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    rng = ProcessRng()
+    state = rng.state_dict()
+    assert state["cuda"] is current
+    rng.load_state_dict(state)
+    old = _generator_states(3)
+    rng.load_state_dict({**state, "cuda": old})
+    assert len(restored) == 2 and restored[0] is current and restored[1] is old[1]
 
 
 def test_without_dropout_chunking_matches_one_whole_batch_forward():

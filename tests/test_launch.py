@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import FilesGrowing, Watched, run_to_end
 from small_runs import DEMO_CONFIG, ROOT, free_port, run_overrides
 
 from clip_train.checkpoint import STATE_FILE, checkpoint_step, complete_checkpoints
@@ -36,17 +37,11 @@ def test_two_nodes_on_localhost(digits, tmp_path):
         env = launch_env(NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="localhost", MASTER_PORT=str(port))
         env |= {"NPROC_PER_NODE": "1", "RDZV_ID": f"test-{port}"}
         command = ["bash", str(ROOT / "launch/multinode.sh"), str(DEMO_CONFIG)]
-        nodes.append(
-            subprocess.Popen(
-                [*command, *run_overrides(digits, tmp_path, 2, "checkpoint.every_steps=2")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+        overrides = run_overrides(digits, tmp_path, 2, "checkpoint.every_steps=2")
+        nodes.append(Watched.start([*command, *overrides], env=env, merge_stderr=True))
+    results = [node.wait() for node in nodes]
+    outputs = [result.stdout for result in results]
+    assert [r.returncode for r in results] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert_trained(tmp_path, steps=2, world_size=2)
 
 
@@ -88,13 +83,7 @@ def test_sbatch_script_under_simulated_two_node_allocation(digits, tmp_path):
     )
     out = tmp_path / "run"
     command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
-    result = subprocess.run(
-        [*command, *run_overrides(digits, out, 2, "checkpoint.every_steps=2")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = run_to_end([*command, *run_overrides(digits, out, 2, "checkpoint.every_steps=2")], env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"rendezvous at localhost:{port}" in result.stdout
     srun_line = (tmp_path / "srun.log").read_text()
@@ -130,14 +119,14 @@ def submit(digits: Path, tmp_path: Path, out: Path, steps: int, *extra: str) -> 
     return submitted.stdout.strip().split(";")[0]
 
 
-def start_requeued_now(job: str, deadline: float) -> None:
+def start_requeued_now(job: str, progress: FilesGrowing) -> None:
     """Slurm holds a requeued job for ~2 minutes (Reason=BeginTime); no need to wait that out here."""
-    while job_state(job) in ("RUNNING", "COMPLETING", "REQUEUED") and time.time() < deadline:
+    while job_state(job) in ("RUNNING", "COMPLETING", "REQUEUED") and not progress.stalled():
         time.sleep(0.2)
     assert job_state(job) == "PENDING", f"job {job} was not requeued: {job_state(job)}"
     # The node revokes the last run's credential when it has cleaned up, and refuses credentials
     # issued in the same second ("Job credential revoked"): start after that, a little later.
-    while node_state() != "idle" and time.time() < deadline:
+    while node_state() != "idle" and not progress.stalled():
         time.sleep(0.2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], check=True)
 
@@ -146,10 +135,15 @@ def node_state() -> str:
     return subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
-def wait_until_done(job: str, deadline: float) -> str:
-    while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE") and time.time() < deadline:
+def wait_until_done(job: str, progress: FilesGrowing) -> str:
+    while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE") and not progress.stalled():
         time.sleep(0.5)
     return job_state(job)
+
+
+def job_progress(tmp_path: Path, job: str, out: Path) -> FilesGrowing:
+    """A job is making progress while its log or its run directory's metrics grow."""
+    return FilesGrowing([tmp_path / f"clip_train-{job}.out", out / "metrics.jsonl"])
 
 
 def starts(log: str, job: str) -> int:
@@ -161,13 +155,13 @@ def test_real_slurm_job_requeued_mid_run_resumes(digits, tmp_path):
     out = tmp_path / "run"
     steps = 40
     job = submit(digits, tmp_path, out, steps, "checkpoint.every_steps=2")
-    deadline = time.time() + 300
-    while not complete_checkpoints(out) and time.time() < deadline:
+    progress = job_progress(tmp_path, job, out)
+    while not complete_checkpoints(out) and not progress.stalled():
         time.sleep(0.2)
     assert complete_checkpoints(out), f"job {job} wrote no checkpoint: {job_state(job)}"
     subprocess.run(["scontrol", "requeue", job], check=True)
-    start_requeued_now(job, deadline)
-    state = wait_until_done(job, deadline)
+    start_requeued_now(job, progress)
+    state = wait_until_done(job, progress)
     log = (tmp_path / f"clip_train-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     assert starts(log, job) == 2 and "resumed from" in log, log[-3000:]
@@ -182,15 +176,15 @@ def test_real_slurm_usr1_checkpoints_requeues_and_resumes_without_redoing_a_step
     out = tmp_path / "run"
     steps = 40
     job = submit(digits, tmp_path, out, steps, "checkpoint.every_steps=1000", "log.every_steps=1")
-    deadline = time.time() + 300
+    progress = job_progress(tmp_path, job, out)
     metrics = out / "metrics.jsonl"
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and not progress.stalled():
         time.sleep(0.05)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
-    start_requeued_now(job, deadline)
+    start_requeued_now(job, progress)
     (saved,) = complete_checkpoints(out)  # the job is requeued only once its step has ended
     stopped = checkpoint_step(saved)
-    state = wait_until_done(job, deadline)
+    state = wait_until_done(job, progress)
     log = (tmp_path / f"clip_train-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     assert 3 <= stopped < steps, log[-3000:]

@@ -15,7 +15,7 @@ from test_model import write_bert_dir
 
 import clip_train
 from clip_train import load_config
-from clip_train.checkpoint import MODEL_CONFIG_FILE, MODEL_FILE, TEXT_DIR, save_checkpoint
+from clip_train.checkpoint import MANIFEST_FILE, MODEL_CONFIG_FILE, MODEL_FILE, TEXT_DIR, save_checkpoint
 from clip_train.config import DataConfig, EvalConfig
 from clip_train.data import build_eval_loader
 from clip_train.data.sources import read_shard
@@ -119,6 +119,7 @@ def test_a_checkpoint_from_before_model_yaml_uses_its_runs_config(demo_run, tmp_
     shutil.copytree(demo_run / "checkpoints" / "step_00000040", run / "checkpoints" / "step_00000040")
     shutil.copy(demo_run / "config.yaml", run / "config.yaml")
     old = run / "checkpoints" / "step_00000040"
+    (old / MANIFEST_FILE).unlink()  # older still than manifests
     (old / MODEL_CONFIG_FILE).unlink()
     shutil.rmtree(old / TEXT_DIR)
     model, _, tokenizer = clip_train.load(old)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_loss_tiles import SHAPES, STRIPS, _CountLogitMatmuls
+from test_loss_tiles import SHAPES, STRIPS, _CountOps, _logit_matmul
 
 from clip_train.loss import contrastive_loss, tiles_torch
 
@@ -123,7 +123,7 @@ def test_tiles_match_formula(n, m, tile, strip_elements) -> None:
     scale, bias, coef = 30.0, -4.0, -0.7
     logits = scale * images @ texts.t() + bias
     grad_images, grad_texts = torch.ones_like(images), torch.ones_like(texts)  # it accumulates
-    with _CountLogitMatmuls() as matmuls:
+    with _CountOps(_logit_matmul) as matmuls:
         softplus, grad_sum = tiles_torch.sigmoid_forward_backward(
             images, texts, scale, bias, coef, grad_images, grad_texts, tile, strip_elements=strip_elements
         )

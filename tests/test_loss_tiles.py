@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clip_train.loss import tiles_torch
+from clip_train.loss import contrastive_loss, tiles_torch
 
 SHAPES = [(13, 11, 5), (1, 4, 3), (9, 9, 9), (6, 17, 4)]  # (n, m, tile)
 STRIPS = [1, 7, 1 << 20]  # elements per strip: one row, ragged rows, the whole tile
@@ -21,22 +21,30 @@ STRIPS = [1, 7, 1 << 20]  # elements per strip: one row, ragged rows, the whole 
 SCALE = 30.0
 
 
-class _CountLogitMatmuls(TorchDispatchMode):
-    """Counts the matmuls that compute a tile's logits (``addmm`` with ``beta=0``), not the
-    gradient accumulations (``addmm`` into the gradients, ``beta=1``)."""
+class _CountOps(TorchDispatchMode):
+    """Counts the ops run inside it for which ``counted(op, kwargs)`` holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, counted) -> None:
         super().__init__()
-        self.count = 0
+        self.counted, self.count = counted, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        logit_addmm = (
-            func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.addmm_) and kwargs.get("beta") == 0
-        )
-        if func.overloadpacket is torch.ops.aten.mm or logit_addmm:
-            self.count += 1
+        self.count += bool(self.counted(func.overloadpacket, kwargs))
         return func(*args, **kwargs)
+
+
+def _logit_matmul(op, kwargs) -> bool:
+    """A matmul that computes a tile's logits (``addmm`` with ``beta=0``), not a gradient
+    accumulation (``addmm`` into the gradients, ``beta=1``)."""
+    addmm = op in (torch.ops.aten.addmm, torch.ops.aten.addmm_)
+    return op is torch.ops.aten.mm or (addmm and kwargs.get("beta") == 0)
+
+
+def _host_read(op, kwargs) -> bool:
+    """An op that hands tensor values to the host (``.item()``, ``bool()``, ``float()``,
+    ``nonzero``); ``.tolist()`` bypasses the dispatcher, so ``tiles_torch._read`` is counted apart."""
+    return op in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
 
 
 def _block(n: int, m: int, dim: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +108,7 @@ def test_backward_matches_formula(n, m, tile, strip_elements, path, hand_over) -
     no_lse = torch.full((n,), -torch.inf, dtype=torch.float64)
     last = tiles_torch.softmax_forward(images, texts, SCALE, no_lse, None, tile)
     grad_images, grad_texts = torch.zeros_like(images), torch.zeros_like(texts)
-    with _CountLogitMatmuls() as matmuls:
+    with _CountOps(_logit_matmul) as matmuls:
         tiles_torch.softmax_backward(
             images, texts, SCALE, row_lse, row_coef, col_lse, col_coef, grad_images, grad_texts, tile,
             last if hand_over else None, strip_elements=strip_elements,
@@ -113,3 +121,36 @@ def test_backward_matches_formula(n, m, tile, strip_elements, path, hand_over) -
         assert matmuls.count == 0 and not grad_images.any() and not grad_texts.any()
     else:
         assert matmuls.count == tiles - hand_over  # the hand-over's tile is not recomputed
+
+
+def test_forward_recovers_columns_whose_sums_underflow_in_fp32() -> None:
+    """Identical images against texts at +1 and -1: at scale 100 a tile holding both kinds has a
+    -1 column's terms at exp(-200), 0 in fp32; those columns' LSEs must still come out exact."""
+    image, _ = _block(1, 1)
+    images = image.expand(12, -1).float()
+    texts = torch.cat([images[:6], -images[:6]])
+    row_lse, col_lse = torch.full((12,), -torch.inf), torch.full((12,), -torch.inf)
+    tiles_torch.softmax_forward(images, texts, 100.0, row_lse, col_lse, tile=4)
+    logits = 100.0 * images.double() @ texts.double().t()
+    torch.testing.assert_close(row_lse.double(), logits.logsumexp(1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(col_lse.double(), logits.logsumexp(0), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "reads_per_call"), [("softmax", 2), ("sigmoid", 0)])
+def test_host_reads_per_loss_call_do_not_grow_with_the_tiles(monkeypatch, kind, reads_per_call) -> None:
+    """A forward and backward over 256 tiles reads the host as often as over one tile: the tiles'
+    decisions are one read per tile-function call (softmax: the forward's underflowed columns,
+    the backward's rank-one tiles), and no op reads values per tile."""
+    reads, read = [], tiles_torch._read
+    monkeypatch.setattr(tiles_torch, "_read", lambda flags: reads.append(flags.shape) or read(flags))
+    counts = {}
+    for tile in (4, 64):
+        images, texts = (t.requires_grad_() for t in _block(64, 64))
+        scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+        bias = torch.tensor(-5.0, dtype=torch.float64) if kind == "sigmoid" else None
+        with _CountOps(_host_read) as ops:
+            contrastive_loss(images, texts, scale, logit_bias=bias, kind=kind, tile_size=tile).backward()
+        counts[tile] = (len(reads), ops.count)
+        reads.clear()
+    assert counts[4] == counts[64]
+    assert counts[4][0] == reads_per_call

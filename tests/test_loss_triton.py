@@ -9,11 +9,11 @@ span several blocks, column chunks and padded embedding widths.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_to_end
 
 pytest.importorskip("triton")
 
@@ -186,11 +186,13 @@ def _widen_bf16_dots_in_interpreter() -> None:
 
 
 def _run_interpreted(check: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    }
     code = f"import tests.test_loss_triton as t; t._widen_bf16_dots_in_interpreter(); t.{check}()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
+    proc = run_to_end([sys.executable, "-c", code], cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

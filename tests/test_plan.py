@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from processes import run_to_end
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from clip_train import load_config
@@ -214,7 +214,7 @@ def test_cli_prints_the_table_and_json(tmp_path):
         "1",
         "2",
     ]
-    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = run_to_end([*cmd, "--json", str(out)], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("impl"))

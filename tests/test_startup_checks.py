@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
@@ -86,7 +86,7 @@ def test_the_issue_example_fails_before_the_first_step(digits, tmp_path):
         "log.wandb.mode=disabled",
     ]
     command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    result = run_to_end(command, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "clip-train: error: eval.zeroshot='data/digits/zeroshot.json': no such file; give a class-name "

@@ -12,15 +12,16 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from processes import Watched, run_to_end
 from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, run_overrides
 
@@ -49,7 +50,7 @@ def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
     )
 
 
-def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> subprocess.Popen:
+def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> Watched:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command += [
@@ -59,15 +60,13 @@ def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> subprocess.Popen:
         "train",
         str(DEMO_CONFIG),
     ]
-    return subprocess.Popen(
-        [*command, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return Watched.start([*command, *args], env=env, merge_stderr=True)
 
 
-def finish(process: subprocess.Popen, timeout: int = 240) -> str:
-    output, _ = process.communicate(timeout=timeout)
-    assert process.returncode == 0, output[-4000:]
-    return output
+def finish(run: Watched) -> str:
+    result = run.wait()
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
 
 
 def weights(out_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
@@ -120,35 +119,44 @@ def test_resume_from_mid_run_checkpoint_is_bit_identical(digits, reference, tmp_
     assert_bit_identical(weights(tmp_path / "resumed"), weights(reference))
 
 
-def _kill_one_worker_after_first_checkpoint(
-    launcher: psutil.Process, out_dir: Path, killed: list[int]
-) -> None:
-    deadline = time.time() + 200
-    while time.time() < deadline and not complete_checkpoints(out_dir):
-        time.sleep(0.05)
-    ranks = launcher.children()  # torchrun's workers; their own children are DataLoader workers
+def _kill_one_worker_after_first_checkpoint(run: Watched, out_dir: Path, killed: list[int]) -> None:
+    run.wait_for(lambda: bool(complete_checkpoints(out_dir)), "the first checkpoint")
+    ranks = psutil.Process(
+        run.process.pid
+    ).children()  # torchrun's workers; their own children are DataLoader workers
     victim = max(ranks, key=lambda p: p.create_time())
     victim.send_signal(signal.SIGKILL)
     killed.append(victim.pid)
 
 
-def wait_for_logged_steps(out_dir: Path, steps: int) -> None:
+def logged(out_dir: Path) -> list[dict]:
     metrics = out_dir / "metrics.jsonl"
-    deadline = time.time() + 200
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
-        assert time.time() < deadline, f"{out_dir} logged fewer than {steps} steps"
-        time.sleep(0.02)
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
 
 def logged_steps(out_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [record["step"] for record in logged(out_dir)]
 
 
-def signal_rank_group(launcher: subprocess.Popen, rank: int, sig: signal.Signals) -> None:
+def wait_for_logged_steps(run: Watched, out_dir: Path, steps: int) -> None:
+    run.wait_for(lambda: len(logged(out_dir)) >= steps, f"{steps} logged steps")
+
+
+def signal_rank_group(run: Watched, rank: int, sig: signal.Signals) -> float:
     """``sig`` to one worker's process group (the worker and its DataLoader workers), as torchrun
-    delivers it, but to that rank alone."""
-    (worker,) = [p for p in psutil.Process(launcher.pid).children() if p.environ().get("RANK") == str(rank)]
+    delivers it, but to that rank alone; returns when it was sent (``time.time()``)."""
+    workers = psutil.Process(run.process.pid).children()
+    (worker,) = [p for p in workers if p.environ().get("RANK") == str(rank)]
+    sent = time.time()
     os.killpg(worker.pid, sig)
+    return sent
+
+
+def step_in_progress(out_dir: Path, at: float) -> int:
+    """The step rank 0 was in at time ``at``: the first it logged after ``at`` (a step is logged when
+    its compute ends), or the last logged one when ``at`` fell in its bookkeeping after the log."""
+    records = logged(out_dir)
+    return next((r["step"] for r in records if r["time"] >= at), records[-1]["step"])
 
 
 def stopped_at(out_dir: Path) -> tuple[Path, int]:
@@ -156,31 +164,33 @@ def stopped_at(out_dir: Path) -> tuple[Path, int]:
     return saved, checkpoint_step(saved)
 
 
-def test_signals_save_the_step_and_the_rerun_redoes_none(digits, reference, tmp_path):
-    """SIGTERM to torchrun, which forwards it to both ranks, then SIGUSR1 to rank 1 alone: each time
-    all ranks stop after the same step with a checkpoint of it (the interval is too long for any
-    other), and the run started again picks up at the next step, ending bit-identical."""
+def test_signals_save_the_step_in_progress_and_the_rerun_redoes_none(digits, reference, tmp_path):
+    """SIGTERM to rank 0 alone, then SIGUSR1 to rank 1 alone: each time all ranks stop after the step
+    in progress with a checkpoint of it (the interval is too long for any other), and the run
+    started again picks up at the next step, ending bit-identical."""
     out = tmp_path / "preempted"
     args = overrides(digits, out, "checkpoint.every_steps=1000", "checkpoint.resume=auto")
-    process = torchrun(*args)
-    wait_for_logged_steps(out, 3)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=240)
+    run = torchrun(*args)
+    wait_for_logged_steps(run, out, 3)
+    sent = signal_rank_group(run, 0, signal.SIGTERM)  # rank 0 logs: its log times place the signal
+    output = run.wait().stdout
     saved, stopped = stopped_at(out)
-    assert 3 <= stopped < STEPS, output[-3000:]
+    assert stopped == step_in_progress(out, sent) and stopped < STEPS, output[-3000:]
     assert f"clip-train: preempted: SIGTERM received: stopped after step {stopped};" in output, output[-3000:]
     assert logged_steps(out) == list(range(1, stopped + 1))
 
-    process = torchrun(*args)
-    wait_for_logged_steps(out, stopped + 3)
-    signal_rank_group(process, 1, signal.SIGUSR1)  # rank 0 learns of it in the step's all-reduce
-    output, _ = process.communicate(timeout=240)
+    run = torchrun(*args)
+    wait_for_logged_steps(run, out, stopped + 3)
+    sent = signal_rank_group(run, 1, signal.SIGUSR1)  # rank 0 learns of it at the step's end
+    output = run.wait().stdout
     assert f"resumed from {saved} at step {stopped}" in output
     assert (
         f"world size 2, device cpu, per-rank batch 8 in image/text chunks of 4/8, steps {stopped} to"
         in output
     )
     saved, stopped = stopped_at(out)
+    # rank 1 may cast its vote for the next step just before rank 0 logs this one: at most one later
+    assert step_in_progress(out, sent) <= stopped <= step_in_progress(out, sent) + 1, output[-3000:]
     assert len(complete_checkpoints(out)) == 2 and stopped < STEPS, output[-3000:]
     assert logged_steps(out) == list(range(1, stopped + 1))
 
@@ -188,6 +198,21 @@ def test_signals_save_the_step_and_the_rerun_redoes_none(digits, reference, tmp_
     assert f"resumed from {saved} at step {stopped}" in output
     assert logged_steps(out) == list(range(1, STEPS + 1))  # every step once: none lost, none redone
     assert_bit_identical(weights(out), weights(reference))
+
+
+def cli_in_thread_signalled(args: list[str], when: Callable[[], bool], sig: signal.Signals) -> int:
+    """``clip-train ARGS`` in this process, sent ``sig`` once ``when()`` holds: the exit code."""
+
+    def send() -> None:
+        while not when():
+            time.sleep(0.01)
+        os.kill(os.getpid(), sig)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    code = cli_main(args)
+    sender.join()
+    return code
 
 
 def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
@@ -198,12 +223,7 @@ def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
         str(DEMO_CONFIG),
         *overrides(digits, out, "data.workers=0", "checkpoint.every_steps=1000"),
     ]
-    sender = threading.Thread(
-        target=lambda: (wait_for_logged_steps(out, 2), os.kill(os.getpid(), signal.SIGUSR1))
-    )
-    sender.start()
-    code = cli_main(args)
-    sender.join()
+    code = cli_in_thread_signalled(args, lambda: len(logged(out)) >= 2, signal.SIGUSR1)
     assert code == EXIT_PREEMPTED
     (saved,) = complete_checkpoints(out)
     stopped = checkpoint_step(saved)
@@ -212,18 +232,41 @@ def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the trainer's handler is gone again
 
 
+def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digits, tmp_path, capsys):
+    """The last step is saved before the evaluation: the signal stops it at once, with a line."""
+    classes = json.loads((digits / "zeroshot.json").read_text())
+    many_templates = {**classes, "templates": [f"digit {{}} number {i}" for i in range(3000)]}
+    (tmp_path / "slow-zeroshot.json").write_text(json.dumps(many_templates))
+    out = tmp_path / "run"
+    args = [
+        "train",
+        str(DEMO_CONFIG),
+        *overrides(digits, out, "data.workers=0", "train.precision=fp32", "train.max_steps=4"),
+        f"eval.zeroshot={tmp_path / 'slow-zeroshot.json'}",
+        f"eval.zeroshot_data={digits}/val",
+    ]
+    code = cli_in_thread_signalled(args, lambda: bool(complete_checkpoints(out)), signal.SIGTERM)
+    assert code == EXIT_PREEMPTED
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [4]
+    assert not any("zeroshot/top1" in record for record in logged(out))  # the evaluation did not finish
+    errors = capsys.readouterr().err.splitlines()
+    assert (
+        "clip-train: preempted: SIGTERM received during the final evaluation: nothing new saved; the last "
+        f"step's checkpoint {complete_checkpoints(out)[0]} is complete (clip-train eval evaluates it)"
+    ) in errors
+
+
 def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
     out = tmp_path / "killed"
-    process = torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1)
+    run = torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1)
     killed: list[int] = []
-    killer = threading.Thread(
-        target=_kill_one_worker_after_first_checkpoint, args=(psutil.Process(process.pid), out, killed)
-    )
+    killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(run, out, killed))
     killer.start()
-    output = finish(process)
+    output = finish(run)
     killer.join()
     assert killed, "no worker was killed"
     assert "resumed from" in output, output[-3000:]
+    assert logged_steps(out) == list(range(1, STEPS + 1))  # the steps after the checkpoint logged once
     assert_bit_identical(weights(out), weights(reference))
 
 
@@ -298,10 +341,19 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
 )
 def test_bad_input_fails_in_one_line(digits, tmp_path, override, message):
     command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG)]
-    result = subprocess.run(
-        [*command, *overrides(digits, tmp_path), override], capture_output=True, text=True, timeout=120
-    )
+    result = run_to_end([*command, *overrides(digits, tmp_path), override])
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_max_steps_below_the_checkpoints_step_is_an_error(digits, demo_run, tmp_path):
+    """A resumed run that would train nothing says so instead of exiting 0."""
+    out = tmp_path / "run"
+    shutil.copytree(demo_run, out)
+    args = run_overrides(digits, out, 30, "checkpoint.every_steps=20", "checkpoint.resume=auto")
+    result = run_to_end([sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *args])
+    assert result.returncode == 2
+    assert "train.max_steps=30 is below step 40 of the checkpoint" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr

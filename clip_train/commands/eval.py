@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from clip_train.checkpoint import find_weights, load_weights
+from clip_train.checkpoint import find_weights, load_weights_file
 from clip_train.distributed import init_distributed, shutdown_distributed
 from clip_train.eval import eval_config, evaluate
 from clip_train.model import build_model
@@ -42,14 +42,14 @@ def run(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).is_file():  # CONFIG left out
         config, overrides = None, [config, *overrides]
-    file = find_weights(args.checkpoint)
+    file = find_weights(args.checkpoint, verify=True)  # its checksums, before any of it is read
     cfg = eval_config(file, config, overrides)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     try:
         model = build_model(cfg.model, load_pretrained=False).to(env.device)
         if cfg.train.precision == "fp64":
             model = model.to(torch.float64)
-        load_weights(file, model)
+        load_weights_file(file, model)
         metrics = evaluate(model, cfg.eval, cfg.data, device=env.device, precision=cfg.train.precision)
         if env.is_main:
             for key, value in metrics.items():

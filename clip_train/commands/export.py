@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from clip_train.checkpoint import find_weights
-from clip_train.export import FORMATS, export_open_clip, push_to_hub
+from clip_train.export import FORMATS, check_target, export_open_clip, push_to_hub
 from clip_train.loading import load
 from clip_train.model import OpenCLIPTokenizer
 
@@ -21,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint",
         help="checkpoint directory, run directory (its newest checkpoint) or a .safetensors file",
     )
-    parser.add_argument("out", type=Path, help="output directory (new, empty, or an earlier export)")
+    parser.add_argument(
+        "out", type=Path, help="output folder: new, empty, or an earlier export (which it replaces)"
+    )
     parser.add_argument(
         "--format", choices=FORMATS, default="open_clip", help="export format (default open_clip)"
     )
@@ -30,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = args.out.resolve()
+    check_target(out)  # before the seconds that loading takes
     source = find_weights(args.checkpoint)
     model, _, _ = load(source)
-    out = args.out.resolve()
     image, text = export_open_clip(model, out)
     print(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
     print(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")

@@ -2,9 +2,10 @@
 
 Under torchrun every rank runs this. A rank that fails prints its rank and error and exits
 non-zero, so torchrun stops (or restarts) the group; collectives time out after
-``train.dist_timeout_s`` instead of hanging. Every path the run reads is checked before the
-process group and the model exist, and a run stopped by SIGTERM or SIGUSR1 exits with
-``EXIT_PREEMPTED`` (75) after its checkpoint.
+``train.dist_timeout_s`` instead of hanging. The config is checked before torch is imported (a
+typo is reported in a second, not after the imports), every path the run reads before the process
+group and the model exist, the run holds ``train.out_dir``'s lock before it touches the folder, and
+a run stopped by SIGTERM or SIGUSR1 exits with ``EXIT_PREEMPTED`` (75) after its checkpoint.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ import sys
 import traceback
 
 from clip_train.config import load_config
-from clip_train.distributed import init_distributed, shutdown_distributed
 from clip_train.errors import UserError
 from clip_train.preemption import EXIT_PREEMPTED, Preempted
-from clip_train.startup_checks import check_paths
-from clip_train.trainer import Trainer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides).validate()  # fails before any process group exists
+    # Imported only now: torch, timm and transformers take seconds to load.
+    from clip_train.distributed import init_distributed, shutdown_distributed
+    from clip_train.run_lock import hold_out_dir
+    from clip_train.startup_checks import check_paths
+    from clip_train.trainer import Trainer
+
     check_paths(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     try:
-        Trainer(cfg, env).run()
+        with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, taken before the model is built
+            Trainer(cfg, env).run()
     except Preempted as stop:
         if env.is_main:
             print(f"clip-train: preempted: {stop}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 from clip_train.data.pipeline import Batch, TrainLoader, build_eval_loader, build_train_loader
 from clip_train.data.samples import SKIP_REASONS, DataError
-from clip_train.data.sources import dataset_size, expand_urls
+from clip_train.data.sources import check_readable, dataset_size, expand_urls
 
 __all__ = [
     "SKIP_REASONS",
@@ -11,6 +11,7 @@ __all__ = [
     "TrainLoader",
     "build_eval_loader",
     "build_train_loader",
+    "check_readable",
     "dataset_size",
     "expand_urls",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,23 @@ def expand_urls(spec: str, *, what: str = "data.train") -> list[str]:
             "%s: %d of %d local shards are missing, e.g. %s", what, len(missing), len(local), missing[0]
         )
     return urls
+
+
+def check_readable(urls: list[str], *, what: str) -> None:
+    """Fail at start-up, not in a data worker mid-run, when no local shard opens as a tar (a 0-byte
+    or non-tar file). Stops at the first one that opens, so a long shard list costs one read."""
+    local = [u for u in urls if not u.startswith("pipe:") and "://" not in u and os.path.isfile(u)]
+    problem = ""
+    for url in local:
+        try:
+            with tarfile.open(url):
+                return
+        except tarfile.TarError:
+            problem = problem or f"{url} is {'empty' if os.path.getsize(url) == 0 else 'not a tar file'}"
+        except OSError as err:
+            problem = problem or f"{url}: {err.strerror}"
+    if local:
+        raise DataError(f"{what}: none of its {len(local)} local shards is a readable tar, e.g. {problem}")
 
 
 def dataset_size(urls: list[str]) -> int | None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from clip_train.compat import ddp_no_buffer_sync_kwargs
 from clip_train.config import PRECISIONS, Config, ConfigError, Precision
 from clip_train.distributed import rank_and_world
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
@@ -152,13 +153,13 @@ class GradCache:
         replays = not module.is_frozen
         head = TrainableHead(module)
         if replays and self.world_size > 1:
-            # One DDP per tower, so each syncs on its own last replay chunk. Buffers are synced once,
-            # at construction: they are constants (Gradient Cache cannot be exact with batch norm).
+            # One DDP per tower, so each syncs on its own last replay chunk. Buffers are not synced
+            # per forward: they are constants (Gradient Cache cannot be exact with batch norm).
             head = DistributedDataParallel(
                 head,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 process_group=self.group,
-                forward_sync_buffers=False,
+                **ddp_no_buffer_sync_kwargs(),
                 gradient_as_bucket_view=True,  # .grad views DDP's buckets instead of a second copy
             )
         return _Tower(module, head, chunk, replays, replays and module.has_frozen_trunk)

@@ -33,8 +33,9 @@ def zeroshot_metadata(spec: str) -> tuple[list[str], list[Template]]:
         return list(zero_shot_metadata.IMAGENET_CLASSNAMES), list(BUILTIN_ZEROSHOT[spec])
     path = Path(spec)
     if not path.is_file():
+        problem = "is a directory" if path.is_dir() else "no such file"
         raise EvalError(
-            f"eval.zeroshot={spec!r}: no such file; give a class-name JSON file or one of "
+            f"eval.zeroshot={spec!r}: {problem}; give a class-name JSON file or one of "
             f"{', '.join(BUILTIN_ZEROSHOT)}"
         )
     try:

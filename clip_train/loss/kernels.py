@@ -26,7 +26,7 @@ def select_kernels(kernel: str, device: torch.device, dtype: torch.dtype, dim: i
     CPU tensors under ``TRITON_INTERPRET=1``; fp32 features with d ≤ 512, bf16/fp16 with d ≤ 1024).
 
     ``auto`` is ``torch``: the Triton kernels have not yet been timed against cuBLAS tiles on a GPU
-    (``make gpu-check`` measures both); ``auto`` moves to Triton once that shows it faster.
+    (``make gpu-figures`` measures both); ``auto`` moves to Triton once that shows it faster.
     """
     if kernel not in LOSS_KERNELS:
         raise ValueError(

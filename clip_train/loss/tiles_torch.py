@@ -5,6 +5,9 @@ one matmul fills it (the scale rides along as ``alpha``), then the elementwise w
 cache-sized strips of its rows, so a tile crosses main memory about twice. The softmax backward
 recomputes every tile except the forward's last (:class:`LastTile`); the sigmoid loss needs no
 normaliser, so one pass gives its loss and gradients. ``tiles_triton.py`` has the same functions.
+
+Decisions that need values on the host are taken once per call, never per tile: on CUDA a host read
+waits for every kernel queued before it, and a 65k batch on one GPU is 128 tiles a step.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +42,11 @@ def default_tile(device: torch.device) -> int:
     """Tile edge. Large tiles keep the BLAS matmuls efficient (4096² fp32 is 64 MiB per buffer,
     still O(1) in the batch); on CUDA, 8192² keeps cuBLAS near its peak."""
     return 4096 if device.type == "cpu" else 8192
+
+
+def _read(flags: torch.Tensor) -> list[Any]:
+    """The tile functions' one host read per call (a device sync on CUDA)."""
+    return flags.tolist()
 
 
 def _tiles(size: int, tile: int) -> list[slice]:
@@ -101,13 +110,15 @@ def softmax_forward(
     """Merge the log-sum-exps of ``X = scale · images @ textsᵀ`` into ``row_lse`` and ``col_lse``.
 
     Rows are shifted by their maximum in the tile, so row sums lie in [1, t]. Columns reuse the
-    same exponentials, weighted per row by ``exp(shift - max shift)`` ≤ 1; the rare columns whose
-    terms that underflows (large scales, fp32) are recomputed on their own. Returns the last tile
-    for :func:`softmax_backward`.
+    same exponentials, weighted per row by ``exp(shift - max shift)`` ≤ 1; a rare column whose sum
+    that underflows (large scales, fp32) is left out of the tile's merge and recomputed on its own
+    after the last tile. Returns the last tile for :func:`softmax_backward`.
     """
     finfo = torch.finfo(images.dtype)
     buffer = _tile_buffer(images, texts, tile)
     strip = _strip_buffer(images, texts, tile, strip_elements)
+    # Per row tile, the columns whose sum underflowed there.
+    underflowed = images.new_zeros((len(_tiles(len(images), tile)), len(texts)), dtype=torch.bool)
     for rows, cols in _tile_grid(images, texts, tile):
         logits = _logits(buffer, images[rows], texts[cols], scale)
         shift = logits.amax(dim=1)
@@ -119,12 +130,31 @@ def softmax_forward(
             continue
         # Below this bound a sum may have lost more than a rounding error to underflow.
         unsafe = col_sums < len(logits) * finfo.tiny / finfo.eps
-        col_tile_lse = col_sums.log_().add_(top)
-        if unsafe.any():
-            idx = unsafe.nonzero().squeeze(1)
-            col_tile_lse[idx] = torch.logsumexp(logits[:, idx], dim=0)
+        underflowed[rows.start // tile, cols] = unsafe
+        col_tile_lse = col_sums.log_().add_(top).masked_fill_(unsafe, -math.inf)
         torch.logaddexp(col_lse[cols], col_tile_lse, out=col_lse[cols])
+    if col_lse is not None:
+        _merge_underflowed(images, texts, scale, col_lse, underflowed, tile)
     return LastTile(rows, cols, buffer)
+
+
+def _merge_underflowed(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    scale: float,
+    col_lse: torch.Tensor,
+    underflowed: torch.Tensor,
+    tile: int,
+) -> None:
+    """Merge the exact LSE of each column that underflowed in a row tile into ``col_lse``, from
+    that tile's logits recomputed for those columns alone (a tile's worth at a time)."""
+    for index, flagged in enumerate(_read(underflowed.any(dim=1))):
+        if not flagged:
+            continue
+        rows = images[index * tile : (index + 1) * tile]
+        for idx in underflowed[index].nonzero().squeeze(1).split(tile):
+            logits = _logits(images.new_empty(len(rows) * len(idx)), rows, texts[idx], scale)
+            col_lse[idx] = torch.logaddexp(col_lse[idx], torch.logsumexp(logits, dim=0))
 
 
 def _logits(buffer: torch.Tensor, images: torch.Tensor, texts: torch.Tensor, scale: float) -> torch.Tensor:
@@ -140,21 +170,30 @@ def _fold(lse: torch.Tensor | None, coef: float) -> tuple[torch.Tensor | None, f
     return lse - math.log(abs(coef)), -1.0 if coef < 0 else 1.0
 
 
+def _rank_one_tiles(
+    row_shift: torch.Tensor, col_shift: torch.Tensor, tile: int, dtype: torch.dtype
+) -> list[list[bool]]:
+    """Per (row tile, column tile), whether its shifts are close enough for the rank-one column
+    term of :func:`_softmax_grads_`: past this gap a row term could underflow where the column
+    term still matters."""
+    max_gap = -math.log(torch.finfo(dtype).tiny) / 3
+    row_top = torch.stack([row_shift[rows].max() for rows in _tiles(len(row_shift), tile)])
+    col_bottom = torch.stack([col_shift[cols].min() for cols in _tiles(len(col_shift), tile)])
+    return _read(row_top[:, None] - col_bottom[None, :] <= max_gap)
+
+
 def _softmax_grads_(
     logits: torch.Tensor,
     row_shift: torch.Tensor | None,
     col_shift: torch.Tensor | None,
     col_coef: float,
+    rank_one: bool,
     strip: torch.Tensor,
 ) -> torch.Tensor:
     """Overwrite ``logits`` with ``exp(X - row_shift[:, None]) + col_coef·exp(X - col_shift[None, :])``
-    (either term may be absent). With the shifts close enough, the column term is the row term
-    times the rank-one factor ``exp(row_shift_i - col_shift_j)``: one ``exp`` per element."""
+    (either term may be absent). With ``rank_one`` (the shifts close enough), the column term is the
+    row term times the rank-one factor ``exp(row_shift_i - col_shift_j)``: one ``exp`` per element."""
     cols = logits.shape[1]
-    # Past this gap a row term could underflow where the column term still matters.
-    max_gap = -math.log(torch.finfo(logits.dtype).tiny) / 3
-    both = row_shift is not None and col_shift is not None
-    rank_one = both and (row_shift.max() - col_shift.min()).item() <= max_gap
     if rank_one:
         top = row_shift.max()
         row_factor = (row_shift - top).exp_().mul_(col_coef)
@@ -199,10 +238,13 @@ def softmax_backward(
         return  # both coefficients are zero: G is zero
     sign = row_sign if row_shift is not None else col_sign  # G's overall sign; the other is relative
     strip = _strip_buffer(images, texts, tile, strip_elements)
+    both = row_shift is not None and col_shift is not None
+    rank_one_tiles = _rank_one_tiles(row_shift, col_shift, tile, images.dtype) if both else None
     for rows, cols, logits in _backward_tiles(images, texts, scale, tile, last_tile):
         row_shift_tile = row_shift[rows] if row_shift is not None else None
         col_shift_tile = col_shift[cols] if col_shift is not None else None
-        grads = _softmax_grads_(logits, row_shift_tile, col_shift_tile, row_sign * col_sign, strip)
+        rank_one = rank_one_tiles is not None and rank_one_tiles[rows.start // tile][cols.start // tile]
+        grads = _softmax_grads_(logits, row_shift_tile, col_shift_tile, row_sign * col_sign, rank_one, strip)
         grad_images[rows].addmm_(grads, texts[cols], alpha=sign)
         grad_texts[cols].addmm_(grads.t(), images[rows], alpha=sign)
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU check on a GPU box without network: the CUDA tests, then one short loss benchmark, all
+# written to one folder (gpu-check.log, cuda-tests.xml, bench-loss.json).
+#
+# Needs this checkout, the wheelhouse that `make gpu-wheels` built (WHEELS) and a Python whose torch
+# and torchvision see the GPU (PYTHON). A venv in the output folder takes that torch as it is, after
+# its own packages, and installs what it lacks from the wheelhouse with --no-index. Without a CUDA
+# GPU it stops once the CUDA tests collect: a dry run of the kit before it travels.
+#
+# usage: [PYTHON=python3] [WHEELS=dist/gpu-wheels] launch/gpu-check.sh [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS:-dist/gpu-wheels}
+OUT=${1:-gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu-check.log") 2>&1
+
+# No pip of its own: a venv's bundled setuptools (Python < 3.12) would hide the newer one that
+# torch requires and that sits beside it. The interpreter's pip installs into the venv.
+venv=$OUT/venv
+"$PYTHON" -m venv --without-pip "$venv"
+py=$venv/bin/python
+torch_site=$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+venv_site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
+echo "import site; site.addsitedir('$torch_site')" >"$venv_site/zz-torch-site.pth"
+"$PYTHON" -m pip --python "$py" install --quiet --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt"
+"$py" -c 'import torch; print(f"gpu-check: torch {torch.__version__}, CUDA {torch.version.cuda}")'
+export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 WANDB_MODE=disabled
+
+if ! "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  "$py" -m pytest --collect-only -q -m cuda tests/test_cuda.py
+  echo "gpu-check: no CUDA GPU here; the kit installed offline and the CUDA tests collect"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+
+# The benchmark runs whatever the tests found; the exit status is the tests'.
+tests=0
+"$py" -m pytest -m cuda tests/test_cuda.py --junitxml "$OUT/cuda-tests.xml" || tests=$?
+"$py" -m clip_train bench loss --device cuda --dtype bfloat16 --dim 512 --repeats 3 \
+  --batch 16384,65536 --impl vanilla,inf --kernel torch,triton --json "$OUT/bench-loss.json"
+echo "gpu-check: done in $OUT (CUDA tests exit $tests)"
+exit "$tests"

@@ -1,0 +1,126 @@
+"""Subprocesses that tests wait on by progress, not by the clock: a run that still writes output
+(a progress-bar redraw, a log line) is never killed, so a busy machine makes tests slow, not
+failing; one that stays silent for ``IDLE_LIMIT_S`` is taken for hung."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+IDLE_LIMIT_S = 600.0
+
+
+@dataclass
+class Stream:
+    """One pipe's text so far, and when each piece of it arrived."""
+
+    pieces: list[tuple[float, str]] = field(default_factory=list)  # (time.monotonic(), text)
+
+    @property
+    def text(self) -> str:
+        return "".join(text for _, text in self.pieces)
+
+    def first_seen(self, needle: str) -> float | None:
+        """When ``needle`` was complete in the output, or None if it never was."""
+        so_far = ""
+        for at, text in self.pieces:
+            so_far += text
+            if needle in so_far:
+                return at
+        return None
+
+
+@dataclass
+class Watched:
+    """A running command whose stdout and stderr are read as they come (stderr into stdout when
+    merged). ``last_output`` is when either last grew: the progress a wait is bounded by."""
+
+    process: subprocess.Popen
+    stdout: Stream = field(default_factory=Stream)
+    stderr: Stream = field(default_factory=Stream)
+    last_output: float = field(default_factory=time.monotonic)
+    _readers: list[threading.Thread] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, command: Sequence[str], *, merge_stderr: bool = False, **popen_kwargs) -> Watched:
+        stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, **popen_kwargs)
+        watched = cls(process)
+        pipes = [(process.stdout, watched.stdout)]
+        if not merge_stderr:
+            pipes.append((process.stderr, watched.stderr))
+        for pipe, stream in pipes:
+            reader = threading.Thread(target=watched._read, args=(pipe.fileno(), stream), daemon=True)
+            reader.start()
+            watched._readers.append(reader)
+        return watched
+
+    def _read(self, fd: int, stream: Stream) -> None:
+        while chunk := os.read(fd, 65536):
+            self.last_output = time.monotonic()
+            stream.pieces.append((self.last_output, chunk.decode(errors="replace")))
+
+    def wait_for(self, condition: Callable[[], bool], what: str, idle_limit_s: float = IDLE_LIMIT_S) -> None:
+        """Poll ``condition()`` while the process runs and keeps writing output."""
+        while not condition():
+            assert self.process.poll() is None, f"it ended before {what}:\n{self.output[-3000:]}"
+            assert time.monotonic() - self.last_output < idle_limit_s, f"it went silent before {what}"
+            time.sleep(0.02)
+
+    def wait(self, idle_limit_s: float = IDLE_LIMIT_S) -> subprocess.CompletedProcess:
+        """Wait for the end; kill the process (and fail) only after ``idle_limit_s`` without output."""
+        while self.process.poll() is None:
+            if time.monotonic() - self.last_output > idle_limit_s:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(
+                    f"no output for {idle_limit_s:.0f} s, taken for hung:\n{self.output[-3000:]}"
+                )
+            time.sleep(0.05)
+        for reader in self._readers:
+            reader.join()
+        return subprocess.CompletedProcess(
+            self.process.args, self.process.returncode, self.stdout.text, self.stderr.text
+        )
+
+    @property
+    def output(self) -> str:
+        return self.stdout.text + self.stderr.text
+
+
+def run_to_end(
+    command: Sequence[str], *, idle_limit_s: float = IDLE_LIMIT_S, **popen_kwargs
+) -> subprocess.CompletedProcess:
+    """Like ``subprocess.run(command, capture_output=True, text=True)``, bounded by silence, not by
+    duration."""
+    return Watched.start(command, **popen_kwargs).wait(idle_limit_s)
+
+
+@dataclass
+class FilesGrowing:
+    """Progress of work that runs elsewhere (a Slurm job): the files it writes keep changing."""
+
+    paths: Sequence[Path]
+    idle_limit_s: float = IDLE_LIMIT_S
+    _seen: tuple = ()
+    _changed: float = field(default_factory=time.monotonic)
+
+    def stalled(self) -> bool:
+        """True once none of the files changed for ``idle_limit_s``."""
+        now = tuple(_stamp(path) for path in self.paths)
+        if now != self._seen:
+            self._seen, self._changed = now, time.monotonic()
+        return time.monotonic() - self._changed > self.idle_limit_s
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns

@@ -1,0 +1,69 @@
+"""``metrics.jsonl`` on resume: the records logged after the checkpoint go, so every step appears once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from processes import run_to_end
+from small_runs import DEMO_CONFIG, run_overrides
+
+from clip_train import load_config
+from clip_train.checkpoint import complete_checkpoints
+from clip_train.monitor import RunMonitor, drop_records_after
+
+
+def record(step: int, **metrics: float) -> str:
+    return json.dumps({"step": step, "time": 0.0, "train/loss": 1.0, **metrics}) + "\n"
+
+
+def steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+
+
+def test_records_after_the_step_and_a_line_cut_short_are_dropped(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    kept = [record(2), record(4), record(4, **{"zeroshot/top1": 0.5})]
+    metrics.write_text("".join([*kept, record(6), record(8)]) + record(10)[:12])
+    drop_records_after(metrics, 4)
+    assert metrics.read_text() == "".join(kept)
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # the temporary file was renamed
+
+
+def test_nothing_to_drop_leaves_the_file_as_it_was(tmp_path):
+    drop_records_after(tmp_path / "metrics.jsonl", 0)  # a fresh run: no file yet
+    assert not list(tmp_path.iterdir())
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(record(2) + record(4))
+    before = metrics.stat()
+    drop_records_after(metrics, 4)
+    assert (metrics.stat().st_ino, metrics.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_a_monitor_resumed_at_a_step_continues_after_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(record(1) + record(2) + record(3))
+    cfg = load_config(DEMO_CONFIG, ["log.wandb.mode=disabled"])
+    monitor = RunMonitor(cfg, tmp_path, start_step=2)
+    monitor.log(3, {"train/loss": 0.5})
+    monitor.close()
+    assert steps(tmp_path / "metrics.jsonl") == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_before_its_last_logged_step_logs_every_step_once(digits, demo_run, tmp_path):
+    """The newest checkpoint lost (as if the run crashed before saving it): the rerun resumes at
+    step 20, and the records of steps 30 and 40 it logs replace the first run's."""
+    out = tmp_path / "run"
+    shutil.copytree(demo_run, out)
+    shutil.rmtree(complete_checkpoints(out)[-1])
+    first_run = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    args = run_overrides(digits, out, 40, "checkpoint.every_steps=20", "checkpoint.resume=auto")
+    result = run_to_end([sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    up_to_checkpoint = [line for line in first_run if json.loads(line)["step"] <= 20]
+    rerun = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert rerun[: len(up_to_checkpoint)] == up_to_checkpoint
+    assert steps(out / "metrics.jsonl") == [10, 20, 30, 40]
