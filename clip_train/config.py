@@ -104,10 +104,15 @@ class LossConfig:
 @dataclass
 class BatchConfig:
     global_size: int = 256  # contrastive batch across all ranks
-    image_chunk: int = 0  # per-rank Gradient Cache sub-batch; 0 = the whole per-rank batch
-    text_chunk: int = 0  # the same for the text tower (text chunks can be much larger)
+    image_chunk: int | Literal["auto"] = "auto"  # per-rank sub-batch; 0 = all; auto: fitted to memory_budget
+    text_chunk: int | Literal["auto"] = "auto"  # the same for the text tower (text chunks can be much larger)
+    memory_budget: float = 0.0  # GiB per rank that auto chunks plan for; 0 = what the device has free
     offload: bool = False  # keep the raw batch in pinned host memory, one chunk on device
     keep_last_graph: bool = True  # inf loss: the last chunk keeps its graph, not replayed; off for max batch
+
+    @property
+    def chunks(self) -> tuple[int | str, int | str]:
+        return self.image_chunk, self.text_chunk
 
 
 @dataclass
@@ -259,13 +264,17 @@ def _check_batch(batch: BatchConfig, world: int) -> None:
             f"({world}); try batch.global_size={max(world, batch.global_size // world * world)}"
         )
     per_rank = batch.global_size // world
+    if batch.memory_budget < 0:
+        raise ConfigError(
+            f"batch.memory_budget={batch.memory_budget}: must be >= 0 GiB (0: what the device has)"
+        )
     for key in ("image_chunk", "text_chunk"):
         chunk = getattr(batch, key)
-        if chunk < 0 or (chunk and per_rank % chunk):
+        if chunk != "auto" and (chunk < 0 or (chunk and per_rank % chunk)):
             raise ConfigError(
                 f"batch.{key}={chunk} must divide the per-rank batch {per_rank} "
                 f"(batch.global_size {batch.global_size} / world size {world}), i.e. batch.global_size "
-                f"must be divisible by world size x chunk; or set batch.{key}=0 for no chunking"
+                f"must be divisible by world size x chunk; or set batch.{key}=0 (no chunking) or auto"
             )
 
 

@@ -15,7 +15,7 @@ import torch
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, load_weights
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
-from clip_train.distributed import DistEnv, all_ranks_true, sum_counts_over_ranks
+from clip_train.distributed import DistEnv, all_ranks_true, decided_by_main, sum_counts_over_ranks
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
@@ -24,6 +24,7 @@ from clip_train.memory import peak_bytes
 from clip_train.model import build_model
 from clip_train.monitor import RunMonitor
 from clip_train.optim import Update
+from clip_train.plan import choose_chunks
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 
 
@@ -38,6 +39,7 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.train.out_dir)
         self.step = 0
+        self.restored_chunks: dict[str, Any] | None = None  # what auto chose before a resume
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)  # every rank's skipped samples, as of the last log
 
         if env.device.type == "cuda" and cfg.train.precision != "fp64":
@@ -75,15 +77,34 @@ class Trainer:
         if self.resumed_from is None and cfg.model.init_from:  # fine-tuning: the weights and nothing else
             with naming_key("model.init_from", cfg.model.init_from):
                 load_weights(cfg.model.init_from, self.model)
+        self.chunks, self.chunk_note = self._chunks()
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
-        self.engine = GradCache.from_config(self.model, cfg)
+        self.engine = GradCache.from_config(self.model, cfg, self.chunks)
+
+    def _chunks(self) -> tuple[tuple[int, int], str]:
+        """The per-rank image and text chunks, and how auto ones were chosen. A resumed run at the
+        same world size keeps its checkpoint's choice, so its steps sum in the same order."""
+        batch, world = self.cfg.batch, self.env.world_size
+        per_rank = batch.global_size // world
+        if "auto" not in batch.chunks:
+            return (batch.image_chunk or per_rank, batch.text_chunk or per_rank), ""
+        if self.restored_chunks is not None and self.restored_chunks["world_size"] == world:
+            image, text = self.restored_chunks["chunks"]
+            return (
+                image,
+                text,
+            ), f"auto chunks: image {image} / text {text} per rank, as chosen before the resume"
+        choice = decided_by_main(lambda: choose_chunks(self.model, self.cfg, world))
+        return (choice.image, choice.text), choice.describe()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, "chunks": {"chunks": list(self.chunks), "world_size": self.env.world_size}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The step; a loader whose own position was not restored replays its way to it."""
+        """The step (and the chunks auto chose); a loader whose own position was not restored replays
+        its way to it."""
         self.step = state["step"]
+        self.restored_chunks = state.get("chunks")
         self.loader.start_at(self.step)
 
     def train_step(self, batch: Batch) -> StepResult:
@@ -109,6 +130,8 @@ class Trainer:
             save_config(cfg, self.run_dir / RUN_CONFIG_FILE)
             monitor = RunMonitor(cfg, self.run_dir, self.step)
             monitor.message(self.summary())
+            if self.chunk_note:
+                monitor.message(self.chunk_note)
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         try:
@@ -173,7 +196,7 @@ class Trainer:
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.trainable_parameters())
         per_rank = cfg.batch.global_size // world
-        chunks = "/".join(str(chunk or per_rank) for chunk in (cfg.batch.image_chunk, cfg.batch.text_chunk))
+        chunks = "/".join(map(str, self.chunks))
         return (
             f"{total:,} parameters ({trainable:,} trainable), world size {world}, device {self.env.device}, "
             f"per-rank batch {per_rank} in image/text chunks of {chunks}, "

@@ -255,6 +255,22 @@ def test_last_encoded_chunk_keeps_its_graph_instead_of_replaying(frozen_text, im
     assert_grads_close(got, reference_grads(model, batch, 3, 4), rtol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("image_chunk", "text_chunk", "calls"), [(0, 0, (1, 1)), (10, 0, (1, 1)), (0, 4, (2, 5))]
+)
+@pytest.mark.parametrize("offload", [False, True])
+def test_one_chunk_per_tower_is_plain_backprop_with_no_tower_encoded_twice(
+    image_chunk, text_chunk, calls, offload
+):
+    """When each trained tower is one chunk, both keep their graph: one forward each, as without
+    Gradient Cache. With several text chunks, the whole-batch image tower is replayed as before."""
+    model, batch = make_model(*DROPOUT), make_batch()
+    image_calls, text_calls = count_calls(model.visual.proj), count_calls(model.text.proj)
+    got = gc_grads(model, batch, image_chunk=image_chunk, text_chunk=text_chunk, offload=offload)
+    assert (image_calls[0], text_calls[0]) == calls
+    assert_grads_close(got, reference_grads(model, batch, image_chunk, text_chunk), rtol=1e-10)
+
+
 def test_lit_with_unlocked_blocks_caches_the_token_sequence():
     model, batch = (
         make_model(*DROPOUT, "model.image.lock=true", "model.image.unlocked_layers=1"),
@@ -363,18 +379,16 @@ def test_from_config_reads_batch_train_and_loss_sections():
     config = load_config(
         TINY,
         [
-            "batch.image_chunk=3",
-            "batch.text_chunk=4",
             "batch.offload=true",
             "train.precision=bf16",
             "loss.impl=inf",
             "batch.keep_last_graph=false",
         ],
     )
-    engine = GradCache.from_config(make_model(*NO_DROPOUT), config)
+    engine = GradCache.from_config(make_model(*NO_DROPOUT), config, (3, 4))
     assert (engine.image.chunk, engine.text.chunk, engine.offload) == (3, 4, True)
     assert (engine.precision, engine.loss_impl, engine.tile_size) == ("bf16", "inf", None)
     assert not engine.keep_last_graph
     assert GradCache.from_config(
-        make_model(*NO_DROPOUT), load_config(TINY, ["loss.impl=inf"])
+        make_model(*NO_DROPOUT), load_config(TINY, ["loss.impl=inf"]), (0, 0)
     ).keep_last_graph

@@ -14,7 +14,7 @@ from clip_train.engine import GradCache
 from clip_train.engine.offload import chunk_bounds
 from clip_train.loss import contrastive_loss
 
-WORLD, ROWS_PER_RANK, IMAGE_CHUNK, LR = 2, 6, 2, 0.5
+WORLD, ROWS_PER_RANK, LR = 2, 6, 0.5
 
 
 def rank_batch(rank: int) -> tuple[torch.Tensor, ...]:
@@ -36,12 +36,12 @@ def counting_hook(tower: str, calls: list):
 SIGMOID = ("model.init_logit_bias=-4.0",)  # a model with a logit bias trains with the sigmoid loss
 
 
-def gradcache_rank(rank: int, world_size: int, impl: str, text_chunk: int, extra: tuple[str, ...]) -> dict:
+def gradcache_rank(
+    rank: int, world_size: int, impl: str, chunks: tuple[int, int], extra: tuple[str, ...]
+) -> dict:
     model = make_model(*DROPOUT, *extra)  # the same initial weights on every rank
     calls: list = []
-    engine = GradCache(
-        model, image_chunk=IMAGE_CHUNK, text_chunk=text_chunk, precision="fp64", loss_impl=impl
-    )
+    engine = GradCache(model, image_chunk=chunks[0], text_chunk=chunks[1], precision="fp64", loss_impl=impl)
     assert all(isinstance(tower.head, DistributedDataParallel) for tower in (engine.image, engine.text))
     engine.image.head.register_comm_hook(None, counting_hook("image", calls))
     engine.text.head.register_comm_hook(None, counting_hook("text", calls))
@@ -71,17 +71,16 @@ def gradcache_rank(rank: int, world_size: int, impl: str, text_chunk: int, extra
     }
 
 
-def single_process_reference(text_chunk: int, extra: tuple[str, ...]) -> tuple[float, dict, dict]:
+def single_process_reference(chunks: tuple[int, int], extra: tuple[str, ...]) -> tuple[float, dict, dict]:
     """Plain autograd on the global batch: rank r's chunks encoded from rank r's seed, as the ranks did."""
     model = make_model(*DROPOUT, *extra)
     image_features, text_features = [], []
     for rank in range(WORLD):
         images, input_ids, attention_mask = rank_batch(rank)
         torch.manual_seed(SEED + rank)
-        image_features += [model.visual(images[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, IMAGE_CHUNK)]
+        image_features += [model.visual(images[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, chunks[0])]
         text_features += [
-            model.text(input_ids[a:b], attention_mask[a:b])
-            for a, b in chunk_bounds(ROWS_PER_RANK, text_chunk)
+            model.text(input_ids[a:b], attention_mask[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, chunks[1])
         ]
     kind = "sigmoid" if model.logit_bias is not None else "softmax"
     features = (torch.cat(image_features), torch.cat(text_features), model.logit_scale.exp())
@@ -92,12 +91,13 @@ def single_process_reference(text_chunk: int, extra: tuple[str, ...]) -> tuple[f
     return loss.item(), reference_grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-# Text in 2 chunks, or in 1: then the chunk that keeps its graph is the tower's only backward.
-# The sigmoid loss: its bias and scale gradients are averaged over ranks like the softmax scale's.
-@pytest.mark.parametrize(("text_chunk", "extra"), [(4, ()), (0, ()), (4, SIGMOID)])
-def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower(text_chunk, extra):
-    results = run_distributed(gradcache_rank, WORLD, "auto", text_chunk, extra)
-    loss, want_grads, want_weights = single_process_reference(text_chunk, extra)
+# Images in 3 chunks; text in 2, or in 1: then the chunk that keeps its graph is the tower's only
+# backward; both towers in 1: no replay at all. The sigmoid loss: its bias and scale gradients are
+# averaged over ranks like the softmax scale's.
+@pytest.mark.parametrize(("chunks", "extra"), [((2, 4), ()), ((2, 0), ()), ((0, 0), ()), ((2, 4), SIGMOID)])
+def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower(chunks, extra):
+    results = run_distributed(gradcache_rank, WORLD, "auto", chunks, extra)
+    loss, want_grads, want_weights = single_process_reference(chunks, extra)
 
     assert sum(r["loss"] for r in results) / WORLD == pytest.approx(
         loss, rel=1e-12

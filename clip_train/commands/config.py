@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import types
 import typing
 from pathlib import Path
 
@@ -77,8 +78,14 @@ def _cells(key: ConfigKey) -> tuple[str, str, str, str]:
 
 
 def _type_name(hint: object) -> str:
-    if typing.get_origin(hint) is typing.Literal:
+    """``int | auto``, ``cls | mean``, ``float | None``: the values a key takes, as a user types them."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
         return " | ".join(map(str, typing.get_args(hint)))
-    if typing.get_origin(hint) is None:
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(map(_type_name, typing.get_args(hint)))
+    if hint is type(None):
+        return "None"
+    if origin is None:
         return getattr(hint, "__name__", str(hint))
     return str(hint).replace("typing.", "")

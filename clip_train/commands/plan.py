@@ -28,6 +28,7 @@ from clip_train.plan import (
     ModelProfile,
     Setting,
     breakdown,
+    largest_fitting_chunks,
     max_batch,
     measure_cpu_step,
     profile_model,
@@ -68,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_model(cfg.model, cfg.train.precision, chunks, resolve_device(args.device).type)
     capacity = usable_bytes(args.gpu_mem)
     settings = _settings(cfg, args, batch, cfg.loss.tile_size or default_tile(torch.device("cuda")))
-    rows = [_row(profile, setting, capacity) for setting in settings]
+    auto = tuple(
+        tower for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True) if chunk == "auto"
+    )
+    rows = [_row(profile, setting, capacity, auto) for setting in settings]
     print(_report(args, cfg, profile, rows, capacity))
     result: dict[str, Any] = {
         "config": str(args.config),
@@ -107,8 +111,8 @@ def _settings(cfg: Config, args: argparse.Namespace, batch: int, tile: int) -> l
         Setting(
             batch=batch,
             gpus=args.gpus,
-            image_chunk=cfg.batch.image_chunk,
-            text_chunk=cfg.batch.text_chunk,
+            image_chunk=0 if cfg.batch.image_chunk == "auto" else cfg.batch.image_chunk,
+            text_chunk=0 if cfg.batch.text_chunk == "auto" else cfg.batch.text_chunk,
             offload=offload,
             impl=impl,
             optimizer=cfg.optim.name,
@@ -147,7 +151,11 @@ def cpu_step(spec: dict[str, Any]) -> int:
     return measure_cpu_step(cfg.model, Setting(**spec["setting"]), cfg.train.precision)
 
 
-def _row(profile: ModelProfile, setting: Setting, capacity: float) -> dict[str, Any]:
+def _row(profile: ModelProfile, setting: Setting, capacity: float, auto: tuple[str, ...]) -> dict[str, Any]:
+    """One setting's terms; ``auto`` chunks are the ones a run would choose with this capacity."""
+    if auto:
+        choice = largest_fitting_chunks(profile, setting, auto, capacity)
+        setting = dataclasses.replace(setting, image_chunk=choice.image, text_chunk=choice.text)
     part = breakdown(profile, setting)
     return {
         **dataclasses.asdict(setting),
@@ -163,7 +171,10 @@ def _report(
     args: argparse.Namespace, cfg: Config, profile: ModelProfile, rows: list[dict], capacity: float
 ) -> str:
     first = rows[0]
-    chunks = f"image {first['image_chunk'] or 'all'} / text {first['text_chunk'] or 'all'} per GPU"
+    chunks = " / ".join(
+        f"{tower} {'auto' if chunk == 'auto' else chunk or 'all'}"
+        for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True)
+    )
     lines = [
         f"plan: {args.config} {' '.join(args.overrides)}".rstrip(),
         f"  {args.gpus} GPU(s) x {args.gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU after a "
@@ -193,12 +204,26 @@ def _report(
         f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "
         "peak = static + data + cache + max(loss + kept graph, backbone, optim step)"
     )
-    header = ("impl", "offload", "data", "cache", "loss", "kept", "backbone", "optim", "static", "peak")
+    header = (
+        "impl",
+        "offload",
+        "chunks",
+        "data",
+        "cache",
+        "loss",
+        "kept",
+        "backbone",
+        "optim",
+        "static",
+        "peak",
+    )
     money = ("data", "cache", "loss", "kept_graph", "backbone", "optimizer_step", "static", "peak")
+    per_gpu = first["batch"] // args.gpus
     table = [(*header, "fits", "max batch")] + [
         (
             row["impl"],
             "yes" if row["offload"] else "no",
+            f"{row['image_chunk'] or per_gpu}/{row['text_chunk'] or per_gpu}",
             *(format_bytes(row[key]) for key in money),
             "yes" if row["fits"] else "NO",
             f"{row['max_batch']:,}",
@@ -208,7 +233,7 @@ def _report(
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines += [
         "  ".join(
-            cell.rjust(w) if i > 1 else cell.ljust(w)
+            cell.rjust(w) if i > 2 else cell.ljust(w)
             for i, (cell, w) in enumerate(zip(r, widths, strict=True))
         )
         for r in table

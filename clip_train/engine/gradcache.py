@@ -2,7 +2,8 @@
 chunk sizes, not the batch size, and exactly the full-batch gradients of the global contrastive loss.
 
 1. encode every chunk without a graph, keeping the (B, d) features and the RNG state each chunk
-   started from (with ``keep_last_graph``, the last chunk of the last trained tower keeps its graph);
+   started from (with ``keep_last_graph``, the last chunk of the last trained tower keeps its graph,
+   and every trained tower does when each is one chunk: then nothing is encoded twice);
 2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache;
 3. replay each chunk under its RNG state (same dropout and drop-path masks) and backprop its
    cached gradient into the tower; DDP syncs on each tower's last backward only;
@@ -126,9 +127,10 @@ class GradCache:
         self.text = self._tower("text", model.text, text_chunk)
 
     @classmethod
-    def from_config(cls, model: nn.Module, config: Config) -> GradCache:
-        """Chunks, offload, precision and loss options from a run config (default process group).
-        An unusable ``loss.kernel`` fails here, at start-up."""
+    def from_config(cls, model: nn.Module, config: Config, chunks: tuple[int, int]) -> GradCache:
+        """Offload, precision and loss options from a run config (default process group), with the
+        image and text ``chunks`` the run resolved (``auto`` is measured first). An unusable
+        ``loss.kernel`` fails here, at start-up."""
         if config.loss.impl in ("auto", "inf"):
             dtype = torch.float64 if config.train.precision == "fp64" else torch.float32
             try:
@@ -137,8 +139,8 @@ class GradCache:
                 raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
         return cls(
             model,
-            image_chunk=config.batch.image_chunk,
-            text_chunk=config.batch.text_chunk,
+            image_chunk=chunks[0],
+            text_chunk=chunks[1],
             precision=config.train.precision,
             offload=config.batch.offload,
             keep_last_graph=config.batch.keep_last_graph,
@@ -189,11 +191,9 @@ class GradCache:
         image_inputs, text_inputs = batch[:1], batch[1:]
 
         start = self._clock()
-        # The last tower encoded keeps its last chunk's graph and is replayed first (see _encode).
-        replaying = [tower for tower in (self.image, self.text) if tower.replays]
-        keeps_graph = replaying[-1] if replaying and self.keep_last_graph else None
-        image = self._encode(self.image, image_inputs, rows, keep_graph=self.image is keeps_graph)
-        text = self._encode(self.text, text_inputs, rows, keep_graph=self.text is keeps_graph)
+        image_keeps, text_keeps = self._graph_keepers(rows)
+        image = self._encode(self.image, image_inputs, rows, keep_graph=image_keeps)
+        text = self._encode(self.text, text_inputs, rows, keep_graph=text_keeps)
         encoded = self._clock()
         loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
         cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
@@ -215,6 +215,17 @@ class GradCache:
             batch_bytes=_bytes(batch),
             max_live_chunks=max(image.max_live, text.max_live),
         )
+
+    def _graph_keepers(self, rows: int) -> tuple[bool, bool]:
+        """Whether the image and the text tower keep their last chunk's graph (see ``_encode``): the
+        last tower encoded does; when every trained tower is one chunk, all do, and the step is
+        plain backpropagation, with no tower encoded twice."""
+        if not self.keep_last_graph:
+            return False, False
+        replaying = [tower for tower in (self.image, self.text) if tower.replays]
+        if all(len(chunk_bounds(rows, tower.chunk)) == 1 for tower in replaying):
+            return self.image.replays, self.text.replays
+        return self.image is replaying[-1], self.text is replaying[-1]
 
     def _encode(self, tower: _Tower, inputs: Sequence[torch.Tensor], rows: int, keep_graph: bool) -> _Encoded:
         """Stage 1: graph-less features, each chunk's RNG state and the frozen-trunk cache for replay.

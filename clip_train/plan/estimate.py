@@ -128,7 +128,7 @@ class Breakdown:
     data: float  # M_data: the raw per-rank batch; with offload, two chunks of the stream in use
     cache: float  # M_cache: fp32 features and their gradients, and a LiT tower's frozen-trunk output
     loss: float  # M_loss: b×b (vanilla), n×b (local) or O(n·d) + tile² (inf) for n = b / gpus
-    kept_graph: float  # M_kept: inf only, the last chunk encoded keeps its graph through the loss
+    kept_graph: float  # M_kept: inf only, the graphs kept through the loss (see graph_keepers)
     backbone: float  # M_backbone: the peak of one chunk's graph-less encode or with-grad replay
     optimizer_step: float  # foreach optimizers hold one parameter-sized temporary during step()
 
@@ -190,14 +190,13 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         data = max(size * min(2 * chunk, n) for size, chunk in streams)
     else:
         data = n * sum(t.input_per_sample for t in profile.towers)
-    replaying = [t for t in profile.towers if t.replays]  # the last of them keeps a chunk's graph
+    replaying = [t for t in profile.towers if t.replays]
     features = (2 + len(replaying)) * n * dim * FP32  # both towers' features, the replayed ones' gradients
     trunk = 0 if setting.offload else n * sum(t.trunk_per_sample for t in profile.towers)
     backbone = max(
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )
-    keeps = replaying and setting.impl == "inf" and setting.keep_last_graph
-    kept_graph = replaying[-1].graph.at(setting.chunk(replaying[-1].name)) if keeps else 0.0
+    kept_graph = sum(t.graph.at(setting.chunk(t.name)) for t in graph_keepers(replaying, setting))
     loss = loss_workspace(
         setting.impl, setting.batch, setting.gpus, dim, setting.tile, setting.kind, setting.device
     )
@@ -212,6 +211,16 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         backbone=max(backbone, 0.0),
         optimizer_step=trainable,
     )
+
+
+def graph_keepers(replaying: list[TowerProfile], setting: Setting) -> list[TowerProfile]:
+    """The towers whose last chunk keeps its graph through the loss (``GradCache._graph_keepers``):
+    the last trained one, or every trained one when each is a single chunk."""
+    if not (replaying and setting.impl == "inf" and setting.keep_last_graph):
+        return []
+    if all(setting.chunk(t.name) == setting.per_rank for t in replaying):
+        return replaying
+    return replaying[-1:]
 
 
 def usable_bytes(gpu_mem_gib: float) -> float:

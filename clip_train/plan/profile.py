@@ -169,8 +169,16 @@ def profile_model(
     torch.manual_seed(0)
     model, notes = build_planning_model(model_cfg)
     model.to(device).train()
-    if _measured_precision(precision, torch.device(device).type) != precision:
-        notes.append(f"{precision} autocast measured as bf16 on {device} (same bytes per element)")
+    return profile_built_model(model, model_cfg, precision, chunks, notes)
+
+
+def profile_built_model(
+    model: nn.Module, model_cfg: ModelConfig, precision: str, chunks: tuple[int, int], notes: list[str]
+) -> ModelProfile:
+    """Measure a model already on its device (the planning model, or a run's own for auto chunks)."""
+    device = model.logit_scale.device
+    if _measured_precision(precision, device.type) != precision:
+        notes.append(f"{precision} autocast measured as bf16 on {device.type} (same bytes per element)")
     length = model_cfg.text.context_length
     image, text = (
         _profile_tower(model, name, chunks, length, precision, notes) for name in ("image", "text")
@@ -185,7 +193,7 @@ def profile_model(
         trainable_bytes=trainable_bytes,
         adamw_bytes=2 * trainable_bytes,
         adafactor_bytes=sum(adafactor_state_numel(tuple(p.shape)) * FP32 for p in trainable),
-        device=_describe_device(torch.device(device)),
+        device=_describe_device(device),
         precision=precision,
         measured_chunks=chunks,
         notes=tuple(notes),

@@ -1,0 +1,141 @@
+"""``batch.image_chunk: auto`` and ``batch.text_chunk: auto``: a run's chunk sizes from a short
+measurement of its own towers on its device and the plan's arithmetic (``estimate.py``). A per-rank
+batch that fits the memory budget runs as one chunk per tower, which Gradient Cache trains as plain
+backpropagation (no tower encoded twice); one that does not gets the largest chunks that fit."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+from clip_train.config import Config
+from clip_train.engine.rng import preserved_rng
+from clip_train.errors import UserError
+from clip_train.loss.tiles_torch import default_tile
+from clip_train.memory import format_bytes
+from clip_train.plan.estimate import GIB, ModelProfile, Setting, breakdown
+from clip_train.plan.profile import profile_built_model
+
+MEASURED_CHUNKS = (2, 4)
+RESERVE = 0.10  # of the budget, for what the estimate leaves out (allocator slack, the runtime)
+CGROUP = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    image: int
+    text: int
+    per_rank: int
+    peak: float  # estimated bytes per rank
+    usable: float  # the bytes it had to fit
+    fits: bool
+
+    def describe(self) -> str:
+        how = (
+            "the whole per-rank batch fits: one chunk per tower, no replay"
+            if (self.image, self.text) == (self.per_rank, self.per_rank)
+            else "the largest chunks that fit"
+        )
+        return (
+            f"auto chunks: image {self.image} / text {self.text} of {self.per_rank} per rank ({how}; "
+            f"estimated peak {format_bytes(self.peak)} of {format_bytes(self.usable)} usable)"
+        )
+
+
+def run_setting(cfg: Config, world_size: int, device_type: str) -> Setting:
+    """The run's own setting for the estimate, every ``auto`` chunk at the whole per-rank batch."""
+    per_rank = cfg.batch.global_size // world_size
+    image, text = (chunk if isinstance(chunk, int) else per_rank for chunk in cfg.batch.chunks)
+    return Setting(
+        batch=cfg.batch.global_size,
+        gpus=world_size,
+        image_chunk=image,
+        text_chunk=text,
+        offload=cfg.batch.offload,
+        impl="inf" if cfg.loss.impl == "auto" else cfg.loss.impl,
+        optimizer=cfg.optim.name,
+        tile=cfg.loss.tile_size or default_tile(torch.device(device_type)),
+        keep_last_graph=cfg.batch.keep_last_graph,
+        kind=cfg.loss.kind,
+        device=device_type,
+    )
+
+
+def device_budget(device: torch.device, local_ranks: int) -> float:
+    """Bytes this rank may use: its GPU's free memory plus what the process already holds there;
+    on the CPU its share of the node's available memory (and of the cgroup's limit, if lower)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free + torch.cuda.memory_allocated(device))
+    available = psutil.virtual_memory().available
+    limit = _read_int(CGROUP / "memory.max")
+    if limit is not None:
+        available = min(available, limit - (_read_int(CGROUP / "memory.current") or 0))
+    return available / local_ranks + psutil.Process().memory_info().rss
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice:
+    """Measure the towers (without touching the RNG streams or leaving gradients behind) and pick
+    the chunks: each ``auto`` one as large as the budget allows, the whole batch first."""
+    device = model.logit_scale.device
+    with preserved_rng(device):
+        profile = profile_built_model(model, cfg.model, cfg.train.precision, MEASURED_CHUNKS, [])
+    model.zero_grad(set_to_none=True)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks)
+    auto = tuple(
+        tower for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True) if chunk == "auto"
+    )
+    choice = largest_fitting_chunks(
+        profile, run_setting(cfg, world_size, device.type), auto, budget * (1 - RESERVE)
+    )
+    if not choice.fits:
+        raise UserError(
+            f"batch.global_size={cfg.batch.global_size}: even 1-row auto chunks need an estimated "
+            f"{format_bytes(choice.peak)} per rank, more than {format_bytes(choice.usable)} (the budget, "
+            "batch.memory_budget or what the device has, less 10 %); use more ranks, "
+            "batch.offload=true or a smaller batch (clip-train plan shows the terms)"
+        )
+    return choice
+
+
+def largest_fitting_chunks(
+    profile: ModelProfile, setting: Setting, auto: tuple[str, ...], usable: float
+) -> ChunkChoice:
+    """From ``setting``'s chunks, shrink the ``auto`` tower with the larger transient peak through
+    the divisors of the per-rank batch until the estimated peak fits ``usable`` bytes, then grow
+    each back as far as it still fits. ``fits`` is False when even 1-row chunks do not."""
+    per_rank = setting.per_rank
+    sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    chunks = {"image": setting.chunk("image"), "text": setting.chunk("text")}
+
+    def peak(**changed: int) -> float:
+        trial = {**chunks, **changed}
+        return breakdown(profile, replace(setting, image_chunk=trial["image"], text_chunk=trial["text"])).peak
+
+    while peak() > usable and (shrinkable := [t for t in auto if chunks[t] > 1]):
+        tower = max(shrinkable, key=lambda t: _transient(profile, t, chunks[t]))
+        chunks[tower] = sizes[sizes.index(chunks[tower]) - 1]
+    for tower in auto:
+        larger = [size for size in sizes if size > chunks[tower] and peak(**{tower: size}) <= usable]
+        chunks[tower] = max(larger, default=chunks[tower])
+    estimate = peak()
+    return ChunkChoice(chunks["image"], chunks["text"], per_rank, estimate, usable, estimate <= usable)
+
+
+def _transient(profile: ModelProfile, tower: str, chunk: int) -> float:
+    measured = profile.image if tower == "image" else profile.text
+    return max(measured.encode.at(chunk), measured.replay.at(chunk))

@@ -1,0 +1,129 @@
+"""``batch.image_chunk: auto`` / ``text_chunk: auto``: the choice against the plan's own estimate,
+and real runs that log it, fit their budget, and keep it across a resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from processes import run_to_end
+from small_runs import DEMO_CONFIG, TINY_MODEL_CONFIG
+
+from clip_train.config import ConfigError, load_config
+from clip_train.model import build_model
+from clip_train.plan import breakdown, choose_chunks, largest_fitting_chunks, profile_model
+from clip_train.plan.auto_chunks import run_setting
+
+SMALL = ("model.image.timm_kwargs.depth=2", "model.text.hf_config.num_hidden_layers=1")
+PER_RANK = 64
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(load_config(TINY_MODEL_CONFIG, SMALL).model, "fp32", (2, 4), "cpu")
+
+
+def _setting(*overrides: str):
+    cfg = load_config(TINY_MODEL_CONFIG, [*SMALL, f"batch.global_size={PER_RANK}", *overrides])
+    return run_setting(cfg, 1, "cpu")
+
+
+def _peak(profile, setting, image: int, text: int) -> float:
+    return breakdown(profile, dataclasses.replace(setting, image_chunk=image, text_chunk=text)).peak
+
+
+def test_a_batch_that_fits_is_one_chunk_per_tower(profile):
+    setting = _setting()
+    whole = _peak(profile, setting, PER_RANK, PER_RANK)
+    choice = largest_fitting_chunks(profile, setting, ("image", "text"), whole)
+    assert (choice.image, choice.text, choice.fits) == (PER_RANK, PER_RANK, True)
+    assert choice.peak == whole and "no replay" in choice.describe()
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.6, 0.45])
+def test_a_batch_that_does_not_fit_gets_the_largest_chunks_that_do(profile, fraction):
+    setting = _setting()
+    smallest = _peak(profile, setting, 1, 1)
+    usable = smallest + fraction * (_peak(profile, setting, PER_RANK, PER_RANK) - smallest)
+    choice = largest_fitting_chunks(profile, setting, ("image", "text"), usable)
+    assert choice.fits and choice.peak == _peak(profile, setting, choice.image, choice.text) <= usable
+    assert (choice.image, choice.text) != (PER_RANK, PER_RANK)
+    divisors = [d for d in range(1, PER_RANK + 1) if PER_RANK % d == 0]
+    for tower in ("image", "text"):  # no auto chunk can grow alone and still fit
+        chunks = {"image": choice.image, "text": choice.text}
+        for larger in (d for d in divisors if d > chunks[tower]):
+            assert _peak(profile, setting, **{**chunks, tower: larger}) > usable, (tower, larger)
+
+
+def test_only_auto_chunks_move_and_a_hopeless_budget_says_so(profile):
+    setting = _setting("batch.text_chunk=8")
+    choice = largest_fitting_chunks(profile, setting, ("image",), _peak(profile, setting, 2, 8))
+    assert choice.text == 8 and choice.image >= 2 and choice.fits
+    hopeless = largest_fitting_chunks(profile, setting, ("image",), 1.0)
+    assert (hopeless.image, hopeless.text, hopeless.fits) == (1, 8, False)
+
+
+def test_choosing_leaves_the_rng_streams_and_gradients_as_they_were(tmp_path):
+    cfg = load_config(TINY_MODEL_CONFIG, [*SMALL, "batch.global_size=32", "batch.memory_budget=64"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    before = torch.get_rng_state()
+    choice = choose_chunks(model, cfg, 1)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(p.grad is None for p in model.parameters())
+    assert (choice.image, choice.text) == (32, 32) and choice.usable == pytest.approx(64 * 2**30 * 0.9)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("batch.image_chunk=some", "batch.image_chunk='some'"),
+        ("batch.text_chunk=-2", "batch.text_chunk=-2 must divide"),
+        ("batch.memory_budget=-1", "batch.memory_budget=-1.0: must be >= 0"),
+    ],
+)
+def test_bad_chunk_settings_name_their_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY_MODEL_CONFIG, [override]).validate(world_size=1)
+
+
+def _demo_overrides(digits, out, steps: int, *extra: str) -> list[str]:
+    """The demo's model (activations outweigh its weights at this batch, unlike the tiny test model's)
+    for a few steps at batch 128, no eval."""
+    return [
+        f"data.train={digits}/train", "data.val=", "eval.zeroshot=", "eval.zeroshot_data=",
+        "data.workers=1", "batch.global_size=128", "batch.image_chunk=auto", "batch.text_chunk=auto",
+        "batch.offload=false", f"train.max_steps={steps}", f"train.out_dir={out}", "log.wandb.mode=disabled",
+        *extra,
+    ]  # fmt: skip
+
+
+def _train(digits, out, steps: int, *extra: str):
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG)]
+    return run_to_end([*command, *_demo_overrides(digits, out, steps, *extra)])
+
+
+@pytest.mark.slow
+def test_runs_log_the_choice_fit_a_small_budget_and_keep_it_on_resume(digits, tmp_path):
+    roomy = _train(digits, tmp_path / "roomy", 2)
+    assert roomy.returncode == 0, roomy.stderr[-3000:]
+    assert "auto chunks: image 128 / text 128 of 128 per rank (the whole per-rank batch fits" in roomy.stdout
+
+    # A budget between the estimates for 1-row chunks and for the whole batch (the run's 10 %
+    # reserve added back): smaller chunks, logged, and the run trains.
+    cfg = load_config(DEMO_CONFIG, _demo_overrides(digits, tmp_path, 2))
+    setting, measured = run_setting(cfg, 1, "cpu"), profile_model(cfg.model, "fp32", (2, 4), "cpu")
+    smallest, whole = _peak(measured, setting, 1, 1), _peak(measured, setting, 128, 128)
+    budget = f"batch.memory_budget={(smallest + whole) / 2 / 0.9 / 2**30}"
+    tight = _train(digits, tmp_path / "tight", 2, budget, "checkpoint.every_steps=1")
+    assert tight.returncode == 0, tight.stderr[-3000:]
+    line = next(line for line in tight.stdout.splitlines() if line.startswith("auto chunks:"))
+    image, text = (int(word) for word in line.split(" of ")[0].replace("/ text", "").split()[-2:])
+    assert (image, text) != (128, 128) and "the largest chunks that fit" in line
+
+    # Resumed with a roomy budget at the same world size: the checkpoint's chunks stay.
+    resumed = _train(digits, tmp_path / "tight", 3, "checkpoint.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"auto chunks: image {image} / text {text} per rank, as chosen before the resume" in resumed.stdout
