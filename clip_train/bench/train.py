@@ -1,0 +1,203 @@
+"""Whole training steps, clip_train against OpenCLIP's own trainer: ``clip-train bench train``.
+
+Both train the same architecture from the same initial weights (the config's model, exported for
+open_clip by ``export_open_clip``), on the same shards, with AdamW and the config's learning rate,
+warmup, weight decay, betas, epsilon, gradient clipping and precision, one torchrun per run (gloo
+on the CPU), the same processes, workers and global batch. Each run logs every step; its samples/s
+is the global batch over the median of its own step clock after the warm-up steps (data wait,
+forward, loss, backward, optimizer, logging, as each trainer times a step). The two alternate, run
+by run, so that a busy machine slows both alike; the ratio is taken pair by pair.
+
+OpenCLIP runs with ``--local-loss --gather-with-grad`` (its recommended distributed loss) and
+``--workers`` like clip_train's ``data.workers``; its CPU quirks are handled in its worker
+(``open_clip_trainer.py``). clip_train's step split (data, encode, loss, replay, optimizer) comes
+from its metrics. Without ``open_clip_train`` installed only clip_train runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clip_train.config import ConfigError, load_config
+from clip_train.errors import UserError
+from clip_train.export import export_open_clip
+from clip_train.model import build_model
+
+SPLIT = ("data", "encode", "loss", "replay", "optimizer")
+OPEN_CLIP_STEP = re.compile(r"Batch \(t\): ([0-9.]+),")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="configs/demo-digits.yaml", help="run config (model, optimizer)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--shards", type=Path, default=Path("runs/bench_train_digits"), help="digits shards")
+    parser.add_argument("--batch", default="256,1024", help="comma-separated global batch sizes")
+    parser.add_argument("--procs", default="1,2", help="comma-separated process counts (torchrun, gloo)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
+    parser.add_argument("--pairs", type=int, default=3, help="alternating clip_train / OpenCLIP pairs")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="save a samples/s plot here (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        batches, procs = ([int(x) for x in spec.split(",")] for spec in (args.batch, args.procs))
+        cfg = load_config(args.config, args.set)
+    except ValueError:
+        raise UserError("--batch and --procs are comma-separated integers, e.g. 256,1024") from None
+    except ConfigError as err:
+        raise UserError(str(err)) from None
+    if min(batches + procs) <= 0 or args.steps <= args.warmup or args.pairs <= 0:
+        raise UserError("--batch and --procs must be positive, --steps > --warmup, --pairs >= 1")
+    if not (args.shards / "train").is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "clip_train", "make-shards", "digits", str(args.shards)], check=True
+        )
+    has_open_clip = importlib.util.find_spec("open_clip_train") is not None
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        export = Path(tmp, "open_clip_model")
+        if has_open_clip:
+            torch.manual_seed(cfg.train.seed)
+            export_open_clip(build_model(cfg.model).eval(), export)
+        for batch in batches:
+            for nproc in procs:
+                condition = {"batch": batch, "procs": nproc, "pairs": []}
+                for pair in range(args.pairs):
+                    runs = {
+                        "clip_train": _clip_train(args, batch, nproc, Path(tmp, f"ct-{batch}-{nproc}-{pair}"))
+                    }
+                    if has_open_clip:
+                        out = Path(tmp, f"oc-{batch}-{nproc}-{pair}")
+                        runs["open_clip"] = _open_clip(args, cfg, export, batch, nproc, out)
+                    condition["pairs"].append(runs)
+                    print(_pair_line(condition, runs), flush=True)
+                results.append(_summarise(condition))
+    print(_table(results))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"config": args.config, "set": args.set, "results": results}, indent=2)
+        )
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(
+        command, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})}
+    )
+    if proc.returncode != 0:
+        raise UserError(f"{what} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+
+
+def _clip_train(args: argparse.Namespace, batch: int, nproc: int, out: Path) -> dict[str, Any]:
+    """One clip_train run: median step and its split from ``metrics.jsonl``."""
+    overrides = [
+        *args.set, f"data.train={args.shards}/train", "data.val=", "eval.zeroshot=", "eval.zeroshot_data=",
+        f"batch.global_size={batch}", f"train.max_steps={args.steps}", "log.every_steps=1",
+        "log.wandb.mode=disabled", f"train.out_dir={out}",
+    ]  # fmt: skip
+    _run([*_torchrun(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if "time/step_s" in r and r["step"] > args.warmup]
+    step_s = statistics.median(r["time/step_s"] for r in timed)
+    split = {part: statistics.median(r[f"time/{part}_s"] for r in timed) for part in SPLIT}
+    return {"step_s": step_s, "samples_per_s": batch / step_s, "split_s": split}
+
+
+def _open_clip(
+    args: argparse.Namespace, cfg, export: Path, batch: int, nproc: int, out: Path
+) -> dict[str, Any]:
+    """One OpenCLIP run: median of its logged per-step ``Batch (t)``."""
+    shards = "::".join(str(p) for p in sorted((args.shards / "train").glob("*.tar")))
+    optim, precision = cfg.optim, {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}[cfg.train.precision]
+    options = [
+        "--model", f"local-dir:{export}", "--train-data", shards, "--dataset-type", "webdataset",
+        "--dataset-resampled", "--train-num-samples", str(batch * args.steps), "--epochs", "1",
+        "--batch-size", str(batch // nproc), "--workers", str(cfg.data.workers), "--lr", str(optim.lr),
+        "--wd", str(optim.weight_decay), "--warmup", str(optim.warmup_steps), "--beta1", str(optim.betas[0]),
+        "--beta2", str(optim.betas[1]), "--eps", str(optim.eps), "--grad-clip-norm", str(optim.grad_clip),
+        "--precision", precision, "--device", "cpu", "--dist-backend", "gloo", "--local-loss",
+        "--gather-with-grad", "--log-every-n-steps", "1", "--name", "run", "--save-frequency", "0",
+        "--zeroshot-frequency", "0", "--report-to", "", "--seed", str(cfg.train.seed),
+    ]  # fmt: skip
+    worker = [*_torchrun(nproc), "-m", "clip_train.bench.open_clip_trainer", *options]
+    _run(worker, "open_clip_train", {"OPEN_CLIP_LOGS": str(out)})
+    steps = [float(m) for m in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())]
+    step_s = statistics.median(steps[args.warmup :])
+    return {"step_s": step_s, "samples_per_s": batch / step_s}
+
+
+def _summarise(condition: dict[str, Any]) -> dict[str, Any]:
+    pairs = condition["pairs"]
+    summary = {**condition}
+    for tool in pairs[0]:
+        summary[f"{tool}_samples_per_s"] = statistics.median(p[tool]["samples_per_s"] for p in pairs)
+    if "open_clip" in pairs[0]:
+        summary["ratio"] = statistics.median(
+            p["clip_train"]["samples_per_s"] / p["open_clip"]["samples_per_s"] for p in pairs
+        )
+    summary["clip_train_split_s"] = {
+        part: statistics.median(p["clip_train"]["split_s"][part] for p in pairs) for part in SPLIT
+    }
+    return summary
+
+
+def _pair_line(condition: dict[str, Any], runs: dict[str, Any]) -> str:
+    rates = ", ".join(f"{tool} {r['samples_per_s']:.0f} samples/s" for tool, r in runs.items())
+    where = f"batch {condition['batch']}, {condition['procs']} process(es), pair {len(condition['pairs'])}"
+    return f"{where}: {rates}"
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "\n| batch | processes | OpenCLIP samples/s | clip_train samples/s | clip_train / OpenCLIP | "
+        "clip_train split (data/encode/loss/replay/optimizer s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        split = "/".join(f"{r['clip_train_split_s'][part]:.3f}" for part in SPLIT)
+        theirs = f"{r['open_clip_samples_per_s']:.0f}" if "ratio" in r else "-"
+        ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
+        ours = f"{r['clip_train_samples_per_s']:.0f}"
+        lines.append(f"| {r['batch']} | {r['procs']} | {theirs} | {ours} | {ratio} | {split} |")
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib  # the optional bench extra
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'clip_train[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"B={r['batch']}\n{r['procs']} proc" for r in results]
+    positions = range(len(results))
+    fig, ax = plt.subplots(figsize=(2 + 1.5 * len(results), 4))
+    for offset, tool, name in ((-0.2, "open_clip", "OpenCLIP"), (0.2, "clip_train", "clip_train")):
+        values = [r.get(f"{tool}_samples_per_s", 0) for r in results]
+        ax.bar([p + offset for p in positions], values, width=0.4, label=name)
+    ax.set_xticks(list(positions), labels)
+    ax.set_ylabel("samples/s (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
