@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import LOSS_KERNELS, LOSS_KINDS, RESOLVED_LOSS_IMPLS
 from clip_train.distributed import resolve_device
@@ -334,10 +335,7 @@ def _matmul_floor(images: Any, texts: Any) -> Any:
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib  # the optional bench extra
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for color, impl in enumerate(dict.fromkeys(_label(r) for r in results)):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import LOSS_IMPLS, PRECISIONS, ConfigError, load_config
 from clip_train.distributed import resolve_device
@@ -265,12 +266,7 @@ def _summary(results: list[dict[str, Any]], paired: list[dict[str, Any]]) -> str
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib  # the optional bench extra
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'clip_train[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
     for mode in dict.fromkeys(r["mode"] for r in results):

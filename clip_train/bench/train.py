@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from clip_train.bench.plotting import pyplot
 from clip_train.config import ConfigError, load_config
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
@@ -183,12 +184,7 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib  # the optional bench extra
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'clip_train[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"B={r['batch']}\n{r['procs']} proc" for r in results]
     positions = range(len(results))
