@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import pickle
 import re
@@ -33,6 +32,7 @@ from torch import nn
 from clip_train.config import CheckpointConfig, ModelConfig, load_config
 from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
+from clip_train.memory import format_bytes
 from clip_train.model import CLIP
 from clip_train.model.tokenizer import OPEN_CLIP
 
@@ -129,8 +129,8 @@ def _tensor_bytes(tree: object) -> int:
 def _cannot_save(final: Path, needed: int, reason: str) -> str:
     free = shutil.disk_usage(next(p for p in final.parents if p.exists())).free
     return (
-        f"cannot save checkpoint {final}: {reason}; it needs about {_size(needed)} and {_size(free)} "
-        "is free there; the older checkpoints are intact"
+        f"cannot save checkpoint {final}: {reason}; it needs about {format_bytes(needed)} and "
+        f"{format_bytes(free)} is free there; the older checkpoints are intact"
     )
 
 
@@ -141,14 +141,6 @@ def _write_failure(err: Exception) -> str:
         return cause.strerror
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def _size(n: int) -> str:
-    """``n`` bytes for people: 512 bytes, 3.4 MiB, 12.0 GiB."""
-    if n < 1024:
-        return f"{n} bytes"
-    exponent = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**exponent:.1f} {'KMGT'[exponent - 1]}iB"
 
 
 def write_manifest(folder: Path) -> None:

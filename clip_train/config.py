@@ -114,6 +114,12 @@ class BatchConfig:
     def chunks(self) -> tuple[int | str, int | str]:
         return self.image_chunk, self.text_chunk
 
+    @property
+    def auto_towers(self) -> tuple[str, ...]:
+        """The towers (``image``, ``text``) whose chunk is ``auto``."""
+        towers = zip(("image", "text"), self.chunks, strict=True)
+        return tuple(tower for tower, chunk in towers if chunk == "auto")
+
 
 @dataclass
 class OptimConfig:

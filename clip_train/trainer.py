@@ -90,10 +90,8 @@ class Trainer:
             return (batch.image_chunk or per_rank, batch.text_chunk or per_rank), ""
         if self.restored_chunks is not None and self.restored_chunks["world_size"] == world:
             image, text = self.restored_chunks["chunks"]
-            return (
-                image,
-                text,
-            ), f"auto chunks: image {image} / text {text} per rank, as chosen before the resume"
+            note = f"auto chunks: image {image} / text {text} per rank, as chosen before the resume"
+            return (image, text), note
         choice = decided_by_main(lambda: choose_chunks(self.model, self.cfg, world))
         return (choice.image, choice.text), choice.describe()
 

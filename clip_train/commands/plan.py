@@ -34,6 +34,7 @@ from clip_train.plan import (
     profile_model,
     usable_bytes,
 )
+from clip_train.plan.auto_chunks import run_setting
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,11 +69,8 @@ def run(args: argparse.Namespace) -> int:
     chunks = tuple(args.measure_chunks)
     profile = profile_model(cfg.model, cfg.train.precision, chunks, resolve_device(args.device).type)
     capacity = usable_bytes(args.gpu_mem)
-    settings = _settings(cfg, args, batch, cfg.loss.tile_size or default_tile(torch.device("cuda")))
-    auto = tuple(
-        tower for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True) if chunk == "auto"
-    )
-    rows = [_row(profile, setting, capacity, auto) for setting in settings]
+    settings = _settings(cfg, args.gpus)
+    rows = [_row(profile, setting, capacity, cfg.batch.auto_towers) for setting in settings]
     print(_report(args, cfg, profile, rows, capacity))
     result: dict[str, Any] = {
         "config": str(args.config),
@@ -106,20 +104,11 @@ def _validate_args(args: argparse.Namespace, batch: int) -> None:
         raise UserError(f"--check-cpu runs one process on this machine: use --gpus 1, not {args.gpus}")
 
 
-def _settings(cfg: Config, args: argparse.Namespace, batch: int, tile: int) -> list[Setting]:
+def _settings(cfg: Config, gpus: int) -> list[Setting]:
+    """The run's setting on GPUs (``auto_chunks.run_setting``) under each loss and offload choice."""
+    run = run_setting(cfg, gpus, "cuda")
     return [
-        Setting(
-            batch=batch,
-            gpus=args.gpus,
-            image_chunk=0 if cfg.batch.image_chunk == "auto" else cfg.batch.image_chunk,
-            text_chunk=0 if cfg.batch.text_chunk == "auto" else cfg.batch.text_chunk,
-            offload=offload,
-            impl=impl,
-            optimizer=cfg.optim.name,
-            tile=tile,
-            keep_last_graph=cfg.batch.keep_last_graph,
-            kind=cfg.loss.kind,
-        )
+        dataclasses.replace(run, impl=impl, offload=offload)
         for impl in RESOLVED_LOSS_IMPLS
         if not (impl == "local" and cfg.loss.kind == "sigmoid")  # a softmax-only implementation
         for offload in (False, True)

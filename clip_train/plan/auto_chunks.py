@@ -96,12 +96,8 @@ def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice
     model.zero_grad(set_to_none=True)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks)
-    auto = tuple(
-        tower for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True) if chunk == "auto"
-    )
-    choice = largest_fitting_chunks(
-        profile, run_setting(cfg, world_size, device.type), auto, budget * (1 - RESERVE)
-    )
+    setting = run_setting(cfg, world_size, device.type)
+    choice = largest_fitting_chunks(profile, setting, cfg.batch.auto_towers, budget * (1 - RESERVE))
     if not choice.fits:
         raise UserError(
             f"batch.global_size={cfg.batch.global_size}: even 1-row auto chunks need an estimated "
