@@ -155,11 +155,13 @@ def _check_errors() -> None:
 
     images, texts = _features(8, 4, 0).float(), _features(8, 4, 1).float()
     lse, strided = torch.zeros(8), torch.zeros(8, 8)[:, ::2]
+    huge = torch.empty(2**22, 512, dtype=torch.bfloat16, device="meta")  # 2^31 elements, no memory
     backward, forward = tiles_triton.softmax_backward, tiles_triton.softmax_forward
     for call, message in [
         (lambda: backward(images, texts, 1.0, lse, 1.0, lse, 1.0, strided, strided, 8), "contiguous"),
         (lambda: forward(images.double(), texts.double(), 1.0, lse, lse, 8), "fp32, bf16 or fp16"),
         (lambda: forward(images, texts.half(), 1.0, lse, lse, 8), "of one dtype"),
+        (lambda: forward(huge, huge, 1.0, lse, lse, 8), "under 2^31 elements"),
     ]:
         try:
             call()
@@ -167,6 +169,24 @@ def _check_errors() -> None:
             assert message in str(err), err
         else:
             raise AssertionError(f"no error for {message}")
+
+
+def _check_gradcache_hands_bf16() -> None:
+    """bf16 training with the Triton kernels: Gradient Cache hands the loss bf16 features, and the
+    step's gradients (chunks of 5 of 10 rows, both towers replayed) stay as close to the fp64
+    full-batch gradients as bf16 towers allow; so does the PyTorch tiles' fp32 hand-off."""
+    import test_gradcache as g
+    import torch
+
+    from clip_train.engine import GradCache
+
+    batch = g.make_batch()
+    exact = g.reference_grads(g.make_model(*g.NO_DROPOUT), batch, 5, 5)
+    model = g.make_model(*g.NO_DROPOUT, dtype=torch.float32)
+    for kernel, handed in (("triton", torch.bfloat16), ("torch", torch.float32)):
+        assert GradCache(model, precision="bf16", loss_kernel=kernel)._loss_dtype(torch.float32) == handed
+        got = g.gc_grads(model, batch, image_chunk=5, text_chunk=5, precision="bf16", loss_kernel=kernel)
+        g.assert_close_overall(got, exact, rtol=0.05)  # seen: 0.031 (bf16 hand-off), 0.016 (fp32)
 
 
 def _widen_bf16_dots_in_interpreter() -> None:
@@ -206,6 +226,10 @@ def test_full_loss_with_triton_kernels_matches_formula() -> None:
 
 def test_sigmoid_kernels_match_pytorch_tiles_and_formula() -> None:
     _run_interpreted("_check_sigmoid")
+
+
+def test_gradcache_hands_the_kernels_bf16_features_in_bf16_training() -> None:
+    _run_interpreted("_check_gradcache_hands_bf16")
 
 
 def test_kernels_name_what_is_wrong_with_their_inputs() -> None:

@@ -131,13 +131,7 @@ class GradCache:
         """Offload, precision and loss options from a run config (default process group), with the
         image and text ``chunks`` the run resolved (``auto`` is measured first). An unusable
         ``loss.kernel`` fails here, at start-up."""
-        if config.loss.impl in ("auto", "inf"):
-            dtype = torch.float64 if config.train.precision == "fp64" else torch.float32
-            try:
-                select_kernels(config.loss.kernel, model.logit_scale.device, dtype, config.model.embed_dim)
-            except ValueError as err:
-                raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
-        return cls(
+        engine = cls(
             model,
             image_chunk=chunks[0],
             text_chunk=chunks[1],
@@ -148,6 +142,15 @@ class GradCache:
             loss_kernel=config.loss.kernel,
             tile_size=config.loss.tile_size or None,
         )
+        if config.loss.impl in ("auto", "inf"):
+            towers = torch.float64 if config.train.precision == "fp64" else torch.float32
+            try:
+                select_kernels(
+                    config.loss.kernel, engine.device, engine._loss_dtype(towers), config.model.embed_dim
+                )
+            except ValueError as err:
+                raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
+        return engine
 
     def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
         if chunk < 0:
@@ -253,8 +256,7 @@ class GradCache:
                         out.rng.append(RngState.capture(self.device))
                     features = tower.module.encode_trainable(*hidden)
             if out.features is None:
-                dtype = torch.promote_types(features.dtype, torch.float32)  # the loss runs in >= fp32
-                out.features = _rows_like(features, rows, dtype=dtype)
+                out.features = _rows_like(features, rows, dtype=self._loss_dtype(features.dtype))
             out.features[start:end] = features
             if tower.caches_trunk and index != kept_index:
                 if not out.trunk_cache:
@@ -266,6 +268,13 @@ class GradCache:
         stream.run(encode)
         out.max_live = stream.max_live
         return out
+
+    def _loss_dtype(self, features: torch.dtype) -> torch.dtype:
+        """bf16 training hands the Triton kernels bf16 features: half the bytes they stream, and
+        their LSEs and gradient sums stay fp32. Every other loss path runs in >= fp32."""
+        if self.precision == "bf16" and self.loss_impl in ("auto", "inf") and self.loss_kernel == "triton":
+            return torch.bfloat16
+        return torch.promote_types(features, torch.float32)
 
     def _loss(
         self,

@@ -27,14 +27,51 @@ import triton.language as tl
 
 PARTIAL_BUDGET = 1 << 24  # floats in the softmax forward's per-tile partial LSE buffers
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# (owned rows, streamed rows) per program, by operand bytes and padded dim, all at 8 warps and 2
-# stages: the largest owned blocks whose fp32 gradient rows, operands and logits fit 255 registers
-# without spilling on sm_80 and sm_90 (ptxas -v, tests/test_triton_aot.py). fp32 operands at
-# d = 1024 spill in every layout, hence the lower limit for fp32.
+ARCHS = (80, 90)  # the GPU architectures the launch tables are tuned and checked for
+
+
+@dataclass(frozen=True)
+class OwnerBlock:
+    """Rows one owner program holds (their fp32 gradient lives in registers) and rows it streams
+    per step, with the warps and pipeline stages that hold them."""
+
+    owned: int
+    streamed: int
+    warps: int = 8
+    stages: int = 2
+
+
+# By operands (16-bit, TF32, or IEEE fp32, which runs on CUDA cores) and padded dim. On tensor
+# cores: the largest owned blocks that compile without spills on sm_80 and sm_90 and whose logits
+# tile gives every warp its own MMA tiles, so that no instruction is repeated (tests/test_triton_aot.py
+# counts them in the PTX). Owning more rows streams the other side fewer times; 32 rows stream it
+# twice as often as 64. Why not 64 at d = 512: their fp32 gradient alone is 128 KiB of registers;
+# one warpgroup cannot hold it, and two repeat the 64-row logits, since Triton stacks warpgroups
+# along the rows (the AOT test keeps both facts checked).
 OWNER_BLOCKS = {
-    2: {64: (64, 64), 128: (64, 32), 256: (32, 16), 512: (16, 32), 1024: (16, 16)},
-    4: {64: (64, 16), 128: (64, 16), 256: (32, 16), 512: (16, 16)},
+    "16-bit": {
+        64: OwnerBlock(32, 64),
+        128: OwnerBlock(32, 64),
+        256: OwnerBlock(32, 64),
+        512: OwnerBlock(32, 64),
+        1024: OwnerBlock(16, 32),  # every layout that shares out the logits spills: half repeat
+    },
+    "tf32": {
+        64: OwnerBlock(32, 64, stages=1),
+        128: OwnerBlock(32, 64),
+        256: OwnerBlock(32, 64, stages=1),
+        512: OwnerBlock(16, 32, warps=4, stages=1),  # 32 rows of fp32 operands spill
+    },
+    "fp32": {  # FMA dots: no MMA tiles to share out, the widest blocks that do not spill
+        64: OwnerBlock(64, 16, stages=1),
+        128: OwnerBlock(64, 16),
+        256: OwnerBlock(32, 16),
+        512: OwnerBlock(16, 16, stages=1),
+    },
 }
+# Hopper's wgmma takes 64-row warpgroup tiles: two warpgroups own 128 rows where their fp32
+# gradient fits without spilling (d = 64).
+HOPPER_OWNER_BLOCKS = {"16-bit": {64: OwnerBlock(128, 64)}}
 
 
 @dataclass(frozen=True)
@@ -53,9 +90,22 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if tf32 else "ieee"
 
 
+def _arch(device: torch.device) -> int:
+    """The table to launch from: Hopper's on sm_90 and later, Ampere's otherwise (and interpreted)."""
+    if device.type != "cuda":
+        return ARCHS[0]
+    major, _ = torch.cuda.get_device_capability(device)
+    return 90 if major >= 9 else 80
+
+
+def _operands(dtype: torch.dtype, precision: str) -> str:
+    """The owner-block table for ``dtype`` features dotted at ``precision``."""
+    return "16-bit" if dtype.itemsize == 2 else "tf32" if precision == "tf32" else "fp32"
+
+
 def max_dim(dtype: torch.dtype) -> int:
     """The widest embedding the backward can hold on chip for features of ``dtype``."""
-    return max(OWNER_BLOCKS[dtype.itemsize])
+    return max(OWNER_BLOCKS[_operands(dtype, "ieee")])
 
 
 def forward_launch(dtype: torch.dtype, has_cols: bool, precision: str) -> Launch:
@@ -66,16 +116,20 @@ def forward_launch(dtype: torch.dtype, has_cols: bool, precision: str) -> Launch
     return Launch(constexprs, num_warps=8, num_stages=3)
 
 
-def owner_launch(dtype: torch.dtype, dim: int, sigmoid: bool, precision: str) -> Launch:
-    """One pipeline stage for fp32 at dim 512, the largest fp32 block: with two, Triton 3.6 spills
-    on sm_90 (TF32)."""
+def owner_launch(dtype: torch.dtype, dim: int, sigmoid: bool, precision: str, arch: int) -> Launch:
+    """The owner kernel's specialisation for features of ``dtype`` and width ``dim`` on ``arch``."""
     dim_block = max(64, triton.next_power_of_2(dim))
-    owned, streamed = OWNER_BLOCKS[dtype.itemsize][dim_block]
+    operands = _operands(dtype, precision)
+    hopper = HOPPER_OWNER_BLOCKS.get(operands, {}) if arch >= 90 else {}
+    block = hopper.get(dim_block) or OWNER_BLOCKS[operands][dim_block]
     constexprs = dict(
-        SIGMOID=sigmoid, BLOCK_OWNED=owned, BLOCK_STREAMED=streamed, BLOCK_DIM=dim_block, PRECISION=precision
+        SIGMOID=sigmoid,
+        BLOCK_OWNED=block.owned,
+        BLOCK_STREAMED=block.streamed,
+        BLOCK_DIM=dim_block,
+        PRECISION=precision,
     )
-    stages = 1 if dtype.itemsize == 4 and dim_block == max_dim(dtype) else 2
-    return Launch(constexprs, num_warps=8, num_stages=stages)
+    return Launch(constexprs, num_warps=block.warps, num_stages=block.stages)
 
 
 @triton.jit
@@ -121,14 +175,20 @@ def _owner_kernel(
     ``softplus_sums`` Σ_j softplus(x_ij + bias), the loss).
     The coefficients arrive divided by ``grad_scale`` so that |g| ≤ 2 survives the cast to a
     16-bit dot operand."""
-    rows = tl.program_id(0) * BLOCK_OWNED + tl.arange(0, BLOCK_OWNED)
+    first = tl.program_id(0) * BLOCK_OWNED
+    rows = first + tl.arange(0, BLOCK_OWNED)
     ks = tl.arange(0, BLOCK_DIM)
     row_mask, k_mask = rows < n_owned, ks < dim
+    # int32 offsets into the streamed side (``_check`` bounds its size): 64-bit addresses per
+    # element cost the registers that decide whether a 32-row block spills.
     owned_block = tl.load(
-        owned + rows.to(tl.int64)[:, None] * stride_owned + ks[None, :],
+        owned
+        + first.to(tl.int64) * stride_owned
+        + (tl.arange(0, BLOCK_OWNED)[:, None] * stride_owned + ks[None, :]),
         mask=row_mask[:, None] & k_mask[None, :],
         other=0.0,
     )
+    streamed_offsets = tl.arange(0, BLOCK_STREAMED)[:, None] * stride_streamed + ks[None, :]
     if not SIGMOID:
         row_lse = tl.load(owned_lse + rows, mask=row_mask, other=float("inf"))
     acc = tl.zeros((BLOCK_OWNED, BLOCK_DIM), dtype=tl.float32)
@@ -138,7 +198,7 @@ def _owner_kernel(
         cols = start + tl.arange(0, BLOCK_STREAMED)
         col_mask = cols < n_streamed
         block = tl.load(
-            streamed + cols.to(tl.int64)[:, None] * stride_streamed + ks[None, :],
+            streamed + (start * stride_streamed + streamed_offsets),
             mask=col_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
@@ -157,7 +217,7 @@ def _owner_kernel(
         if SIGMOID:
             sums += tl.sum(g, axis=1)
         acc = tl.dot(g.to(block.dtype), block, acc, input_precision=PRECISION)
-    out = grad + rows.to(tl.int64)[:, None] * dim + ks[None, :]
+    out = grad + first.to(tl.int64) * dim + (tl.arange(0, BLOCK_OWNED)[:, None] * dim + ks[None, :])
     out_mask = row_mask[:, None] & k_mask[None, :]
     tl.store(out, tl.load(out, mask=out_mask, other=0.0) + acc * grad_scale, mask=out_mask)
     if SIGMOID:
@@ -175,6 +235,8 @@ def _check(features: tuple[torch.Tensor, ...], accumulators: tuple[torch.Tensor,
     for t in (*features, *accumulators):
         if not t.is_contiguous():
             raise ValueError(f"triton loss kernels take contiguous tensors, got strides {t.stride()}")
+    if max(t.numel() for t in features) >= 2**31:  # the owner kernel's offsets are int32
+        raise ValueError("triton loss kernels take under 2^31 elements per feature block; use more ranks")
     if features[0].shape[1] > (limit := max_dim(features[0].dtype)):
         raise ValueError(f"triton loss kernels take {features[0].dtype} features with d <= {limit}")
 
@@ -229,7 +291,7 @@ def _owner_pass(
     row's Σ_j g_ij and Σ_j softplus(x_ij + bias). ``coefs`` is (owned, streamed, grad_scale).
     """
     sigmoid = sums is not None
-    launch = owner_launch(owned.dtype, owned.shape[1], sigmoid, _precision(owned.dtype))
+    launch = owner_launch(owned.dtype, owned.shape[1], sigmoid, _precision(owned.dtype), _arch(owned.device))
     grid = (triton.cdiv(len(owned), launch.constexprs["BLOCK_OWNED"]),)
     unused = (grad, grad)  # pointers the specialisation never reads must still be tensors
     args = (
@@ -291,9 +353,9 @@ def sigmoid_forward_backward(
     return row_sums[1].sum(), row_sums[0].sum()  # the text launch's sums are the same totals
 
 
-def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
-    """Every specialisation the functions above can launch, with its argument types: what
-    ``tests/test_triton_aot.py`` compiles for each GPU architecture."""
+def launches(arch: int) -> Iterator[tuple[str, Launch, dict[str, str]]]:
+    """Every specialisation the functions above can launch on ``arch``, with its argument types:
+    what ``tests/test_triton_aot.py`` compiles."""
     for dtype, name in DTYPES.items():
         forward_args = {
             **dict.fromkeys(["images", "texts"], f"*{name}"),
@@ -310,6 +372,10 @@ def launches() -> Iterator[tuple[str, Launch, dict[str, str]]]:
         for precision in ("tf32", "ieee") if dtype == torch.float32 else ("ieee",):
             for has_cols in (True, False):
                 yield "_softmax_forward_kernel", forward_launch(dtype, has_cols, precision), forward_args
-            for dim_block in OWNER_BLOCKS[dtype.itemsize]:
+            for dim_block in OWNER_BLOCKS[_operands(dtype, precision)]:
                 for sigmoid in (False, True):
-                    yield "_owner_kernel", owner_launch(dtype, dim_block, sigmoid, precision), owner_args
+                    yield (
+                        "_owner_kernel",
+                        owner_launch(dtype, dim_block, sigmoid, precision, arch),
+                        owner_args,
+                    )
