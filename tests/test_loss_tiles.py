@@ -154,3 +154,71 @@ def test_host_reads_per_loss_call_do_not_grow_with_the_tiles(monkeypatch, kind, 
         reads.clear()
     assert counts[4] == counts[64]
     assert counts[4][0] == reads_per_call
+
+
+@pytest.fixture
+def fused(monkeypatch) -> None:
+    """The CUDA path's compiled tile functions, run here by inductor's CPU backend."""
+    monkeypatch.setattr(tiles_torch, "_fused", lambda device: True)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_fused_forward_merges_exact_log_sum_exps(symmetric) -> None:
+    test_forward_merges_exact_log_sum_exps(13, 11, 5, None, symmetric)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fused_backward_matches_formula(path) -> None:
+    """Every gradient path, through one compiled function; the hand-over's tile is not recomputed."""
+    test_backward_matches_formula(13, 11, 5, None, path, hand_over=True)
+
+
+def test_fused_sigmoid_matches_strips(monkeypatch) -> None:
+    images, texts = _block(13, 11)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(tiles_torch, "_fused", lambda device, fused=fused: fused)
+        grads = torch.zeros_like(images), torch.zeros_like(texts)
+        sums = tiles_torch.sigmoid_forward_backward(images, texts, SCALE, -8.0, 0.3, *grads, 5)
+        results[fused] = (*sums, *grads)
+    for actual, expected in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12 * expected.abs().max())
+
+
+def test_fused_backward_and_sigmoid_are_one_kernel_each() -> None:
+    """G (either loss) comes from one generated kernel: one read of the logits, one write of G."""
+    from torch._inductor import metrics
+
+    logits, coef = torch.randn(64, 48), torch.tensor(0.5)
+    for fn, args in [
+        (tiles_torch._softmax_tile_grads, (logits, torch.randn(64), torch.randn(48), coef, torch.bfloat16)),
+        (tiles_torch._sigmoid_tile, (logits, torch.tensor(-8.0), coef, torch.bfloat16)),
+    ]:
+        torch._dynamo.reset()
+        metrics.reset()
+        torch.compile(fn, dynamic=True)(*args)
+        assert metrics.generated_kernel_count == 1, fn.__name__
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_features_multiply_in_fp32_and_match_fp64(monkeypatch, fused) -> None:
+    """bf16 features (what Gradient Cache hands the tiles on CUDA in bf16 training): logits and
+    sums in fp32, so the LSEs match fp64 on the same rounded values to fp32 rounding; G is fp32 in
+    the strips and bf16 in the fused GEMM operand (8 bits)."""
+    monkeypatch.setattr(tiles_torch, "_fused", lambda device: fused)
+    images, texts = (t.bfloat16() for t in _block(40, 36, dim=16))
+    exact_images, exact_texts = images.double(), texts.double()
+    logits = SCALE * exact_images @ exact_texts.t()
+    row_lse, col_lse = torch.full((40,), -torch.inf), torch.full((36,), -torch.inf)
+    tiles_torch.softmax_forward(images, texts, SCALE, row_lse, col_lse, 16)
+    torch.testing.assert_close(row_lse.double(), logits.logsumexp(1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(col_lse.double(), logits.logsumexp(0), rtol=1e-6, atol=0)
+    grads = torch.zeros(40, 16), torch.zeros(36, 16)
+    tiles_torch.softmax_backward(images, texts, SCALE, row_lse, -0.3, col_lse, 0.7, *grads, 16)
+    expected = _expected_grads(exact_images, exact_texts, row_lse.double(), -0.3, col_lse.double(), 0.7)
+    tolerance = 1e-2 if fused else 1e-5
+    for actual, want in zip(grads, expected, strict=True):
+        assert actual.dtype == torch.float32
+        assert (actual.double() - want).norm() <= tolerance * want.norm()

@@ -184,7 +184,8 @@ def _check_gradcache_hands_bf16() -> None:
     exact = g.reference_grads(g.make_model(*g.NO_DROPOUT), batch, 5, 5)
     model = g.make_model(*g.NO_DROPOUT, dtype=torch.float32)
     for kernel, handed in (("triton", torch.bfloat16), ("torch", torch.float32)):
-        assert GradCache(model, precision="bf16", loss_kernel=kernel)._loss_dtype(torch.float32) == handed
+        engine = GradCache(model, precision="bf16", loss_kernel=kernel)
+        assert engine._loss_dtype(torch.float32, model.text.proj.out_features) == handed
         got = g.gc_grads(model, batch, image_chunk=5, text_chunk=5, precision="bf16", loss_kernel=kernel)
         g.assert_close_overall(got, exact, rtol=0.05)  # seen: 0.031 (bf16 hand-off), 0.016 (fp32)
 

@@ -6,7 +6,8 @@ chunk sizes, not the batch size, and exactly the full-batch gradients of the glo
    and every trained tower does when each is one chunk: then nothing is encoded twice);
 2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache;
 3. replay each chunk under its RNG state (same dropout and drop-path masks) and backprop its
-   cached gradient into the tower; DDP syncs on each tower's last backward only;
+   cached gradient into the tower; DDP syncs on each tower's last backward only, and so does a
+   tower sharded with FSDP2 (``clip_train.parallel``), unless ``sync_every_chunk``;
 4. average the gradients of the loss's own parameters (logit scale, sigmoid bias) across ranks.
 
 LiT: a frozen trunk's output (``encode_frozen``) is cached in stage 1, on the device or in pinned host
@@ -32,6 +33,7 @@ from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
 from clip_train.loss.kernels import select_kernels
+from clip_train.parallel import gradient_sync, is_sharded
 from clip_train.precision import autocast
 
 
@@ -67,10 +69,19 @@ class _Tower:
     chunk: int
     replays: bool  # something in it trains
     caches_trunk: bool  # stage 1 keeps encode_frozen's output, replay starts from it
+    sharded: bool = False  # FSDP2 units inside: they reduce-scatter as each backward ends
+    sync_every_chunk: bool = False  # sharded: reduce-scatter every chunk, not only the last
 
     def sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around a chunk's forward and backward: sync only if ``last``."""
         if isinstance(self.head, DistributedDataParallel) and not last:
             return self.head.no_sync()
+        return self.backward_sync(last)
+
+    def backward_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around a backward alone: DDP decided at the forward, FSDP decides now."""
+        if self.sharded:
+            return gradient_sync(self.module, last or self.sync_every_chunk)
         return contextlib.nullcontext()
 
 
@@ -107,6 +118,7 @@ class GradCache:
         loss_kernel: str = "auto",
         tile_size: int | None = None,
         group: dist.ProcessGroup | None = None,
+        sync_every_chunk: bool = False,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}")
@@ -123,6 +135,7 @@ class GradCache:
         self.tile_size = tile_size
         self.group = group
         self.world_size = rank_and_world(group)[1]
+        self.sync_every_chunk = sync_every_chunk  # towers sharded with FSDP2 only
         self.image = self._tower("image", model.visual, image_chunk)
         self.text = self._tower("text", model.text, text_chunk)
 
@@ -141,15 +154,13 @@ class GradCache:
             loss_impl=config.loss.impl,
             loss_kernel=config.loss.kernel,
             tile_size=config.loss.tile_size or None,
+            sync_every_chunk=config.fsdp.sync_every_chunk,
         )
-        if config.loss.impl in ("auto", "inf"):
-            towers = torch.float64 if config.train.precision == "fp64" else torch.float32
-            try:
-                select_kernels(
-                    config.loss.kernel, engine.device, engine._loss_dtype(towers), config.model.embed_dim
-                )
-            except ValueError as err:
-                raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
+        towers = torch.float64 if config.train.precision == "fp64" else torch.float32
+        try:
+            engine._loss_dtype(towers, config.model.embed_dim)
+        except ValueError as err:
+            raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
         return engine
 
     def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
@@ -157,6 +168,10 @@ class GradCache:
             raise ValueError(f"{name}_chunk={chunk} must be >= 0 (0 = the whole per-rank batch)")
         replays = not module.is_frozen
         head = TrainableHead(module)
+        if is_sharded(module):  # FSDP2 reduces its own gradients; the towers' roots are its units
+            return _Tower(
+                module, head, chunk, replays, replays and module.has_frozen_trunk, True, self.sync_every_chunk
+            )
         if replays and self.world_size > 1:
             # One DDP per tower, so each syncs on its own last replay chunk. Buffers are not synced
             # per forward: they are constants (Gradient Cache cannot be exact with batch norm).
@@ -256,7 +271,8 @@ class GradCache:
                         out.rng.append(RngState.capture(self.device))
                     features = tower.module.encode_trainable(*hidden)
             if out.features is None:
-                out.features = _rows_like(features, rows, dtype=self._loss_dtype(features.dtype))
+                dtype = self._loss_dtype(features.dtype, features.shape[1])
+                out.features = _rows_like(features, rows, dtype=dtype)
             out.features[start:end] = features
             if tower.caches_trunk and index != kept_index:
                 if not out.trunk_cache:
@@ -269,12 +285,15 @@ class GradCache:
         out.max_live = stream.max_live
         return out
 
-    def _loss_dtype(self, features: torch.dtype) -> torch.dtype:
-        """bf16 training hands the Triton kernels bf16 features: half the bytes they stream, and
-        their LSEs and gradient sums stay fp32. Every other loss path runs in >= fp32."""
-        if self.precision == "bf16" and self.loss_impl in ("auto", "inf") and self.loss_kernel == "triton":
-            return torch.bfloat16
-        return torch.promote_types(features, torch.float32)
+    def _loss_dtype(self, features: torch.dtype, dim: int) -> torch.dtype:
+        """The dtype the loss's tiles take (``select_kernels``): in bf16 training, bf16 for the Triton
+        kernels and for the PyTorch tiles on CUDA (half the bytes; LSEs and gradient sums stay fp32),
+        otherwise >= fp32. Raises ValueError for a kernel that cannot take these features."""
+        wanted = torch.promote_types(features, torch.float32)
+        if self.loss_impl not in ("auto", "inf"):
+            return wanted
+        wanted = torch.bfloat16 if self.precision == "bf16" else wanted
+        return select_kernels(self.loss_kernel, self.device, wanted, dim).feature_dtype
 
     def _loss(
         self,
@@ -329,7 +348,8 @@ class GradCache:
         bounds = cache.bounds
         if cache.kept is not None:
             start, end = bounds[-1]
-            cache.kept.backward(grad[start:end].to(cache.kept.dtype))
+            with tower.backward_sync(last=len(bounds) == 1):
+                cache.kept.backward(grad[start:end].to(cache.kept.dtype))
             cache.kept, bounds = None, bounds[:-1]
         if not bounds:
             return

@@ -22,8 +22,9 @@ class Tiles:
 
 
 def select_kernels(kernel: str, device: torch.device, dtype: torch.dtype, dim: int) -> Tiles:
-    """``torch`` (PyTorch tiles in fp32/fp64, any device) or ``triton`` (fused kernels on CUDA, or on
-    CPU tensors under ``TRITON_INTERPRET=1``; fp32 features with d ≤ 512, bf16/fp16 with d ≤ 1024).
+    """``torch`` (PyTorch tiles in fp32/fp64 on any device, bf16 on CUDA) or ``triton`` (fused
+    kernels on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``; fp32 features with d ≤ 512,
+    bf16/fp16 with d ≤ 1024).
 
     ``auto`` is ``torch``: the Triton kernels have not yet been timed against cuBLAS tiles on a GPU
     (``make gpu-figures`` measures both); ``auto`` moves to Triton once that shows it faster.
@@ -32,8 +33,9 @@ def select_kernels(kernel: str, device: torch.device, dtype: torch.dtype, dim: i
         raise ValueError(
             f"contrastive_loss: unknown kernel {kernel!r}; choose one of {', '.join(LOSS_KERNELS)}"
         )
-    if kernel != "triton":
-        return Tiles(tiles_torch, torch.float64 if dtype == torch.float64 else torch.float32)
+    if kernel != "triton":  # fp64 stays; bf16 only on CUDA, where it feeds cuBLAS's bf16 GEMM
+        keeps = dtype == torch.float64 or (dtype == torch.bfloat16 and device.type == "cuda")
+        return Tiles(tiles_torch, dtype if keeps else torch.float32)
     from clip_train.loss import tiles_triton  # Triton is optional: only this choice needs it
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
