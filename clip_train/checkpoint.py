@@ -19,7 +19,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +31,7 @@ from torch import nn
 from clip_train.config import CheckpointConfig, ModelConfig, load_config
 from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
+from clip_train.logs import get_logger
 from clip_train.memory import format_bytes
 from clip_train.model import CLIP
 from clip_train.model.tokenizer import OPEN_CLIP
@@ -41,12 +41,15 @@ STATE_FILE = "train_state.pt"
 MODEL_CONFIG_FILE = "model.yaml"
 TEXT_DIR = "text"
 MANIFEST_FILE = "manifest.json"
+SHARDS_DIR = (
+    "shards"  # a sharded (FSDP) checkpoint's model and optimizer, torch.distributed.checkpoint's files
+)
 HASH = "sha256"  # hashlib's name, and the manifest's key for each file's checksum
 TEMP_PREFIX = ".tmp_step_"  # a save in progress, or one whose process died
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config the trainer writes into the run directory
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # What a failed write raises: Python's OSError, torch.save's RuntimeError, safetensors' own error.
-_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -74,17 +77,29 @@ def save_checkpoint(
     """
     root = checkpoint_root(out_dir)
     final = root / f"step_{step:08d}"
-    tmp = root / f"{TEMP_PREFIX}{step:08d}_{os.getpid()}"
+    tmp = temp_checkpoint_dir(out_dir, step)
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    needed = _tensor_bytes(weights) + _tensor_bytes(train_state)
+    needed = tensor_bytes(weights) + tensor_bytes(train_state)
     try:
         root.mkdir(parents=True, exist_ok=True)
         if check_space and shutil.disk_usage(root).free < needed:
-            raise UserError(_cannot_save(final, needed, "not enough free space (checked before writing)"))
+            raise UserError(cannot_save(final, needed, "not enough free space (checked before writing)"))
         _write_checkpoint(tmp, step, weights, train_state, model, model_cfg)
-    except _WRITE_ERRORS as err:
+    except WRITE_ERRORS as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(_cannot_save(final, needed, _write_failure(err))) from None
+        raise UserError(cannot_save(final, needed, write_failure(err))) from None
+    return publish_checkpoint(tmp, out_dir, step, keep, keep_every)
+
+
+def temp_checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
+    """Where a save of ``step`` by this process writes before the rename."""
+    return checkpoint_root(out_dir) / f"{TEMP_PREFIX}{step:08d}_{os.getpid()}"
+
+
+def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: int, keep_every: int) -> Path:
+    """Rename a complete ``tmp`` into place and prune all but the newest ``keep`` and the milestones."""
+    root = checkpoint_root(out_dir)
+    final = root / f"step_{step:08d}"
     if final.exists():  # a rerun of the same step after a restart replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -106,6 +121,19 @@ def _write_checkpoint(
     """Every file of a checkpoint into ``tmp``, the manifest last."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg)
+
+
+def write_checkpoint_files(
+    tmp: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    train_state: dict,
+    model: CLIP,
+    model_cfg: ModelConfig,
+) -> None:
+    """The weights, the train state, what rebuilds the model offline, and the manifest of every file
+    in ``tmp`` (a sharded checkpoint's shards included), last."""
     save_weights(weights, tmp / MODEL_FILE, metadata={"step": str(step)})
     with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch's error then carries the OSError
         torch.save(train_state, f)
@@ -116,17 +144,17 @@ def _write_checkpoint(
     write_manifest(tmp)
 
 
-def _tensor_bytes(tree: object) -> int:
+def tensor_bytes(tree: object) -> int:
     """The bytes of the tensors in nested dicts, lists and tuples: what saving them writes, give or
     take a little metadata."""
     if isinstance(tree, torch.Tensor):
         return tree.nbytes
     if isinstance(tree, dict):
         tree = list(tree.values())
-    return sum(_tensor_bytes(item) for item in tree) if isinstance(tree, list | tuple) else 0
+    return sum(tensor_bytes(item) for item in tree) if isinstance(tree, list | tuple) else 0
 
 
-def _cannot_save(final: Path, needed: int, reason: str) -> str:
+def cannot_save(final: Path, needed: int, reason: str) -> str:
     free = shutil.disk_usage(next(p for p in final.parents if p.exists())).free
     return (
         f"cannot save checkpoint {final}: {reason}; it needs about {format_bytes(needed)} and "
@@ -134,7 +162,7 @@ def _cannot_save(final: Path, needed: int, reason: str) -> str:
     )
 
 
-def _write_failure(err: Exception) -> str:
+def write_failure(err: Exception) -> str:
     """The system's words for a failed write (torch wraps them in a RuntimeError), else the error's."""
     cause = err if isinstance(err, OSError) else err.__context__
     if isinstance(cause, OSError) and cause.strerror:
@@ -283,7 +311,7 @@ def newest_verified_checkpoint(out_dir: str | os.PathLike) -> Path | None:
         problem = checkpoint_problem(checkpoint, checksums=True)
         if problem is None:
             return checkpoint
-        print(f"clip-train: checkpoint {checkpoint.name} skipped: {problem}", file=sys.stderr)
+        get_logger().warning(f"checkpoint {checkpoint.name} skipped: {problem}")
     return None
 
 
@@ -437,8 +465,17 @@ class Checkpointer:
         path = decided_by_main(self._resume_point)
         if path is None:
             return None
+        if (path / SHARDS_DIR).is_dir():
+            raise UserError(
+                f"checkpoint {path} was written by a train.parallel=fsdp run: resume it with "
+                f"train.parallel=fsdp, or start a new run from its weights with model.init_from={path}"
+            )
         load_weights_file(path / MODEL_FILE, self.model)
-        state = load_train_state(path)
+        self._load_components(load_train_state(path))
+        return path
+
+    def _load_components(self, state: dict[str, Any]) -> None:
+        """Every component's state; the per-rank ones only at the world size they were saved at."""
         for name, part in self.shared.items():
             part.load_state_dict(state[name])
         rank, world = rank_and_world()
@@ -446,18 +483,16 @@ class Checkpointer:
             for name, part in self.per_rank.items():
                 part.load_state_dict(state[name][rank])
         elif rank == 0:
-            print(
-                f"clip-train: resuming on {world} ranks from a {state['world_size']}-rank checkpoint: "
-                "weights and optimizer are exact; dropout and data streams restart at the step",
-                file=sys.stderr,
+            get_logger().info(
+                f"resuming on {world} ranks from a {state['world_size']}-rank checkpoint: "
+                "weights and optimizer are exact; dropout and data streams restart at the step"
             )
-        return path
 
     def _resume_point(self) -> Path | None:
         """At start-up, on rank 0: remove dead saves' temporary folders, then pick the checkpoint to
         resume and verify its checksums; refuse to write over another run's or over damaged ones."""
         for stale in remove_stale_temp_dirs(self.run_dir):
-            print(f"clip-train: removed {stale}, left by a save that did not finish", file=sys.stderr)
+            get_logger().warning(f"removed {stale}, left by a save that did not finish")
         path = resolve_resume(self.cfg.resume, self.run_dir, verify=True)
         if path is None and step_dirs(self.run_dir):
             if self.cfg.resume == "auto":

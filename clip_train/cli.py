@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clip_train.errors import UserError
+from clip_train.logs import get_logger
 from clip_train.preemption import stop_worker_processes
 
 
@@ -84,10 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except UserError as err:
-        print(f"clip-train: error: {err}", file=sys.stderr)
+        get_logger().error(f"error: {err}")
         return 2
     except KeyboardInterrupt:
-        print("clip-train: interrupted", file=sys.stderr)
+        get_logger().error("interrupted")
         return 130
     finally:
         stop_worker_processes()  # on every path: no exit waits on a data worker

@@ -38,6 +38,9 @@ PRECISIONS, LOSS_KINDS, LOSS_IMPLS, LOSS_KERNELS = (
     typing.get_args(choice) for choice in (Precision, LossKind, LossImpl, LossKernel)
 )
 RESOLVED_LOSS_IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
+Parallel = Literal["ddp", "fsdp"]
+Schedule = Literal["cosine", "const", "const-cooldown"]
+FsdpDtype = Literal["auto", "fp32", "bf16"]
 
 
 @dataclass
@@ -47,6 +50,7 @@ class TowerConfig:
     lock: bool = False  # LiT: freeze the tower except its last unlocked_layers blocks and the head
     unlocked_layers: int = 0  # with lock: how many final blocks (layers) keep training
     lock_head: bool = False  # with lock: freeze the projection too (all frozen if unlocked_layers=0)
+    freeze_norms: bool = False  # with lock: unlocked blocks keep their norm layers frozen (and BN stats)
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, more time)
 
 
@@ -77,12 +81,12 @@ class ModelConfig:
     init_logit_bias: float | None = None  # sigmoid only, learnable; None: -10 (SigLIP) for sigmoid
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
-    init_from: str = ""  # a checkpoint or run dir to fine-tune from: weights only, no optimizer/step/data
+    init_from: str = ""  # weights to fine-tune from: a checkpoint, run dir or open_clip:SPEC (README)
 
 
 @dataclass
 class DataConfig:
-    train: str = ""  # brace-expanded shard URLs or a directory; sources joined with "::"
+    train: str = ""  # brace-expanded shard URLs, a directory or a .csv/.tsv table; "::" joins sources
     val: str = ""  # validation shards (retrieval eval, and zero-shot when they carry labels)
     resampled: bool = True  # draw shards with replacement (multi-node); false: shuffle and split
     num_samples: int = 0  # samples per epoch across all ranks; 0 = one pass over the shards
@@ -91,6 +95,10 @@ class DataConfig:
     max_skip_fraction: float = 0.1  # abort when more than this share of samples is bad
     rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
     rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])  # its aspect-ratio range
+    csv_separator: str = ""  # tables in data.train: one character or \t; "" = tab for .tsv, else comma
+    csv_image_key: str = ""  # tables: image-path column (relative to its folder); "" = filepath or path
+    csv_caption_key: str = ""  # tables: caption column; "" = title (OpenCLIP's) or caption
+    csv_shard_rows: int = 1000  # tables: rows per piece, the unit shuffled and split like a shard
 
 
 @dataclass
@@ -129,7 +137,10 @@ class OptimConfig:
     weight_decay: float = 0.2  # on weight matrices only (not norms, biases, embeddings, scale)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW only
     eps: float = 1e-6  # AdamW only
-    warmup_steps: int = 0  # linear warmup, then cosine to min_lr at max_steps
+    warmup_steps: int = 0  # linear warmup, then the schedule
+    schedule: Schedule = "cosine"  # after warmup, as OpenCLIP's --lr-scheduler
+    cooldown_steps: int = 0  # const-cooldown: the last steps, decaying from lr to min_lr
+    cooldown_power: float = 1.0  # const-cooldown: 1 = linear (OpenCLIP's --lr-cooldown-power)
     grad_clip: float = 1.0  # global-norm clip; 0 disables
 
 
@@ -142,6 +153,17 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
     dist_timeout_s: int = 600  # process-group init and collective timeout
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    compile: bool = False  # torch.compile both towers (random ops keep eager semantics: exact replay)
+    parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
+
+
+@dataclass
+class FsdpConfig:
+    reshard_after_forward: bool = True  # true: ZeRO-3 (free each block after use); false: ZeRO-2
+    sync_every_chunk: bool = False  # reduce-scatter every replay chunk: less gradient memory, more traffic
+    param_dtype: FsdpDtype = "auto"  # all-gathered weights; auto: bf16 under train.precision=bf16, else own
+    reduce_dtype: FsdpDtype = "auto"  # reduce-scattered gradients; auto: the weights' own dtype
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer states in host memory
 
 
 @dataclass
@@ -151,6 +173,7 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (milestones); 0: none
     resume: str = ""  # "" (fresh run), "auto" (newest checkpoint that verifies) or a checkpoint path
     check_free_space: bool = True  # refuse a save up front if the disk has less room than its tensors
+    remote: str = ""  # fsspec URL (s3://, gs://, a mount) mirroring the kept checkpoints; resume=auto pulls
 
 
 @dataclass
@@ -163,7 +186,9 @@ class WandbConfig:
 
 @dataclass
 class LogConfig:
-    every_steps: int = 10  # metrics.jsonl and wandb cadence
+    every_steps: int = 10  # metrics.jsonl and wandb cadence; a plain progress line when not on a terminal
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # status lines on stderr
+    all_ranks: bool = False  # every rank's status lines, tagged [rank N]; false: rank 0 (others warn only)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -184,6 +209,7 @@ class Config:
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -212,11 +238,13 @@ class Config:
             "log.every_steps",
             "eval.batch_size",
             "optim.lr",
+            "data.csv_shard_rows",
         ):
             if (value := operator.attrgetter(key)(self)) <= 0:
                 raise ConfigError(f"{key}={value} must be > 0")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
+        _check_schedule(self.optim, self.train.max_steps)
         if len(self.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.optim.betas):
             raise ConfigError(f"optim.betas={self.optim.betas} must be two numbers in [0, 1)")
         for key in ("rrc_scale", "rrc_ratio"):  # torchvision would take the first two and ignore the rest
@@ -225,6 +253,11 @@ class Config:
                 raise ConfigError(f"data.{key}={low_high} must be two numbers 0 < low <= high")
         if not 0.0 <= self.data.max_skip_fraction <= 1.0:
             raise ConfigError(f"data.max_skip_fraction={self.data.max_skip_fraction} must lie in [0, 1]")
+        if len(self.data.csv_separator) > 1 and self.data.csv_separator != "\\t":
+            raise ConfigError(
+                f"data.csv_separator={self.data.csv_separator!r} must be one character, \\t for a tab, "
+                "or empty (tab for .tsv, comma otherwise)"
+            )
         if (self.loss.kind == "sigmoid") != (self.model.init_logit_bias is not None):
             raise ConfigError(
                 f"model.init_logit_bias={self.model.init_logit_bias} with loss.kind={self.loss.kind}: the "
@@ -240,6 +273,7 @@ class Config:
                 f"checkpoint.every_steps={self.checkpoint.every_steps}: only saved steps can be kept"
             )
         _check_text_source(self.model.text)
+        _check_fsdp(self.train)
         return self
 
 
@@ -260,6 +294,40 @@ def _check_text_source(text: TextTowerConfig) -> None:
         raise ConfigError(
             "model.text.tokenizer is empty and model.text.hf_config has no vocabulary to take it from: "
             "set model.text.tokenizer=open_clip, a hub name or a directory"
+        )
+
+
+def _check_schedule(optim: OptimConfig, max_steps: int) -> None:
+    """A cooldown only under const-cooldown, and one that fits after the warmup."""
+    room = max_steps - optim.warmup_steps
+    if optim.schedule == "const-cooldown" and not 0 < optim.cooldown_steps <= room:
+        raise ConfigError(
+            f"optim.cooldown_steps={optim.cooldown_steps}: optim.schedule=const-cooldown needs 1 to {room} "
+            f"cooldown steps (train.max_steps={max_steps} minus optim.warmup_steps={optim.warmup_steps})"
+        )
+    if optim.schedule != "const-cooldown" and optim.cooldown_steps:
+        raise ConfigError(
+            f"optim.cooldown_steps={optim.cooldown_steps} has no effect with "
+            f"optim.schedule={optim.schedule}; use const-cooldown or drop it"
+        )
+    if optim.cooldown_power <= 0:
+        raise ConfigError(f"optim.cooldown_power={optim.cooldown_power} must be > 0")
+
+
+def _check_fsdp(train: TrainConfig) -> None:
+    """fp16's GradScaler finds overflows per rank, which sharded gradients would leave unshared; and
+    compiled towers are not wrapped for sharding yet."""
+    if train.parallel != "fsdp":
+        return
+    if train.precision == "fp16":
+        raise ConfigError(
+            "train.precision=fp16 with train.parallel=fsdp: the loss scaler is not shard-aware; "
+            "use train.precision=bf16 (or fp32)"
+        )
+    if train.compile:
+        raise ConfigError(
+            "train.compile=true with train.parallel=fsdp: compiling sharded towers is not supported yet; "
+            "drop one of them"
         )
 
 

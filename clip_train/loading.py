@@ -1,5 +1,6 @@
 """``clip_train.load``: a trained model, its preprocessing and its tokenizer, offline, from nothing but
-the checkpoint directory (weights, ``model.yaml``, ``text/``)."""
+the checkpoint directory (weights, ``model.yaml``, ``text/``), with open_clip's call shapes so code
+written for an open_clip model runs on it unchanged."""
 
 from __future__ import annotations
 
@@ -9,23 +10,63 @@ import torch
 
 from clip_train.checkpoint import checkpoint_model_config, find_weights, load_weights_file
 from clip_train.data.transforms import ImageTransform, eval_transform
-from clip_train.model import CLIP, Tokenizer, build_model
+from clip_train.model import CLIP, build_model
+from clip_train.model.tokenizer import IdsTokenizer
+
+
+class LoadedCLIP(CLIP):
+    """A CLIP called as an open_clip model is: ``encode_text(ids)`` without a mask, ``normalize=``
+    accepted, ``model(images, ids)`` returning the logit bias too when there is one. A subclass, not
+    a wrapper, so the weights, ``state_dict`` keys and towers are the trained model's own (eval and
+    export take it as they take a CLIP); training keeps the plain CLIP, whose callers unpack 3 values."""
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """L2-normalised whatever ``normalize`` says: the image tower ends in the norm."""
+        return super().encode_image(images)
+
+    def encode_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = False
+    ) -> torch.Tensor:
+        """L2-normalised whatever ``normalize`` says; without ``attention_mask``, the one the tokenizer's
+        padding implies for these ids."""
+        if attention_mask is None:
+            attention_mask = self.tokenizer.attention_mask(input_ids)
+        return super().encode_text(input_ids, attention_mask)
+
+    def forward(
+        self,
+        images: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """open_clip's tuple: image features, text features (None for an input not given), the logit
+        scale as a multiplier, and the logit bias when the model has one (sigmoid loss)."""
+        image_features = None if images is None else self.encode_image(images)
+        text_features = None if input_ids is None else self.encode_text(input_ids, attention_mask)
+        outputs = (image_features, text_features, self.logit_scale.exp())
+        return outputs if self.logit_bias is None else (*outputs, self.logit_bias)
 
 
 def load(
     path: str | os.PathLike, *, device: str | torch.device = "cpu"
-) -> tuple[CLIP, ImageTransform, Tokenizer]:
+) -> tuple[LoadedCLIP, ImageTransform, IdsTokenizer]:
     """``(model, preprocess, tokenizer)`` from a checkpoint, a run directory (its newest complete
     checkpoint) or a checkpoint's ``model.safetensors``; the model is in eval mode on ``device``.
 
     ``preprocess`` turns a PIL image into a uint8 (3, H, W) tensor, which the model normalises
-    itself; ``tokenizer`` returns the keyword arguments of ``encode_text``::
+    itself; ``tokenizer`` returns ids as open_clip's does, and ``encode_text`` derives their mask::
 
         model, preprocess, tokenizer = clip_train.load("runs/demo-digits")
         image_features = model.encode_image(torch.stack([preprocess(image) for image in images]))
-        text_features = model.encode_text(**tokenizer(["a photo of the digit 3", "a photo of the digit 5"]))
+        text_features = model.encode_text(tokenizer(["a photo of the digit 3", "a photo of the digit 5"]))
     """
     weights = find_weights(path, verify=True)
-    model = build_model(checkpoint_model_config(weights.parent), load_pretrained=False)
+    model = _open_clip_shaped(build_model(checkpoint_model_config(weights.parent), load_pretrained=False))
     load_weights_file(weights, model)
-    return model.to(device).eval(), eval_transform(model.image_size), model.tokenizer
+    return model.to(device).eval(), eval_transform(model.image_size), IdsTokenizer(model.tokenizer)
+
+
+def _open_clip_shaped(model: CLIP) -> LoadedCLIP:
+    """The same towers and tokenizer as a ``LoadedCLIP``; the checkpoint then sets every weight."""
+    bias = None if model.logit_bias is None else model.logit_bias.item()
+    return LoadedCLIP(model.visual, model.text, model.tokenizer, model.logit_scale.item(), bias)

@@ -1,6 +1,7 @@
 """What rank 0 reports: ``metrics.jsonl`` (a resumed run first drops the records logged after its
 checkpoint, so no step appears twice), wandb when enabled (the run id is kept in the run directory,
-so a resumed run continues it), a progress bar; and ``summarize``, which reads it back.
+so a resumed run continues it), and progress: a bar in a terminal, a plain line per log step in a
+file (``logs.Progress``). ``clip-train report`` reads it back.
 """
 
 from __future__ import annotations
@@ -10,16 +11,12 @@ import json
 import math
 import os
 import secrets
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from clip_train.checkpoint import latest_checkpoint
 from clip_train.config import Config
-from clip_train.errors import UserError
+from clip_train.logs import Progress
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 
@@ -29,7 +26,7 @@ class RunMonitor:
         metrics = run_dir / "metrics.jsonl"
         drop_records_after(metrics, start_step)
         self.metrics_file = metrics.open("a")
-        self.progress = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.progress = Progress("step", cfg.train.max_steps, initial=start_step, every_s=None)
         self.wandb_run = _start_wandb(cfg, run_dir) if cfg.log.wandb.mode != "disabled" else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -38,11 +35,11 @@ class RunMonitor:
         self.metrics_file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
+        self.progress.plain_line()
 
     def advance(self, step: int, summary: dict[str, Any]) -> None:
         """Move the bar to ``step`` and show a few headline numbers."""
-        self.progress.n = step
-        self.progress.set_postfix({k: _short(v) for k, v in summary.items()}, refresh=True)
+        self.progress.move_to(step, {k: _short(v) for k, v in summary.items()})
 
     def message(self, text: str) -> None:
         self.progress.write(text)
@@ -100,29 +97,3 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if math.isfinite(value) and abs(value) < 1e4 else f"{value:.2e}"
     return str(value)
-
-
-def summarize(run_dir: Path, prefix: str) -> list[str]:
-    """The run's headline lines from ``metrics.jsonl`` and its checkpoints; the last one is always
-    the zero-shot top-1 (``demo: zero-shot top-1 = 0.953``), for scripts."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "train/loss" in r]
-    evals = [r for r in records if "zeroshot/top1" in r]
-    if not train or not evals:
-        raise UserError(f"{run_dir}: no training steps or no zero-shot eval in metrics.jsonl")
-    final = evals[-1]
-    wall_s = train[-1]["time"] - train[0]["time"] + train[0]["time/step_s"]  # periodic evals included
-    lines = [
-        f"run directory   {run_dir}",
-        f"checkpoint      {latest_checkpoint(run_dir) or 'none'}",
-        f"training        {train[-1]['step']} steps in {wall_s:.0f} s, "
-        f"median {statistics.median(r['train/samples_per_s'] for r in train):.0f} samples/s, "
-        f"final loss {train[-1]['train/loss']:.3f}",
-    ]
-    if "retrieval/image_to_text_R@1" in final:
-        lines.append(
-            f"retrieval R@1   image->text {final['retrieval/image_to_text_R@1']:.3f}, "
-            f"text->image {final['retrieval/text_to_image_R@1']:.3f}"
-        )
-    lines.append(f"zero-shot top-1 = {final['zeroshot/top1']:.3f}")
-    return [f"{prefix}: {line}" for line in lines]

@@ -1,9 +1,8 @@
-"""Optimizer, parameter groups, the warmup + cosine schedule, and the guarded update that steps them."""
+"""Optimizer, parameter groups, the learning-rate schedule, and the guarded update that steps them."""
 
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from clip_train.checkpoint import latest_checkpoint
 from clip_train.config import Config, OptimConfig
 from clip_train.distributed import all_ranks_true, rank_and_world
 from clip_train.errors import UserError
+from clip_train.logs import get_logger
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
 
@@ -41,12 +41,20 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` down to ``min_lr``."""
+    """Linear warmup over ``warmup_steps``, then ``cfg.schedule``: cosine from ``lr`` down to
+    ``min_lr`` at ``max_steps``; const; or const until the last ``cooldown_steps``, which decay to
+    ``min_lr`` as ``(1 - progress) ** cooldown_power`` (OpenCLIP's const-cooldown)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr / cfg.lr
+    if cfg.schedule == "const":
+        return 1.0
+    if cfg.schedule == "const-cooldown":
+        start = max_steps - cfg.cooldown_steps
+        progress = min(1.0, max(0, step - start) / cfg.cooldown_steps)
+        return floor + (1.0 - floor) * (1.0 - progress) ** cfg.cooldown_power
     span = max(1, max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr / cfg.lr
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -98,10 +106,9 @@ class Update:
         self.bad_in_a_row += 1
         self.bad_total += 1
         rank, _ = rank_and_world()
-        print(
-            f"clip-train: rank {rank}: step {step} skipped, non-finite (loss {loss}, grad norm "
-            f"{grad_norm}); {self.bad_in_a_row} in a row",
-            file=sys.stderr,
+        get_logger().warning(
+            f"rank {rank}: step {step} skipped, non-finite (loss {loss}, grad norm "
+            f"{grad_norm}); {self.bad_in_a_row} in a row"
         )
         if self.bad_in_a_row >= self.max_bad_steps:
             raise TrainingAborted(

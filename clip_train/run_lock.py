@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ import psutil
 
 from clip_train.distributed import decided_by_main
 from clip_train.errors import UserError, naming_key
+from clip_train.logs import get_logger
 
 LOCK_FILE = ".clip_train.lock"
 HEARTBEAT_S = 30.0
@@ -247,10 +247,9 @@ class RunLock:
     def _beat_until_released(self) -> None:
         while not self._released.wait(self.heartbeat_s):
             if (foreign := self._beat()) is not None:
-                print(
-                    f"clip-train: warning: {self.path} was taken over by another run ({foreign.describe()}); "
-                    f"two runs may be writing {self.out_dir}",
-                    file=sys.stderr,
+                get_logger().warning(
+                    f"warning: {self.path} was taken over by another run ({foreign.describe()}); "
+                    f"two runs may be writing {self.out_dir}"
                 )
                 return
 
@@ -286,4 +285,4 @@ def _take_announced(lock: RunLock) -> None:
     with naming_key("train.out_dir", str(lock.out_dir)):
         replaced = lock.acquire()
     if replaced:
-        print(f"clip-train: train.out_dir={lock.out_dir}: took over the lock of {replaced}", file=sys.stderr)
+        get_logger().warning(f"train.out_dir={lock.out_dir}: took over the lock of {replaced}")

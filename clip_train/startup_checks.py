@@ -5,12 +5,13 @@ Remote sources (``pipe:`` and URL shards, hub names) cannot be checked offline a
 
 from __future__ import annotations
 
-from clip_train.checkpoint import find_weights, resolve_resume
+from clip_train.checkpoint import resolve_resume
 from clip_train.config import Config, ModelConfig
 from clip_train.data import check_readable, expand_urls
 from clip_train.data.eval_sources import is_image_folder, labelled_images
 from clip_train.errors import naming_key
 from clip_train.eval import zeroshot_metadata
+from clip_train.init_from import check_init_from
 from clip_train.model.hub import check_local_dir
 from clip_train.model.image import local_weights_file
 
@@ -29,7 +30,7 @@ def check_paths(cfg: Config) -> None:
     resume_from = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir)
     if cfg.model.init_from and resume_from is None:  # a resumed run never reads init_from
         with naming_key("model.init_from", cfg.model.init_from):
-            find_weights(cfg.model.init_from)
+            check_init_from(cfg.model.init_from)
 
 
 def _check_model_sources(model: ModelConfig) -> None:

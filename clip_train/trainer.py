@@ -5,6 +5,7 @@ stopping cleanly on preemption. The trainer, update, loader and RNG streams are 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, load_weights
+from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import DistEnv, all_ranks_true, decided_by_main, sum_counts_over_ranks
@@ -20,12 +21,17 @@ from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate
+from clip_train.init_from import load_init_from
 from clip_train.memory import peak_bytes
-from clip_train.model import build_model
+from clip_train.model import build_model, compile_towers
 from clip_train.monitor import RunMonitor
 from clip_train.optim import Update
+from clip_train.parallel import gathered_for_eval, shard_towers
+from clip_train.parallel.checkpoint import OptimizerApart, ShardedCheckpointer
 from clip_train.plan import choose_chunks
+from clip_train.plan.auto_chunks import ChunkChoice
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
+from clip_train.remote import RemoteMirror
 
 
 @dataclass
@@ -47,6 +53,15 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, load_pretrained=not cfg.model.init_from)
         self.model = (model.double() if cfg.train.precision == "fp64" else model).to(env.device)
+        if cfg.train.compile:
+            compile_towers(self.model)
+        self.sharded = cfg.train.parallel == "fsdp"
+        measured = None
+        if self.sharded:  # what needs the whole towers runs before they are sharded
+            if cfg.model.init_from:  # a resume below replaces these weights
+                self._load_init_from()
+            measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
+            shard_towers(self.model, cfg.fsdp, cfg.train.precision)
         self.update = Update(self.model, cfg, env.device)
         self.loader = build_train_loader(
             cfg.data,
@@ -58,15 +73,26 @@ class Trainer:
             tokenizer=self.model.tokenizer,
             pin_memory=env.device.type == "cuda",
         )
-        self.checkpointer = Checkpointer(
-            self.run_dir,
-            cfg.checkpoint,
-            self.model,
-            cfg.model,
-            shared={"trainer": self, "update": self.update},
-            per_rank={"rng": ProcessRng(), "data": self.loader},
-        )
+        per_rank = {"rng": ProcessRng(), "data": self.loader}
+        if self.sharded:  # the optimizer's states are saved in shards, beside the weights'
+            optimizer = self.update.optimizer
+            shared = {"trainer": self, "update": OptimizerApart(self.update, optimizer)}
+            self.checkpointer = ShardedCheckpointer(
+                self.run_dir,
+                cfg.checkpoint,
+                self.model,
+                cfg.model,
+                shared=shared,
+                per_rank=per_rank,
+                optimizer=optimizer,
+            )
+        else:
+            shared = {"trainer": self, "update": self.update}
+            self.checkpointer = Checkpointer(
+                self.run_dir, cfg.checkpoint, self.model, cfg.model, shared=shared, per_rank=per_rank
+            )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
+        self.remote = self._remote_mirror()
         self.resumed_from = self.checkpointer.restore()
         if self.step > cfg.train.max_steps:
             raise UserError(
@@ -74,16 +100,37 @@ class Trainer:
                 f"{self.resumed_from}: nothing to train; raise train.max_steps to continue the run"
             )
         self.saved_step = self.step  # the newest step on disk (0: none worth saving)
-        if self.resumed_from is None and cfg.model.init_from:  # fine-tuning: the weights and nothing else
-            with naming_key("model.init_from", cfg.model.init_from):
-                load_weights(cfg.model.init_from, self.model)
-        self.chunks, self.chunk_note = self._chunks()
+        if self.resumed_from is None and cfg.model.init_from and not self.sharded:
+            self._load_init_from()
+        self.chunks, self.chunk_note = self._chunks(measured)
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
+        # Towers sharded with FSDP2 reduce their own gradients.
         self.engine = GradCache.from_config(self.model, cfg, self.chunks)
 
-    def _chunks(self) -> tuple[tuple[int, int], str]:
+    def _remote_mirror(self) -> RemoteMirror | None:
+        """``checkpoint.remote`` on rank 0; on a disk without checkpoints, ``resume=auto`` first
+        pulls the newest remote one, which the checkpointer then verifies and resumes."""
+        remote = self.cfg.checkpoint.remote
+        if not (remote and self.env.is_main):
+            return None
+        mirror = RemoteMirror(remote, self.run_dir)
+        if self.cfg.checkpoint.resume == "auto" and latest_checkpoint(self.run_dir) is None:
+            mirror.pull_newest()
+        return mirror
+
+    def _load_init_from(self) -> None:
+        """Fine-tuning: the weights and nothing else."""
+        with naming_key("model.init_from", self.cfg.model.init_from):
+            load_init_from(self.cfg.model, self.model)
+
+    def _measure_chunks(self) -> ChunkChoice:
+        """Auto chunks fitted on rank 0 alone (its towers measured); every rank gets its choice."""
+        return decided_by_main(lambda: choose_chunks(self.model, self.cfg, self.env.world_size))
+
+    def _chunks(self, measured: ChunkChoice | None = None) -> tuple[tuple[int, int], str]:
         """The per-rank image and text chunks, and how auto ones were chosen. A resumed run at the
-        same world size keeps its checkpoint's choice, so its steps sum in the same order."""
+        same world size keeps its checkpoint's choice, so its steps sum in the same order. Sharded
+        towers are ``measured`` before sharding: whole, as DDP holds them, so the choice is safe."""
         batch, world = self.cfg.batch, self.env.world_size
         per_rank = batch.global_size // world
         if "auto" not in batch.chunks:
@@ -92,7 +139,7 @@ class Trainer:
             image, text = self.restored_chunks["chunks"]
             note = f"auto chunks: image {image} / text {text} per rank, as chosen before the resume"
             return (image, text), note
-        choice = decided_by_main(lambda: choose_chunks(self.model, self.cfg, world))
+        choice = measured or self._measure_chunks()
         return (choice.image, choice.text), choice.describe()
 
     def state_dict(self) -> dict[str, Any]:
@@ -147,6 +194,8 @@ class Trainer:
                 raise self._preempted(signals)
         finally:
             self.loader.close()  # its workers ignore SIGTERM (kept for preemption): stop them here
+            if self.remote is not None:
+                self.remote.wait()  # the last checkpoint's upload
             if monitor is not None:
                 monitor.close()
 
@@ -169,6 +218,8 @@ class Trainer:
     def _save(self) -> None:
         self.checkpointer.save(self.step)
         self.saved_step = self.step
+        if self.remote is not None:
+            self.remote.push(latest_checkpoint(self.run_dir))
 
     def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
         """The last step is saved, so a signal now stops the process without saving anything."""
@@ -250,7 +301,10 @@ class Trainer:
     def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:
         if not (self.cfg.data.val or self.cfg.eval.zeroshot):
             return {}
-        with preserved_rng(self.env.device):  # eval must not shift the training RNG streams
+        whole = contextlib.nullcontext()
+        if self.sharded:  # every rank gathers the full weights: eval's ranks see uneven batches
+            whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
+        with preserved_rng(self.env.device), whole:  # eval must not shift the training RNG streams
             metrics = evaluate(
                 self.model,
                 self.cfg.eval,

@@ -109,7 +109,7 @@ def _train(digits, out, steps: int, *extra: str):
 def test_runs_log_the_choice_fit_a_small_budget_and_keep_it_on_resume(digits, tmp_path):
     roomy = _train(digits, tmp_path / "roomy", 2)
     assert roomy.returncode == 0, roomy.stderr[-3000:]
-    assert "auto chunks: image 128 / text 128 of 128 per rank (the whole per-rank batch fits" in roomy.stdout
+    assert "auto chunks: image 128 / text 128 of 128 per rank (the whole per-rank batch fits" in roomy.stderr
 
     # A budget between the estimates for 1-row chunks and for the whole batch (the run's 10 %
     # reserve added back): smaller chunks, logged, and the run trains.
@@ -119,11 +119,15 @@ def test_runs_log_the_choice_fit_a_small_budget_and_keep_it_on_resume(digits, tm
     budget = f"batch.memory_budget={(smallest + whole) / 2 / 0.9 / 2**30}"
     tight = _train(digits, tmp_path / "tight", 2, budget, "checkpoint.every_steps=1")
     assert tight.returncode == 0, tight.stderr[-3000:]
-    line = next(line for line in tight.stdout.splitlines() if line.startswith("auto chunks:"))
+    line = next(
+        line.removeprefix("clip-train: ")
+        for line in tight.stderr.splitlines()
+        if line.startswith("clip-train: auto chunks:")
+    )
     image, text = (int(word) for word in line.split(" of ")[0].replace("/ text", "").split()[-2:])
     assert (image, text) != (128, 128) and "the largest chunks that fit" in line
 
     # Resumed with a roomy budget at the same world size: the checkpoint's chunks stay.
     resumed = _train(digits, tmp_path / "tight", 3, "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"auto chunks: image {image} / text {text} per rank, as chosen before the resume" in resumed.stdout
+    assert f"auto chunks: image {image} / text {text} per rank, as chosen before the resume" in resumed.stderr

@@ -105,7 +105,7 @@ def test_resume_auto_passes_over_a_truncated_checkpoint_and_removes_dead_saves(r
     )
     problem = f"{MODEL_FILE} has {half} bytes, the manifest says {full}"
     assert f"clip-train: checkpoint step_00000040 skipped: {problem}" in result.stderr.splitlines()
-    assert f"resumed from {run_copy / STEP_20} at step 20" in result.stdout
+    assert f"resumed from {run_copy / STEP_20} at step 20" in result.stderr
     assert not dead_save.exists()
     assert latest_checkpoint(run_copy) == run_copy / "checkpoints/step_00000021"
     assert checkpoint_problem(latest_checkpoint(run_copy), checksums=True) is None

@@ -1,12 +1,15 @@
 import dataclasses
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from processes import run_to_end
 from small_runs import DEMO_CONFIG
+from test_load import final_eval
 
 from clip_train.cli import BENCH_COMMANDS, COMMANDS, main
 from clip_train.config import config_keys, load_config
@@ -102,6 +105,30 @@ def test_config_keys_lists_every_key_with_type_and_default():
     assert keep_every[1:3] == ["int", "0"] and "milestones" in keep_every[3]
 
 
+def key_values(table: str) -> dict[str, str]:
+    """{key: value cell} from ``config --keys``: each cell starts under the third title and ends at two
+    spaces (a long one overflows its column)."""
+    header, *rows = table.splitlines()
+    start = header.index(header.split()[2])
+    return {row.split()[0]: row[start:].split("  ")[0] for row in rows}
+
+
+def test_config_keys_of_a_config_lists_its_values_with_overrides(capsys):
+    """The demo recipe's 128-wide embedding (from its include) and the override's step count, not the
+    defaults 512 and 1000 that ``--keys`` alone lists; a config that ``train`` refuses is refused."""
+    assert main(["config", "--keys"]) == 0
+    defaults = capsys.readouterr().out
+    assert main(["config", str(DEMO_CONFIG), "train.max_steps=7", "--keys"]) == 0
+    table = capsys.readouterr().out
+    assert table.split()[:4] == ["key", "type", "value", "meaning"]
+    values = key_values(table)
+    assert [values[k] for k in ("model.embed_dim", "train.max_steps")] == ["128", "7"]
+    assert [key_values(defaults)[k] for k in ("model.embed_dim", "train.max_steps")] == ["512", "1000"]
+    assert values["model.text.hf_config"] == repr(load_config(DEMO_CONFIG).model.text.hf_config)
+    assert values.keys() == {key.name for key in config_keys()}
+    assert main(["config", str(DEMO_CONFIG), "model.text.hf=/models/bert", "--keys"]) == 2
+
+
 def test_config_readme_rewrites_only_the_marked_section(tmp_path):
     from clip_train.commands.config import README_BEGIN, README_END, markdown_table
 
@@ -132,3 +159,46 @@ def test_train_lets_idle_openmp_threads_sleep_when_loader_workers_share_the_core
         monkeypatch.setenv("OMP_WAIT_POLICY", before)
     assert main(["train", str(DEMO_CONFIG), f"data.workers={workers}", f"data.train={tmp_path}/none"]) == 2
     assert os.environ.get("OMP_WAIT_POLICY") == after
+
+
+def metrics_without_eval(run: Path, into: Path) -> Path:
+    """A copy of ``run``'s metrics.jsonl with only its training records: a run that never evaluated."""
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    into.mkdir()
+    (into / "metrics.jsonl").write_text("".join(line for line in lines if "train/loss" in line))
+    return into
+
+
+def test_report_shows_the_steps_loss_and_zero_shot_of_a_run(demo_run, capsys):
+    assert main(["report", str(demo_run), "--prefix", "demo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.startswith("demo: ") for line in lines)
+    assert "40 steps in " in lines[2] and lines[3].startswith("demo: loss            step 10: ")
+    assert "step_00000040" in lines[1] and "step 40: " in lines[3]
+    assert lines[-1] == f"demo: zero-shot top-1 = {final_eval(demo_run)['zeroshot/top1']:.3f}"
+
+
+def test_report_of_a_run_without_eval_shows_its_training(demo_run, tmp_path, capsys):
+    run = metrics_without_eval(demo_run, tmp_path / "no_eval")
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 50, "time": ')  # a record a running run is still writing
+    assert main(["report", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["run", "checkpoint", "training", "loss"]
+    assert lines[1] == "run: checkpoint      none" and "40 steps in " in lines[2]
+    losses = [
+        json.loads(line)["train/loss"] for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]
+    ]
+    assert lines[3].endswith(f"step 40: {losses[-1]:.3f}") and f"step 10: {losses[0]:.3f}, " in lines[3]
+
+
+def test_report_of_a_run_with_no_steps_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"clip-train: error: {tmp_path}: no metrics.jsonl; give a run directory (the run's train.out_dir)"
+    ]
+    (tmp_path / "metrics.jsonl").touch()  # what a run leaves before its first logged step
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"clip-train: error: {tmp_path}: no training step logged in metrics.jsonl yet"
+    ]

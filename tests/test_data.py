@@ -9,6 +9,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import open_clip
@@ -16,12 +17,20 @@ import pytest
 import torch
 from PIL import Image
 
-from clip_train.config import DataConfig
-from clip_train.data import DataError, build_eval_loader, build_train_loader, dataset_size, expand_urls
+from clip_train.config import ConfigError, DataConfig, load_config
+from clip_train.data import (
+    DataError,
+    build_eval_loader,
+    build_train_loader,
+    check_readable,
+    dataset_size,
+    expand_urls,
+)
 from clip_train.data.pipeline import position_at, role_batches
-from clip_train.data.samples import BadSample, SkipTally, decode_sample
+from clip_train.data.samples import BadSample, SkipTally, decode_sample, sample_key
 from clip_train.data.sources import read_shard
-from clip_train.data.writers import Record, write_shards
+from clip_train.data.tables import TableFormat
+from clip_train.data.writers import Record, csv_pairs, write_pairs, write_shards
 
 IMAGE_SIZE = 16
 
@@ -311,9 +320,14 @@ def resume_shards(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(params=["shards", "table"])
+def resume_data(request, resume_shards, table) -> str:
+    return str(resume_shards) if request.param == "shards" else str(table.path)
+
+
 @pytest.mark.parametrize("resampled", [False, True])
-def test_resume_yields_the_same_batches_as_an_uninterrupted_run(resume_shards, resampled):
-    cfg = config(str(resume_shards), resampled=resampled, num_samples=36, max_skip_fraction=0.5)
+def test_resume_yields_the_same_batches_as_an_uninterrupted_run(resume_data, resampled):
+    cfg = config(resume_data, resampled=resampled, num_samples=36, max_skip_fraction=0.5, csv_shard_rows=5)
     total, resume_at = 14, (5, 8)  # 4 steps per epoch: mid-epoch and at an epoch boundary
     reference = loader_for(cfg, world_size=2, rank=1)
     batches, states = [], {}
@@ -339,6 +353,99 @@ def test_a_state_from_a_different_setup_is_refused(resume_shards):
         loader_for(dataclasses.replace(cfg, workers=1), world_size=2).load_state_dict(state)
     with pytest.raises(DataError, match="saved at step 3, not at step 4"):
         loader_for(cfg, world_size=2).start_at(4, state)
+
+
+# --------------------------------------------------------------------------------------------
+# CSV/TSV tables as training data
+# --------------------------------------------------------------------------------------------
+
+
+class Table(NamedTuple):
+    path: Path
+    good_keys: list[str]
+
+
+TABLE_BAD_ROWS = {"missing_image": 1, "empty_caption": 1, "bad_image": 1, "bad_row": 1}
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> Table:
+    """A TSV of 24 rows under OpenCLIP's header, with square images (so a full-image crop is exact),
+    captions quoted around a tab and a newline, one absolute path, and one row of each bad kind."""
+    root = tmp_path_factory.mktemp("table")
+    (root / "images").mkdir()
+    lines = ["filepath\ttitle"]
+    for row in range(1, 25):
+        (root / f"images/{row}.png").write_bytes(png(row * 7, size=20))  # seed % 7 == 0: square
+        lines.append(f'images/{row}.png\t"row {row}:\tsplit\nover lines"')
+    (root / "images/broken.png").write_bytes(b"not a png")
+    lines[2] = f"{root / 'images/2.png'}\tan absolute path"
+    lines[5] = "images/gone.png\tmissing_image"
+    lines[11] = "images/11.png\t  "
+    lines[17] = "images/broken.png\tbad_image"
+    lines[23] = "images/23.png\tbad_row\tthree fields"
+    (root / "table.tsv").write_text("\n".join(lines) + "\n")
+    return Table(root / "table.tsv", [sample_key(row) for row in range(1, 25) if row not in (5, 11, 17, 23)])
+
+
+def test_a_table_trains_on_the_same_samples_as_shards_made_from_it(table, tmp_path):
+    pairs, _ = csv_pairs(table.path, TableFormat())
+    write_pairs(pairs, tmp_path / "shards", per_shard=7, desc="t")
+    one_pass = dict(resampled=False, workers=1, num_samples=len(table.good_keys), max_skip_fraction=0.5)
+    whole_image = {"rrc_scale": [1.0, 1.0], "rrc_ratio": [1.0, 1.0]}  # crops independent of the crop seed
+    epochs = []
+    for spec in (table.path, tmp_path / "shards"):
+        loader = loader_for(config(str(spec), **one_pass, **whole_image, csv_shard_rows=5), global_batch=4)
+        assert loader.steps_per_epoch == 5
+        batches = take(loader, 5)
+        epochs.append(
+            {
+                key: (image, ids)
+                for b in batches
+                for key, image, ids in zip(b.keys, b.images, b.input_ids, strict=True)
+            }
+        )
+    assert sorted(epochs[0]) == table.good_keys and epochs[0].keys() == epochs[1].keys()
+    for key, (image, ids) in epochs[0].items():
+        assert torch.equal(image, epochs[1][key][0]) and torch.equal(ids, epochs[1][key][1]), key
+
+
+def test_table_bad_rows_are_skipped_and_counted_by_reason(table):
+    """As for shards: one worker, no shuffle, so pass 2 repeats pass 1 and counts exactly its skips."""
+    cfg = config(str(table.path), resampled=False, workers=1, shuffle_buffer=0, num_samples=1000)
+    loader = loader_for(dataclasses.replace(cfg, max_skip_fraction=1.0, csv_shard_rows=5), global_batch=1)
+    passes, counts = [], []
+    for _ in range(2):
+        passes.append([b.keys[0] for b in take(loader, len(table.good_keys))])
+        counts.append(collections.Counter(loader.skip_counts()))
+    assert sorted(passes[0]) == table.good_keys and passes[1] == passes[0]
+    assert dict(counts[1] - counts[0]) == TABLE_BAD_ROWS
+    assert loader_for(config(str(table.path), num_samples=0), global_batch=4).steps_per_epoch == 24 // 4
+
+
+def test_table_options_reach_the_loader_and_bad_ones_name_their_key(table):
+    with pytest.raises(DataError, match=r"no image column 'file' \(separator '\\t'\).*data\.csv_image_key"):
+        loader_for(config(str(table.path), num_samples=8, csv_image_key="file"))
+    with pytest.raises(DataError, match=r"columns found: \['filepath\\ttitle'\]"):
+        loader_for(config(str(table.path), num_samples=8, csv_separator=","))
+    loader_for(config(str(table.path), num_samples=8, csv_separator="\\t", csv_caption_key="title"))
+    base = ["model.text.hf=bert-base-uncased"]
+    assert load_config(None, [*base, "data.csv_separator=\\t"]).validate().data.csv_separator == "\\t"
+    with pytest.raises(ConfigError, match=r"data\.csv_separator=';;' must be one character"):
+        load_config(None, [*base, "data.csv_separator=;;"]).validate()
+    with pytest.raises(ConfigError, match=r"data\.csv_shard_rows=0 must be > 0"):
+        load_config(None, [*base, "data.csv_shard_rows=0"]).validate()
+    with pytest.raises(
+        ConfigError, match=r"unknown config key data\.csv_img_key: did you mean data\.csv_image_key"
+    ):
+        load_config(None, ["data.csv_img_key=filepath"])
+
+
+def test_a_table_passes_the_start_up_check_only_as_training_data(table):
+    urls = expand_urls(str(table.path))
+    check_readable(urls, what="data.train")
+    with pytest.raises(DataError, match=r"table\.tsv is not a tar file"):
+        check_readable(urls, what="data.val")
 
 
 # --------------------------------------------------------------------------------------------

@@ -105,13 +105,74 @@ def test_csv_round_trip_and_bad_csv_errors(image_folder, tmp_path):
         "img.0.JPG": "first one",
         "img.1.png": "second one",
     }
-    (image_folder / "bad.csv").write_text("file,text\nimg.0.JPG,x\n")
-    with pytest.raises(DataError, match="columns path,caption"):
-        run_cli("csv", image_folder / "bad.csv", tmp_path / "bad_out")
+    (image_folder / "other.csv").write_text("file,text\nimg.0.JPG,x\n")
+    with pytest.raises(DataError, match=r"no image column 'filepath' or 'path' .*found: \['file', 'text'\]"):
+        run_cli("csv", image_folder / "other.csv", tmp_path / "bad_out")
+    with pytest.raises(
+        DataError, match=r"no caption column 'title' or 'caption' .*found: \['file', 'text'\]"
+    ):
+        run_cli("csv", image_folder / "other.csv", tmp_path / "bad_out", "--image-key", "file")
+    with pytest.raises(DataError, match=r"no caption column 'label' \(separator ','\)"):
+        run_cli(
+            "csv", image_folder / "other.csv", tmp_path / "bad_out", "--image-key=file", "--caption-key=label"
+        )
+    assert not (tmp_path / "bad_out").exists()
+    run_cli(
+        "csv",
+        image_folder / "other.csv",
+        tmp_path / "other_out",
+        "--csv-img-key=file",
+        "--csv-caption-key=text",
+    )
+    assert [caption for caption, _, _ in read_back(tmp_path / "other_out")[1].values()] == ["x"]
+    with pytest.raises(DataError, match=r"separator ';;' must be one character"):
+        run_cli("csv", image_folder / "list.csv", tmp_path / "bad_out", "--separator", ";;")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("keep me")
     with pytest.raises(DataError, match="not written by make-shards"):
         run_cli("csv", image_folder / "list.csv", tmp_path / "foreign")
+
+
+def test_openclip_tsv_quoted_captions_absolute_paths_and_bad_rows(image_folder, tmp_path, capsys):
+    """OpenCLIP's filepath/title header, tab-separated because of the extension; rows 4 to 6 are
+    bad, each for its own reason, and counted in one line."""
+    quoted = '"a caption with a\ttab, a comma and\na newline"'
+    rows = [
+        "filepath\ttitle",
+        f"img.0.JPG\t{quoted}",
+        "sub/img.1.png\tsecond one",
+        f"{image_folder / 'img.2.png'}\tan absolute path",
+        "nothere.png\tmissing file",
+        "img.4.png\t   ",
+        "sub/img.3.JPG\tthree\tfields",
+        "sub/img.5.png\tthe last one",
+    ]
+    (image_folder / "list.tsv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "tsv_out"
+    assert run_cli("csv", image_folder / "list.tsv", out, "--per-shard", 3) == 0
+    bad_rows = "1 missing_image, 1 empty_caption, 1 bad_row"
+    missing = f"row 4: missing_image: no file {image_folder / 'nothere.png'}"
+    assert (
+        capsys.readouterr().err.splitlines()[0]
+        == f"clip-train: left out 3 of the table's rows ({bad_rows}), e.g. {missing}"
+    )
+    sizes, samples = read_back(out)
+    assert list(sizes.values()) == [3, 1]
+    expected = {
+        image_folder / "img.0.JPG": "a caption with a\ttab, a comma and\na newline",
+        image_folder / "sub/img.1.png": "second one",
+        image_folder / "img.2.png": "an absolute path",
+        image_folder / "sub/img.5.png": "the last one",
+    }
+    assert {source: caption for source, (caption, _, _) in samples.items()} == {
+        str(path): caption for path, caption in expected.items()
+    }
+    assert all(samples[str(path)][1] == path.read_bytes() for path in expected)
+    keys = [raw["__key__"] for shard in sorted(out.glob("*.tar")) for raw in read_shard(str(shard))]
+    assert keys == ["000000001", "000000002", "000000003", "000000007"]  # row numbers, as training keys them
+    (image_folder / "list.txt").write_text("\n".join(rows) + "\n")
+    run_cli("csv", image_folder / "list.txt", tmp_path / "txt_out", "--separator", "\\t", "--per-shard", 3)
+    assert read_back(tmp_path / "txt_out")[1] == samples
 
 
 def test_digits_demo_set(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from clip_train.eval import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+TOY_SCALE = 10.0  # the toy model's logit scale, for the validation loss
 CLASSNAMES = ["cat", "dog", "fox", "owl", "bee", "elk"]
 TEMPLATES = ["a photo of a {}.", "a drawing of the {}.", "{}"]
 CLASS_STEP = 40  # red value = CLASS_STEP * class + CLASS_STEP // 2
@@ -66,6 +68,8 @@ class ToyCLIP(nn.Module):
         self.register_buffer("class_map", torch.tensor(class_map))
         self.dim = len(CLASSNAMES) + NUM_SAMPLES
         self.anchor = nn.Parameter(torch.zeros(()))  # gives the module parameters, as a real one has
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(TOY_SCALE), dtype=torch.float64))
+        self.logit_bias = None
 
     def tokenizer(self, texts: list[str]) -> dict[str, torch.Tensor]:
         ids = [self._token(text) for text in texts]
@@ -183,6 +187,11 @@ def test_evaluate_reports_both_and_restores_train_mode(data):
     model = ToyCLIP([0, 1, 2, 3, 5, 4]).train()  # classes 4 and 5 swapped
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], batch_size=4)
     metrics = evaluate(model, eval_cfg, DataConfig(val=data["exact"]), device=CPU, precision="fp32")
+    # Every image scores s/√2 with its own caption and 0 with the others, in both directions.
+    positive = TOY_SCALE / math.sqrt(2)
+    # fp32 features: the loss is a difference of two ~7.08 log-sum-exps, good to ~1e-6 absolute.
+    expected_loss = math.log1p((NUM_SAMPLES - 1) * math.exp(-positive))
+    assert metrics.pop("val/loss") == pytest.approx(expected_loss, rel=1e-4)
     swapped = sum(label >= 4 for label in LABELS) / NUM_SAMPLES
     recall = {f"retrieval/{d}_R@{k}": 1.0 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
     assert metrics == pytest.approx(
@@ -323,7 +332,10 @@ def test_two_ranks_match_one_process(data):
     ranks = run_distributed(sharded_eval, 2, data)
     counts = [r["local_samples"] for r in ranks]
     assert sum(counts) == NUM_SAMPLES and counts[0] != counts[1]
+    single_loss = single["shards"].pop("val/loss")
     for result in ranks:
+        # fp32 losses summed in another order; the whole split is one batch, whatever the ranks
+        assert result["shards"].pop("val/loss") == pytest.approx(single_loss, rel=1e-6)
         for key in ("recall", "shards", "folder"):  # tie shares summed in another order: tolerance
             assert result[key] == pytest.approx(single[key], rel=1e-12, abs=1e-12), key
         assert result["recall_one_rank_empty"] == single["recall"]

@@ -392,3 +392,16 @@ def test_from_config_reads_batch_train_and_loss_sections():
     assert GradCache.from_config(
         make_model(*NO_DROPOUT), load_config(TINY, ["loss.impl=inf"]), (0, 0)
     ).keep_last_graph
+
+
+@pytest.mark.slow
+def test_compiled_towers_replay_exactly_with_dropout():
+    """train.compile: inductor-compiled towers under Gradient Cache, dropout and drop-path on, give
+    the eager full-batch gradients to 1e-10 (fp64, chunks of 5 of 10 rows)."""
+    from clip_train.model import compile_towers
+
+    batch = make_batch()
+    want = reference_grads(make_model(*DROPOUT), batch, 5, 5)
+    model = make_model(*DROPOUT)
+    compile_towers(model)
+    assert_grads_close(gc_grads(model, batch, image_chunk=5, text_chunk=5), want, rtol=1e-10)

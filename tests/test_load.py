@@ -6,22 +6,34 @@ import json
 import shutil
 from pathlib import Path
 
+import open_clip
 import pytest
 import timm
 import torch
 from safetensors.torch import load_file, save_file
-from small_runs import TINY_MODEL_CONFIG
+from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 from test_model import write_bert_dir
 
 import clip_train
 from clip_train import load_config
-from clip_train.checkpoint import MANIFEST_FILE, MODEL_CONFIG_FILE, MODEL_FILE, TEXT_DIR, save_checkpoint
+from clip_train.checkpoint import (
+    MANIFEST_FILE,
+    MODEL_CONFIG_FILE,
+    MODEL_FILE,
+    TEXT_DIR,
+    checkpoint_model_config,
+    find_weights,
+    load_weights_file,
+    save_checkpoint,
+)
 from clip_train.config import DataConfig, EvalConfig
 from clip_train.data import build_eval_loader
 from clip_train.data.sources import read_shard
 from clip_train.errors import UserError
 from clip_train.eval import evaluate
-from clip_train.model import build_model
+from clip_train.export import export_open_clip
+from clip_train.model import CLIP, HFTokenizer, build_model
+from clip_train.model.tokenizer import IdsTokenizer
 
 CAPTIONS = ["a photo of the digit 3", "a handwritten seven", "zero"]
 
@@ -59,13 +71,18 @@ def test_preprocess_and_tokenizer_are_the_eval_pipelines(demo_run, digits):
     model, preprocess, tokenizer = clip_train.load(demo_run)
     images = val_images(digits, 8)
     loader = build_eval_loader(
-        f"{digits}/val", batch_size=8, rank=0, world_size=1, image_size=model.image_size, tokenizer=tokenizer
+        f"{digits}/val",
+        batch_size=8,
+        rank=0,
+        world_size=1,
+        image_size=model.image_size,
+        tokenizer=model.tokenizer,
     )
     batch = next(iter(loader))
     assert torch.equal(torch.stack([preprocess(image) for image in images]), batch.images)
     with torch.no_grad():
         image_features = model.encode_image(torch.stack([preprocess(image) for image in images]))
-        text_features = model.encode_text(**tokenizer(CAPTIONS))
+        text_features = model.encode_text(tokenizer(CAPTIONS))
     assert image_features.shape == (8, 16) and text_features.shape == (3, 16)
     torch.testing.assert_close(image_features.norm(dim=-1), torch.ones(8))
     assert (
@@ -96,17 +113,15 @@ def test_a_checkpoint_needs_none_of_the_files_its_towers_came_from(tmp_path):
 
     loaded, _, tokenizer = clip_train.load(checkpoint)
     texts = ["a handwritten seven!", "the digit zero " * 20]
-    assert all(
-        torch.equal(tokenizer(texts)[k], model.tokenizer(texts)[k]) for k in ("input_ids", "attention_mask")
-    )
+    made = model.tokenizer(texts)
+    assert torch.equal(tokenizer(texts), made["input_ids"])
+    assert torch.equal(tokenizer.attention_mask(tokenizer(texts)), made["attention_mask"])
     images = torch.randint(
         0, 256, (3, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )
     with torch.no_grad():
         assert torch.equal(loaded.encode_image(images), model.encode_image(images))
-        assert torch.equal(
-            loaded.encode_text(**tokenizer(texts)), model.encode_text(**model.tokenizer(texts))
-        )
+        assert torch.equal(loaded.encode_text(tokenizer(texts)), model.encode_text(**made))
     assert sorted(p.name for p in (checkpoint / TEXT_DIR).iterdir()) == [
         "config.json",
         "tokenizer.json",
@@ -125,9 +140,7 @@ def test_a_checkpoint_from_before_model_yaml_uses_its_runs_config(demo_run, tmp_
     model, _, tokenizer = clip_train.load(old)
     reference, _, _ = clip_train.load(demo_run)
     with torch.no_grad():
-        assert torch.equal(
-            model.encode_text(**tokenizer(CAPTIONS)), reference.encode_text(**tokenizer(CAPTIONS))
-        )
+        assert torch.equal(model.encode_text(tokenizer(CAPTIONS)), reference.encode_text(tokenizer(CAPTIONS)))
     (run / "config.yaml").unlink()
     with pytest.raises(UserError, match=f"{old} has no model.yaml and is not inside a run directory"):
         clip_train.load(old)
@@ -140,3 +153,98 @@ def test_a_path_that_holds_no_checkpoint_is_one_line(tmp_path):
         f"checkpoint not found: {tmp_path} has no model.safetensors and no complete checkpoints; "
         "pass a checkpoint directory, a run directory or a .safetensors file"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# open_clip's call shapes
+# --------------------------------------------------------------------------------------------
+
+
+def open_clip_readme_example(model, preprocess, tokenizer, image) -> torch.Tensor:
+    """open_clip's README example after its loading lines, as written there for an open_clip model."""
+    image = preprocess(image).unsqueeze(0)
+    text = tokenizer(["a diagram", "a dog", "a cat"])
+    with torch.no_grad():
+        image_features = model.encode_image(image)
+        text_features = model.encode_text(text)
+        image_features /= image_features.norm(dim=-1, keepdim=True)
+        text_features /= text_features.norm(dim=-1, keepdim=True)
+        text_probs = (100.0 * image_features @ text_features.T).softmax(dim=-1)
+    return text_probs
+
+
+def trained_clip(run: Path) -> CLIP:
+    """The run's newest weights in the CLIP that training builds, which takes explicit masks."""
+    weights = find_weights(run)
+    model = build_model(checkpoint_model_config(weights.parent), load_pretrained=False)
+    load_weights_file(weights, model)
+    return model.eval()
+
+
+def test_open_clips_readme_example_runs_unchanged_and_agrees_with_open_clip(demo_run, digits, tmp_path):
+    """The same lines on the loaded model and on its open_clip export give the same probabilities."""
+    (image,) = val_images(digits, 1)
+    loaded = clip_train.load(demo_run)
+    ours = open_clip_readme_example(*loaded, image)
+    export_open_clip(loaded[0], tmp_path / "export")
+    name = f"local-dir:{tmp_path / 'export'}"
+    model, _, preprocess = open_clip.create_model_and_transforms(name)
+    theirs = open_clip_readme_example(model.eval(), preprocess, open_clip.get_tokenizer(name), image)
+    assert ours.shape == (1, 3)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_features_are_the_trained_models_with_the_mask_the_tokenizer_made(demo_run, digits):
+    model, preprocess, tokenizer = clip_train.load(demo_run)
+    reference = trained_clip(demo_run)
+    images = torch.stack([preprocess(image) for image in val_images(digits, 4)])
+    ids = tokenizer(CAPTIONS)
+    assert ids.dtype == torch.long and ids.shape == (3, 12)
+    with torch.no_grad():
+        image_features = reference.encode_image(images)
+        text_features = reference.encode_text(**reference.tokenizer(CAPTIONS))
+        assert torch.equal(model.encode_image(images, normalize=True), image_features)
+        assert torch.equal(model.encode_text(ids, normalize=True), text_features)
+        assert torch.equal(model.encode_text(input_ids=ids), text_features)
+        got_images, got_texts, logit_scale = model(images, ids)
+    assert torch.equal(got_images, image_features) and torch.equal(got_texts, text_features)
+    assert logit_scale == reference.logit_scale.exp()
+
+
+def test_padding_in_the_ids_is_masked(demo_run):
+    """A short caption padded beside a long one embeds as it does alone with no padding at all; its
+    "!", which the bundled BPE writes with the pad id 0 before "(", is not taken for padding."""
+    model, _, tokenizer = clip_train.load(demo_run)
+    short, long = "seven!(", "a photo of the handwritten digit seven on a white page"
+    batch = tokenizer([short, long])
+    assert batch[0, 2] == 0 and tokenizer.attention_mask(batch).tolist() == [[1] * 5 + [0] * 7, [1] * 12]
+    with torch.no_grad():
+        together = model.encode_text(batch)
+        unpadded = tokenizer(short, context_length=5)  # [sot] seven ! ( [eot]
+        alone = torch.cat([model.encode_text(unpadded), model.encode_text(tokenizer(long))])
+        unmasked = model.encode_text(batch, torch.ones_like(batch))
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-6)
+    assert not torch.allclose(unmasked[0], together[0], atol=1e-2)  # the padding, if attended, shows
+
+
+def test_a_model_with_a_logit_bias_returns_it_as_open_clip_does(tmp_path):
+    model_cfg = load_config(TINY_MODEL_CONFIG, [*TINY_MODEL, "loss.kind=sigmoid"]).model
+    checkpoint = save_checkpoint(tmp_path / "run", 1, build_model(model_cfg), model_cfg, {"step": 1}, keep=1)
+    model, _, tokenizer = clip_train.load(checkpoint)
+    images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    with torch.no_grad():
+        image_features, text_features, logit_scale, logit_bias = model(images, tokenizer(CAPTIONS))
+        only_images = model(images)
+    assert image_features.shape == (2, 16) and text_features.shape == (3, 16)
+    assert logit_scale == pytest.approx(10.0) and logit_bias is model.logit_bias and logit_bias == -10.0
+    assert only_images[1] is None and torch.equal(only_images[0], image_features)
+
+
+def test_ids_alone_cannot_mask_a_pad_token_that_every_caption_also_has(tmp_path):
+    """A tokenizer padding with its [SEP] id: the mask must come from the tokenizer's call."""
+    _, hf_tokenizer = write_bert_dir(tmp_path / "bert")
+    hf_tokenizer.pad_token = "[SEP]"
+    hf_tokenizer.save_pretrained(tmp_path / "bert")
+    tokenizer = IdsTokenizer(HFTokenizer(str(tmp_path / "bert"), context_length=12))
+    with pytest.raises(ValueError, match="pad id 3 also stands for a token of every caption"):
+        tokenizer.attention_mask(tokenizer(CAPTIONS))

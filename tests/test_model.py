@@ -189,6 +189,26 @@ def test_lock_head_freezes_the_whole_tower():
         tiny("model.image.lock_head=true")
 
 
+def test_freeze_norms_keeps_the_unlocked_blocks_norms_frozen_and_in_eval():
+    """OpenCLIP's --lock-text-freeze-layer-norm, for either tower: the unlocked blocks train, their
+    norm layers do not, and those stay in eval() when the model trains."""
+    unlocked = [*LOCK_MODES["locked-last-2"]]
+    plain, frozen = (
+        tiny(*unlocked),
+        tiny(*unlocked, "model.image.freeze_norms=true", "model.text.freeze_norms=true"),
+    )
+    frozen.train()
+    for tower, plain_tower in ((frozen.visual, plain.visual), (frozen.text, plain.text)):
+        trained = {name for name, p in plain_tower.named_parameters() if p.requires_grad}
+        still = {name for name, p in tower.named_parameters() if p.requires_grad}
+        norms = {name for name in trained if any(k in name for k in ("norm", "LayerNorm"))}
+        assert norms and still == trained - norms  # exactly the norms left out
+        norm_modules = [m for m in tower.modules() if isinstance(m, torch.nn.LayerNorm)]
+        assert all(not m.training for m in norm_modules)
+    with pytest.raises(ConfigError, match=r"freeze_norms=true needs model\.text\.lock=true"):
+        tiny("model.text.freeze_norms=true")
+
+
 def test_bad_lock_settings_are_config_errors():
     with pytest.raises(ConfigError, match="unlocked_layers=5 exceeds the trunk's 4 blocks"):
         tiny("model.image.lock=true", "model.image.unlocked_layers=5")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from clip_train.config import OptimConfig
+from clip_train.config import ConfigError, OptimConfig, load_config
 from clip_train.optim import build_optimizer, build_scheduler, lr_factor, parameter_groups
 
 
@@ -65,3 +65,36 @@ def test_scheduler_drives_optimizer_lr():
         optimizer.step()
         scheduler.step()
     assert seen == pytest.approx([0.25, 0.5, 0.5])
+
+
+def test_const_and_const_cooldown_schedules():
+    """OpenCLIP's const (warmup, then lr) and const-cooldown (then a decay over the last steps to
+    min_lr, linear at power 1, quadratic at 2)."""
+    const = OptimConfig(lr=1.0, warmup_steps=2, schedule="const")
+    assert [lr_factor(s, const, max_steps=10) for s in range(12)] == [0.5] + [1.0] * 11
+    for power in (1.0, 2.0):
+        cfg = OptimConfig(lr=1.0, min_lr=0.2, warmup_steps=2, schedule="const-cooldown", cooldown_steps=4)
+        cfg.cooldown_power = power
+        factors = [lr_factor(s, cfg, max_steps=10) for s in range(12)]
+        assert factors[:6] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+        assert factors[6:] == pytest.approx([0.2 + 0.8 * (1 - k / 4) ** power for k in (0, 1, 2, 3, 4, 4)])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["optim.schedule=const-cooldown"],
+            r"optim.cooldown_steps=0: optim.schedule=const-cooldown needs 1 to 1000",
+        ),
+        (
+            ["optim.schedule=const-cooldown", "optim.cooldown_steps=999", "optim.warmup_steps=2"],
+            "needs 1 to 998",
+        ),
+        (["optim.cooldown_steps=5"], r"no effect with optim.schedule=cosine"),
+        (["optim.schedule=linear"], "optim.schedule"),
+    ],
+)
+def test_bad_schedules_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides).validate(world_size=1)

@@ -5,24 +5,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from processes import run_to_end
 from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import AutoModel, BertConfig
 
 from clip_train import load_config
 from clip_train.cli import main
+from clip_train.config import TextTowerConfig
+from clip_train.errors import UserError
 from clip_train.loss import contrastive_loss, tiles_torch
 from clip_train.model import build_model
 from clip_train.plan import Setting, breakdown, loss_workspace, max_batch, profile_model, usable_bytes
+from clip_train.plan.architecture import KNOWN_TEXT_ARCHITECTURES, find_text_architecture
 from clip_train.plan.estimate import FP32, STRIP_ELEMENTS, adafactor_state_numel
-from clip_train.plan.profile import measure_chunk
+from clip_train.plan.profile import measure_chunk, profile_built_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "model" / "tiny.yaml"
+LAION_RECIPES = sorted((ROOT / "configs").glob("laion400m-*.yaml"))
+PROGRESS_LINE = re.compile(r"clip-train: plan: .+( \.\.\.|: \d+\.\d s)")
 SMALL = ("model.image.timm_kwargs.depth=2", "model.text.hf_config.num_hidden_layers=1")
 LIT = ("model.image.lock=true",)
 
@@ -243,3 +252,89 @@ def test_cli_prints_the_table_and_json(tmp_path):
 def test_cli_rejects_bad_arguments(capsys, argv, message):
     assert main(["plan", str(TINY), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides", [SMALL, (*SMALL, *LIT)], ids=["trained", "lit"])
+def test_fake_cpu_passes_count_what_real_passes_allocate(overrides):
+    """plan measures on fake tensors on the CPU; a run's auto chunks measure its real model."""
+    model_cfg = load_config(TINY, overrides).model
+    fake = profile_model(model_cfg, "fp32", (2, 4), "cpu")
+    torch.manual_seed(0)
+    real = profile_built_model(build_model(model_cfg).train(), model_cfg, "fp32", (2, 4), [])
+    assert (fake.weight_bytes, fake.trainable_bytes) == (real.weight_bytes, real.trainable_bytes)
+    for ours, theirs in zip(fake.towers, real.towers, strict=True):
+        assert ours.input_per_sample == theirs.input_per_sample
+        assert ours.trunk_per_sample == theirs.trunk_per_sample
+        for term in ("encode", "graph", "replay"):
+            for chunk in (2, 4, 64):
+                measured = getattr(theirs, term).at(chunk)
+                assert getattr(ours, term).at(chunk) == pytest.approx(measured, rel=0.02), (term, chunk)
+
+
+def test_the_known_bert_base_has_its_published_parameter_count():
+    config = BertConfig(
+        **{k: v for k, v in KNOWN_TEXT_ARCHITECTURES["bert-base-uncased"].items() if k != "model_type"}
+    )
+    with torch.device("meta"):
+        encoder = AutoModel.from_config(config)
+    assert sum(p.numel() for p in encoder.parameters()) == 109_482_240  # pooler included
+
+
+def test_a_text_model_is_built_from_a_local_config_json(tmp_path):
+    sizes = dict(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, vocab_size=99
+    )
+    BertConfig(**sizes).save_pretrained(tmp_path)
+    image = "model.image.timm_kwargs.depth=2"
+    from_dir = load_config(TINY, (image, f"model.text.hf={tmp_path}", "model.text.hf_config={}")).model
+    from_keys = load_config(TINY, (image, f"model.text.hf_config={json.dumps(sizes)}")).model
+    profile = profile_model(from_dir, "fp32", (2, 4), "cpu")
+    assert f"architecture from {tmp_path / 'config.json'}" in " ".join(profile.notes)
+    assert profile.weight_bytes == profile_model(from_keys, "fp32", (2, 4), "cpu").weight_bytes
+
+
+def test_a_text_model_in_the_hub_cache_is_read_from_there(tmp_path, monkeypatch):
+    repo = tmp_path / "models--acme--tiny-bert"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(snapshot)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert find_text_architecture(TextTowerConfig(hf="acme/tiny-bert")) == snapshot / "config.json"
+    with pytest.raises(UserError, match="'acme/other-bert': plan needs this text model's architecture"):
+        find_text_architecture(TextTowerConfig(hf="acme/other-bert"))
+
+
+def _offline(home: Path) -> dict[str, str]:
+    """No network and an empty hub cache: nothing downloaded before can help."""
+    hub = {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1"}
+    return {**os.environ, **hub, "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", LAION_RECIPES, ids=lambda path: path.stem)
+def test_laion_recipes_plan_offline_and_say_what_they_measure(recipe, tmp_path):
+    command = [sys.executable, "-m", "clip_train", "plan", str(recipe), "--gpus", "8", "--gpu-mem", "80"]
+    proc = run_to_end(command, cwd=ROOT, env=_offline(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"plan: {recipe}")
+    assert "architecture from plan's table of known models" in proc.stdout
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("impl"))
+    assert [line.split()[0] for line in lines[header + 1 :]] == ["vanilla"] * 2 + ["local"] * 2 + ["inf"] * 2
+    steps = proc.stderr.splitlines()  # progress only: no hub retries, no warnings
+    assert all(PROGRESS_LINE.fullmatch(step) for step in steps), proc.stderr
+    assert steps[0] == "clip-train: plan: importing torch, transformers and timm ..."
+    for tower in ("image", "text"):  # two chunk sizes, each announced before and timed after
+        assert sum(f"measuring the {tower} tower" in step for step in steps) == 4
+
+
+def test_an_unknown_text_model_fails_in_one_line_before_loading_torch(tmp_path):
+    recipe = LAION_RECIPES[0]
+    command = [sys.executable, "-m", "clip_train", "plan", str(recipe), "model.text.hf=acme/unknown-bert"]
+    proc = run_to_end(command, cwd=ROOT, env=_offline(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()  # no "plan: importing torch ..." either: it failed before
+    assert line.startswith("clip-train: error: model.text.hf='acme/unknown-bert': plan needs")
+    assert "hf download acme/unknown-bert config.json" in line

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from clip_train.bench.parallel_step import run_parallel
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import LOSS_IMPLS, PRECISIONS, ConfigError, load_config
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra model config overrides"
     )
+    parser.add_argument(
+        "--parallel",
+        default="",
+        help="ddp,fsdp: instead, one training step on --world gloo ranks with replicated or sharded towers",
+    )
+    parser.add_argument("--world", type=int, default=2, help="ranks for --parallel")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="save a time/memory plot here (needs matplotlib)")
 
@@ -81,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
         load_config(args.model, args.set)
     except ConfigError as err:
         raise UserError(str(err)) from None
+    if args.parallel:  # CPU gloo ranks
+        results = run_parallel(args, sizes)
+        if args.json:
+            args.json.write_text(json.dumps({"parallel": results}, indent=2))
+        return 0
     device = resolve_device(args.device).type
     modes = ["gc", *(["gc-lit"] if args.lit else []), *([] if args.no_direct else ["direct"])]
     options = {k: v for k, v in vars(args).items() if k not in ("run", "json", "plot")}  # JSON-able

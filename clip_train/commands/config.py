@@ -1,27 +1,32 @@
 """Show a config: ``clip-train config CONFIG [key=value ...]`` prints the resolved YAML that
 ``clip-train train`` would run with (includes and overrides applied, cross-field checks passed);
-``clip-train config --keys`` lists every key with its type, default and meaning, and
-``--readme README.md`` rewrites the README's config reference from the same rows.
+``clip-train config --keys`` lists every key with its type, default and meaning (with a CONFIG, its
+value there instead of the default), and ``--readme README.md`` rewrites the README's config
+reference from the same rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import operator
 import types
 import typing
 from pathlib import Path
 
-from clip_train.config import ConfigKey, config_keys, config_yaml, load_config
+from clip_train.config import Config, ConfigKey, config_keys, config_yaml, load_config
 from clip_train.errors import UserError
 
 README_BEGIN, README_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+MAX_COLUMN = 40  # a longer cell (a config's dict value) overflows its column rather than widen every row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML run config, e.g. configs/demo-digits.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. batch.global_size=65536")
     parser.add_argument(
-        "--keys", action="store_true", help="list every config key with its type, default and meaning"
+        "--keys",
+        action="store_true",
+        help="list every config key with its type, default and meaning; with CONFIG, its value there",
     )
     parser.add_argument(
         "--readme", type=Path, metavar="README", help="rewrite the config reference between the markers"
@@ -33,18 +38,25 @@ def run(args: argparse.Namespace) -> int:
         changed = update_readme(args.readme)
         print(f"{args.readme} {'updated' if changed else 'already current'}")
     elif args.keys:
-        print(key_table())
+        print(key_table(None if args.config is None else _resolved(args)))
     elif args.config is None:
         raise UserError("give a CONFIG to resolve, --keys to list every key, or --readme README.md")
     else:
-        print(config_yaml(load_config(args.config, args.overrides).validate()), end="")
+        print(config_yaml(_resolved(args)), end="")
     return 0
 
 
-def key_table() -> str:
-    """One aligned row per key: name, type, default, and the comment that explains it."""
-    table = [("key", "type", "default", "meaning"), *map(_cells, config_keys())]
-    widths = [max(len(row[i]) for row in table) for i in range(3)]
+def _resolved(args: argparse.Namespace) -> Config:
+    """The config ``clip-train train`` would run with: includes and overrides applied, checks passed."""
+    return load_config(args.config, args.overrides).validate()
+
+
+def key_table(config: Config | None = None) -> str:
+    """One aligned row per key: name, type, default (or ``config``'s value), and the comment that
+    explains it."""
+    header = ("key", "type", "default" if config is None else "value", "meaning")
+    table = [header, *(_cells(key, config) for key in config_keys())]
+    widths = [min(MAX_COLUMN, max(len(row[i]) for row in table)) for i in range(3)]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
         for row in table
@@ -73,8 +85,10 @@ def update_readme(readme: Path) -> bool:
     return True
 
 
-def _cells(key: ConfigKey) -> tuple[str, str, str, str]:
-    return key.name, _type_name(key.hint), repr(key.default), key.meaning
+def _cells(key: ConfigKey, config: Config | None = None) -> tuple[str, str, str, str]:
+    """The key's row; its value in ``config`` when given, else its default."""
+    value = key.default if config is None else operator.attrgetter(key.name)(config)
+    return key.name, _type_name(key.hint), repr(value), key.meaning
 
 
 def _type_name(hint: object) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from clip_train.checkpoint import find_weights
 from clip_train.export import FORMATS, check_target, export_open_clip, push_to_hub
 from clip_train.loading import load
+from clip_train.logs import get_logger, timed
 from clip_train.model import OpenCLIPTokenizer
 
 
@@ -35,16 +36,20 @@ def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     check_target(out)  # before the seconds that loading takes
     source = find_weights(args.checkpoint)
-    model, _, _ = load(source)
-    image, text = export_open_clip(model, out)
-    print(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
-    print(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
+    log = get_logger()
+    with timed(f"export: loading {source}"):
+        model, _, _ = load(source)
+    with timed(f"export: writing {out} and loading it back with open_clip"):
+        image, text = export_open_clip(model, out)
+    log.info(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
+    log.info(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
     if isinstance(model.tokenizer, OpenCLIPTokenizer):
-        print(
+        log.info(
             'note: open_clip treats token id 0 as padding, which the bundled BPE also uses for "!" '
             'directly before some punctuation (e.g. "!("); such captions embed slightly differently'
         )
     if args.push_to_hub:
-        url = push_to_hub(model, out, args.push_to_hub, private=args.private)
-        print(f'pushed to {url}: open_clip.create_model_and_transforms("hf-hub:{url.repo_id}")')
+        with timed(f"export: uploading to {args.push_to_hub}"):
+            url = push_to_hub(model, out, args.push_to_hub, private=args.private)
+        log.info(f'pushed to {url}: open_clip.create_model_and_transforms("hf-hub:{url.repo_id}")')
     return 0

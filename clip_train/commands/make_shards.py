@@ -1,22 +1,26 @@
 """Write WebDataset shards for training and eval.
 
   clip-train make-shards folder SRC OUT --per-shard N   images with same-name .txt captions
-  clip-train make-shards csv FILE OUT --per-shard N     a CSV with a header and columns path,caption
+  clip-train make-shards csv FILE OUT --per-shard N     a CSV/TSV of image paths and captions
   clip-train make-shards digits OUT [--size 32]         the built-in demo set (scikit-learn digits)
 
 OUT gets shard-000000.tar, ... and sizes.json ({shard: samples}). Reruns on an unchanged source do
-nothing. For LAION-scale sets use img2dataset with --output_format webdataset; its shards and
-*_stats.json files work as they are.
+nothing. A table's header names its columns: filepath and title (OpenCLIP's), or path and caption,
+unless --image-key and --caption-key name others; --separator defaults to tab for .tsv, else comma.
+OpenCLIP's --csv-separator, --csv-img-key and --csv-caption-key work too. For LAION-scale sets use
+img2dataset with --output_format webdataset; its shards and *_stats.json files work as they are.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+from collections import Counter
 from pathlib import Path
 
 from clip_train.data import writers
 from clip_train.data.digits import write_digits
+from clip_train.data.tables import TableFormat
+from clip_train.logs import get_logger
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     folder.add_argument("src", type=Path, help="folder of images and captions")
     folder.add_argument("out", type=Path, help="output shard directory")
-    table = sources.add_parser("csv", help="a CSV with columns path,caption (paths relative to the CSV)")
-    table.add_argument("file", type=Path, help="the CSV file")
+    table = sources.add_parser("csv", help="a CSV/TSV of image paths (relative to it) and captions")
+    table.add_argument("file", type=Path, help="the CSV or TSV file")
     table.add_argument("out", type=Path, help="output shard directory")
+    table.add_argument(
+        "--separator",
+        "--csv-separator",
+        default="",
+        help="one character or \\t (default: tab for .tsv, else comma)",
+    )
+    table.add_argument(
+        "--image-key", "--csv-img-key", default="", help="image column (default: filepath or path)"
+    )
+    table.add_argument(
+        "--caption-key", "--csv-caption-key", default="", help="caption column (default: title or caption)"
+    )
     for sub in (folder, table):
         sub.add_argument("--per-shard", type=int, default=10000, help="samples per shard (default 10000)")
     digits = sources.add_parser("digits", help="the demo set: OUT/train, OUT/val, OUT/zeroshot.json")
@@ -52,12 +68,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.source == "folder":
         pairs, skipped = writers.folder_pairs(args.src)
-        why = "without a non-empty .txt caption"
+        if skipped:
+            get_logger().warning(
+                f"left out {len(skipped)} images without a non-empty .txt caption, e.g. {skipped[0]}"
+            )
     else:
-        pairs, skipped = writers.csv_pairs(args.file)
-        why = "with a missing image or an empty caption"
-    if skipped:
-        print(f"left out {len(skipped)} images {why}, e.g. {skipped[0]}", file=sys.stderr)
+        table_format = TableFormat(args.separator, args.image_key, args.caption_key)
+        pairs, bad_rows = writers.csv_pairs(args.file, table_format)
+        if bad_rows:
+            get_logger().warning(_bad_rows_line(bad_rows))
     wrote = writers.write_pairs(pairs, args.out, per_shard=args.per_shard, desc=args.out.name)
     print(f"{len(pairs)} samples {'written to' if wrote else 'already up to date in'} {args.out}")
     return 0
+
+
+def _bad_rows_line(bad_rows: list[tuple[str, str]]) -> str:
+    """One line: how many rows were left out, by reason, and the first of them."""
+    reasons = Counter(reason for reason, _ in bad_rows)
+    counts = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+    return f"left out {len(bad_rows)} of the table's rows ({counts}), e.g. {bad_rows[0][1]}"

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-import traceback
 
 from clip_train.config import load_config
 from clip_train.errors import UserError
+from clip_train.logs import get_logger, setup_logging
 from clip_train.preemption import EXIT_PREEMPTED, Preempted
 
 
@@ -39,19 +38,20 @@ def run(args: argparse.Namespace) -> int:
 
     check_paths(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
+    log = get_logger()
     try:
         with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, taken before the model is built
             Trainer(cfg, env).run()
     except Preempted as stop:
         if env.is_main:
-            print(f"clip-train: preempted: {stop}", file=sys.stderr)
+            log.warning(f"preempted: {stop}")
         return EXIT_PREEMPTED
     except UserError as err:
-        print(f"clip-train: rank {env.rank}: error: {err}", file=sys.stderr)
+        log.error(f"rank {env.rank}: error: {err}")
         return 2
     except Exception:
-        print(f"clip-train: rank {env.rank} of {env.world_size} failed:", file=sys.stderr)
-        traceback.print_exc()
+        log.exception(f"rank {env.rank} of {env.world_size} failed:")
         return 1
     finally:
         shutdown_distributed()

@@ -8,7 +8,8 @@ How the training stream makes ranks agree and resume exact:
 * A role's epoch stream depends only on (seed, epoch, rank, role): shards drawn with replacement
   (``data.resampled``) or its rank's and role's split of the seed+epoch shard shuffle, cycled, then
   a seeded shuffle buffer. It makes exactly its share of the epoch's S batches, so every rank yields
-  S batches per epoch however uneven its shards are.
+  S batches per epoch however uneven its shards are. A CSV/TSV table's fixed row ranges
+  (``tables``) are shards like any other.
 * Each batch carries its role's position (epoch, batches done, raw items consumed). A loader given
   ``state_dict()`` skips that many raw items undecoded; without a state a role replays its epoch so
   far, decoding to tell good samples from bad (exact too, only slower). Crops are seeded per item.
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from clip_train.config import DataConfig
 from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, decode_sample
 from clip_train.data.sources import dataset_size, expand_urls, read_shard
+from clip_train.data.tables import TableFormat, expand_tables, is_piece, read_piece
 from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transform, train_transform
 from clip_train.preemption import ignore_preemption_signals
 
@@ -123,7 +125,7 @@ def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
     empty: set[str] = set()
     for url in shards:
         count = 0
-        for raw in read_shard(url):
+        for raw in (read_piece if is_piece(url) else read_shard)(url):
             count += 1
             yield raw
         if count:
@@ -354,7 +356,10 @@ def build_train_loader(
 ) -> TrainLoader:
     """The training loader of one rank, at step 0; rank and world size come from the arguments,
     not from ``torch.distributed``."""
-    urls = expand_urls(data_cfg.train, what="data.train")
+    table_format = TableFormat(data_cfg.csv_separator, data_cfg.csv_image_key, data_cfg.csv_caption_key)
+    urls = expand_tables(
+        expand_urls(data_cfg.train, what="data.train"), table_format, data_cfg.csv_shard_rows
+    )
     if global_batch <= 0 or global_batch % world_size:
         raise DataError(
             f"batch.global_size={global_batch} must be a positive multiple of the world size {world_size}"

@@ -32,6 +32,7 @@ SKIP_REASONS = (
     "bad_caption",  # not UTF-8
     "bad_json",
     "bad_image",  # bytes PIL cannot decode
+    "bad_row",  # a CSV/TSV row with more or fewer fields than its header
 )
 
 
@@ -45,6 +46,12 @@ class BadSample(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
+
+
+def sample_key(number: int) -> str:
+    """A written or read sample's key from its running number: unique, sortable and dot-free."""
+    return f"{number:09d}"
 
 
 @dataclass

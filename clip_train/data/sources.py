@@ -2,7 +2,8 @@
 
 A shard spec (``data.train``/``data.val``) is webdataset URLs with brace expansion
 (``/data/{00000..00099}.tar``) or ``pipe:`` commands, several sources joined with ``::``, and local
-directories, which stand for every ``.tar`` in them (sorted).
+directories, which stand for every ``.tar`` in them (sorted). ``data.train`` also takes CSV/TSV
+tables, which the training loader splits into pieces read like shards (see ``tables``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from webdataset.shardlists import expand_urls as wds_expand_urls
 from webdataset.tariterators import base_plus_ext, tar_file_expander, url_opener
 
 from clip_train.data.samples import DataError
+from clip_train.data.tables import Piece, is_piece, is_table
 
 log = logging.getLogger("clip_train.data")
 
@@ -52,8 +54,11 @@ def expand_urls(spec: str, *, what: str = "data.train") -> list[str]:
 
 def check_readable(urls: list[str], *, what: str) -> None:
     """Fail at start-up, not in a data worker mid-run, when no local shard opens as a tar (a 0-byte
-    or non-tar file). Stops at the first one that opens, so a long shard list costs one read."""
+    or non-tar file). Stops at the first one that opens, so a long shard list costs one read.
+    Tables pass for ``data.train`` (its loader checks their headers when it splits them)."""
     local = [u for u in urls if not u.startswith("pipe:") and "://" not in u and os.path.isfile(u)]
+    if what == "data.train":
+        local = [u for u in local if not is_table(u)]
     problem = ""
     for url in local:
         try:
@@ -69,10 +74,13 @@ def check_readable(urls: list[str], *, what: str) -> None:
 
 def dataset_size(urls: list[str]) -> int | None:
     """Samples in local shards from ``sizes.json`` (ours, open_clip's) or img2dataset's
-    ``*_stats.json``; None if any shard's count is unknown."""
+    ``*_stats.json``, and rows in table pieces; None if any shard's count is unknown."""
     sizes_by_dir: dict[Path, dict[str, int]] = {}
     total = 0
     for url in urls:
+        if is_piece(url):
+            total += Piece.from_url(url).rows
+            continue
         path = Path(url)
         if path.parent not in sizes_by_dir:
             sizes_file = path.parent / "sizes.json"

@@ -6,23 +6,25 @@ A directory is written under ``OUT.partial`` and renamed into place when complet
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 from webdataset import ShardWriter
 
-from clip_train.data.samples import IMAGE_EXTENSIONS, DataError
+from clip_train.data.samples import IMAGE_EXTENSIONS, BadSample, DataError, sample_key
+from clip_train.data.tables import TableFormat, piece_rows, row_pair, table_pieces
+from clip_train.logs import progress
 
 MANIFEST = ".make_shards.json"
 SHARD_PATTERN = "shard-%06d.tar"
+Pair = tuple[str, Path, str]  # (sample key, image file, caption)
 
 
 @dataclass
@@ -55,7 +57,7 @@ def write_shards(
     with ShardWriter(
         str(partial / SHARD_PATTERN), maxcount=per_shard, verbose=0, encoder=False, mtime=0
     ) as sink:
-        for record in tqdm(records, total=total, desc=desc, unit="sample"):
+        for record in progress(records, desc, total=total, unit="sample"):
             entry = {"__key__": record.key, record.image_ext: record.image, "txt": record.caption.encode()}
             if record.meta is not None:
                 entry["json"] = json.dumps(record.meta).encode()
@@ -78,9 +80,9 @@ def _up_to_date(out_dir: Path, manifest: dict[str, Any]) -> bool:
     return same and all((out_dir / name).is_file() for name in sizes)
 
 
-def folder_pairs(src: Path) -> tuple[list[tuple[Path, str]], list[Path]]:
-    """(image, caption) for every image under ``src`` with a non-empty same-name ``.txt``, sorted;
-    and the images left out for lack of one."""
+def folder_pairs(src: Path) -> tuple[list[Pair], list[Path]]:
+    """(key, image, caption) for every image under ``src`` with a non-empty same-name ``.txt``,
+    sorted; and the images left out for lack of one."""
     if not src.is_dir():
         raise DataError(f"{src} is not a directory")
     images = sorted(
@@ -91,45 +93,42 @@ def folder_pairs(src: Path) -> tuple[list[tuple[Path, str]], list[Path]]:
         caption_file = image.with_suffix(".txt")
         caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""
         if caption:
-            pairs.append((image, caption))
+            pairs.append((sample_key(len(pairs)), image, caption))
         else:
             skipped.append(image)
     return pairs, skipped
 
 
-def csv_pairs(csv_path: Path) -> tuple[list[tuple[Path, str]], list[Path]]:
-    """(image, caption) per row of a CSV with ``path`` and ``caption`` columns (paths relative to the
-    CSV's folder); and the rows' images left out as missing or captionless."""
-    try:
-        with csv_path.open(newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
-            if not {"path", "caption"} <= set(reader.fieldnames or ()):
-                raise DataError(
-                    f"{csv_path}: needs a header row with columns path,caption; found {reader.fieldnames}"
-                )
-            rows = [(csv_path.parent / row["path"], (row["caption"] or "").strip()) for row in reader]
-    except FileNotFoundError:
-        raise DataError(f"CSV file not found: {csv_path}") from None
-    pairs = [(path, caption) for path, caption in rows if caption and path.is_file()]
-    skipped = [path for path, caption in rows if not (caption and path.is_file())]
+def csv_pairs(csv_path: Path, table_format: TableFormat) -> tuple[list[Pair], list[tuple[str, str]]]:
+    """(row key, image, caption) per usable row of a CSV/TSV table, keyed as the training stream
+    keys them; and (reason, "row N: why") for each other row. Messages, not the exceptions: their
+    tracebacks would keep the caller's frame alive."""
+    pairs: list[Pair] = []
+    skipped: list[tuple[str, str]] = []
+    for piece in table_pieces(csv_path, table_format, rows_per_piece=sys.maxsize):
+        for number, record in piece_rows(piece):
+            try:
+                pairs.append((sample_key(number), *row_pair(record, piece)))
+            except BadSample as bad:
+                skipped.append((bad.reason, f"row {number}: {bad}"))
     return pairs, skipped
 
 
-def write_pairs(pairs: list[tuple[Path, str]], out_dir: Path, *, per_shard: int, desc: str) -> bool:
+def write_pairs(pairs: list[Pair], out_dir: Path, *, per_shard: int, desc: str) -> bool:
     """Shard image files with their captions; each sample's json records its source path."""
     digest = hashlib.sha256()
-    for path, caption in pairs:
+    for key, path, caption in pairs:
         stat = path.stat()
-        digest.update(f"{path.resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\t{caption}\n".encode())
+        digest.update(f"{key}\t{path.resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\t{caption}\n".encode())
     records = (
         Record(
-            key=f"{index:09d}",  # unique and dot-free, whatever the file names
+            key=key,
             image=path.read_bytes(),
             image_ext=path.suffix.lower().lstrip("."),
             caption=caption,
             meta={"source": str(path)},
         )
-        for index, (path, caption) in enumerate(pairs)
+        for key, path, caption in pairs
     )
     source = {"files": digest.hexdigest()}
     return write_shards(records, out_dir, per_shard=per_shard, total=len(pairs), source=source, desc=desc)

@@ -23,7 +23,7 @@ from clip_train.data.eval_sources import (
 )
 from clip_train.distributed import rank_and_world
 from clip_train.eval.encode import encode_split
-from clip_train.eval.metrics import hits_at_k, retrieval_recall, zeroshot_from_features
+from clip_train.eval.metrics import hits_at_k, retrieval_recall, validation_loss, zeroshot_from_features
 from clip_train.eval.zeroshot import build_zeroshot_classifier, zeroshot_accuracy, zeroshot_metadata
 
 __all__ = [
@@ -49,7 +49,8 @@ def evaluate(
     precision: str,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """Zero-shot and retrieval metrics (``zeroshot/top1``, ``retrieval/image_to_text_R@1``, …).
+    """Zero-shot and retrieval metrics (``zeroshot/top1``, ``retrieval/image_to_text_R@1``, …),
+    and with retrieval the loss over ``data.val`` as one batch (``val/loss``).
 
     Call on every rank with the unwrapped model (not the DDP wrapper). When zero-shot reads
     ``data.val`` too, one pass over it serves both.
@@ -82,6 +83,9 @@ def evaluate(
         val_split = encode_split(model, batches, text=True, labels=shared_pass, source=data_cfg.val, **encode)
         recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
         metrics |= {f"retrieval/{k}": v for k, v in recall.items()}
+        scale, bias = model.logit_scale.exp(), model.logit_bias
+        features = val_split.image_features, val_split.text_features
+        metrics["val/loss"] = validation_loss(*features, scale, bias, group=group)
     if eval_cfg.zeroshot:
         classifier = build_zeroshot_classifier(
             model, classnames, templates, batch_size=eval_cfg.batch_size, group=group, **encode

@@ -11,6 +11,7 @@ from torch import nn
 
 from clip_train.data import Batch
 from clip_train.data.eval_sources import EvalError, LabelledImages
+from clip_train.logs import progress
 from clip_train.precision import autocast
 
 
@@ -56,7 +57,7 @@ def encode_split(
     texts: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
     with inference(model, device, precision):
-        for batch in batches:
+        for batch in progress(batches, f"encoding {source}", unit="batch"):
             images.append(model.encode_image(batch.images.to(device, non_blocking=True)).to(dtype))
             if text:
                 ids = batch.input_ids.to(device, non_blocking=True)

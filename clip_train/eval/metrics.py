@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from clip_train.data.eval_sources import EvalError
 from clip_train.distributed import gather_rows, rank_and_world, sum_over_ranks
+from clip_train.loss.checks import Batch
+from clip_train.loss.reference import vanilla_loss, vanilla_sigmoid_loss
 
 RECALL_KS = (1, 5, 10)
 ZEROSHOT_KS = (1, 5)
@@ -42,6 +44,42 @@ def _retrieval_hits(queries: torch.Tensor, keys: torch.Tensor, first: int, ks: S
         positive = torch.arange(first + start, first + start + block.shape[0], device=block.device)
         hits += hits_at_k(block @ keys.T, positive, ks)
     return hits
+
+
+def validation_loss(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """The training loss (softmax, or sigmoid with a bias) over all held-out pairs as one batch:
+    every image against every text of the split, so it depends on neither the sample order nor
+    the ranks. Each rank scores its own rows (both directions) a block at a time."""
+    rank, _ = rank_and_world(group)
+    all_images, counts = gather_rows(image_features, group)
+    all_texts, _ = gather_rows(text_features, group)
+    first = sum(counts[:rank])
+    total = torch.zeros((), dtype=torch.float64, device=image_features.device)
+    for start in range(0, len(image_features), _RETRIEVAL_BLOCK):
+        images = image_features[start : start + _RETRIEVAL_BLOCK]
+        texts = text_features[start : start + _RETRIEVAL_BLOCK]
+        positives = torch.arange(first + start, first + start + len(images), device=images.device)
+        rows = Batch(group=None, rank=0, world=1, labels=positives, symmetric=False)  # vs all columns
+        if logit_bias is None:
+            both = vanilla_loss(images, all_texts, logit_scale, rows) + vanilla_loss(
+                texts, all_images, logit_scale, rows
+            )
+            total += both.double() * len(images) / 2
+        else:
+            total += vanilla_sigmoid_loss(images, all_texts, logit_scale, logit_bias, rows).double() * len(
+                images
+            )
+    total = sum_over_ranks(total, group)
+    if sum(counts) == 0:
+        raise EvalError("validation loss: no image-text pairs to evaluate")
+    return (total / sum(counts)).item()
 
 
 def retrieval_recall(

@@ -17,6 +17,7 @@ from clip_train.data.eval_sources import EvalError, LabelledImages
 from clip_train.distributed import gather_rows, rank_and_world
 from clip_train.eval.encode import encode_split, feature_dtype, inference
 from clip_train.eval.metrics import zeroshot_from_features
+from clip_train.logs import Progress
 
 Template = Callable[[str], str]
 # eval.zeroshot names served from open_clip's ImageNet lists instead of a JSON file
@@ -71,6 +72,7 @@ def build_zeroshot_classifier(
     first, stop = rank * len(classnames) // world, (rank + 1) * len(classnames) // world
     per_forward = max(1, batch_size // len(fill))
     rows: list[torch.Tensor] = []
+    shown = Progress("zero-shot classifier", stop - first, unit="class")
     with inference(model, device, precision):
         for start in range(first, stop, per_forward):
             names = classnames[start : min(start + per_forward, stop)]
@@ -78,6 +80,8 @@ def build_zeroshot_classifier(
             features = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
             features = features.to(dtype).view(len(names), len(fill), -1).mean(1)
             rows.append(F.normalize(features, dim=-1))
+            shown.update(len(names))
+    shown.close()
     local = torch.cat(rows) if rows else torch.zeros((0, 0), dtype=dtype, device=device)
     return gather_rows(local, group)[0]
 

@@ -13,6 +13,9 @@ from torch import nn
 
 from clip_train.config import ConfigError, TowerConfig
 
+# What freeze_norms keeps frozen (OpenCLIP's --lock-text-freeze-layer-norm, and batch norms).
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm)
+
 
 class LockableTower(nn.Module):
     """Base class: ``forward = encode_trainable(*encode_frozen(*inputs))``; frozen parts stay in eval()."""
@@ -60,17 +63,21 @@ class LockableTower(nn.Module):
 
     def lock(self, cfg: TowerConfig, key: str) -> None:
         """LiT as ``cfg`` says: freeze all but the last ``unlocked_layers`` blocks and (unless
-        ``lock_head``) the projection, and pin the frozen submodules to eval(). ``key``: model.image/text.
+        ``lock_head``) the projection, with ``freeze_norms`` their norm layers too, and pin the frozen
+        submodules to eval(). ``key``: model.image/text.
         """
-        if cfg.lock_head and not cfg.lock:
-            raise ConfigError(f"{key}.lock_head=true needs {key}.lock=true")
+        for option in ("lock_head", "freeze_norms"):
+            if getattr(cfg, option) and not cfg.lock:
+                raise ConfigError(f"{key}.{option}=true needs {key}.lock=true")
         if not cfg.lock:
             return
         self.unlocked_layers = cfg.unlocked_layers
         trainable = self._unlocked_modules() if cfg.unlocked_layers else []
         if not cfg.lock_head:
             trainable.append(self.proj)
-        keep = {id(p) for module in trainable for p in module.parameters()}
+        norms = [m for module in trainable for m in module.modules() if isinstance(m, _NORMS)]
+        frozen_norms = {id(p) for m in norms for p in m.parameters()} if cfg.freeze_norms else set()
+        keep = {id(p) for module in trainable for p in module.parameters()} - frozen_norms
         for p in self.parameters():
             if id(p) not in keep:
                 p.requires_grad_(False)
@@ -82,8 +89,12 @@ class LockableTower(nn.Module):
             for name, module in self.named_modules()
             if name and not any(id(m) in inside for m in module.modules())
         }
-        # only the largest frozen subtrees: their eval() reaches the rest
-        self._frozen_module_names = sorted(name for name in frozen if name.rpartition(".")[0] not in frozen)
+        # only the largest frozen subtrees: their eval() reaches the rest; frozen norms inside trained
+        # blocks too, so that batch-norm statistics stay as loaded
+        norm_ids = {id(m) for m in norms} if cfg.freeze_norms else set()
+        frozen_norm_names = [name for name, m in self.named_modules() if id(m) in norm_ids]
+        largest = [name for name in frozen if name.rpartition(".")[0] not in frozen]
+        self._frozen_module_names = sorted(largest + frozen_norm_names)
         self.train(self.training)
 
 

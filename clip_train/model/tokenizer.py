@@ -1,8 +1,10 @@
 """Tokenizers returning fixed-length ``input_ids``/``attention_mask``. For DataLoader workers both
-pickle as (class, constructor arguments), whether or not the library objects underneath pickle."""
+pickle as (class, constructor arguments), whether or not the library objects underneath pickle.
+``IdsTokenizer`` gives either open_clip's call shape: ids only, the mask derived from them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,11 +29,14 @@ class OpenCLIPTokenizer:
         self._bpe = SimpleTokenizer(context_length=context_length)
         self.vocab_size: int = self._bpe.vocab_size
 
-    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        input_ids = self._bpe(list(texts), context_length=self.context_length)
+    def __call__(self, texts: list[str], context_length: int | None = None) -> dict[str, torch.Tensor]:
+        input_ids = self._bpe(list(texts), context_length=context_length or self.context_length)
+        return {"input_ids": input_ids, "attention_mask": self.attention_mask(input_ids)}
+
+    def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1 up to and including each row's eot token, 0 after it (the padding)."""
         eot = (input_ids == self._bpe.eot_token_id).int().argmax(dim=1, keepdim=True)
-        attention_mask = (torch.arange(self.context_length) <= eot).long()
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        return (torch.arange(input_ids.shape[1], device=input_ids.device) <= eot).long()
 
     def save_pretrained(self, directory: Path) -> None:
         """Nothing to write: the vocabulary ships with open_clip."""
@@ -54,15 +59,25 @@ class HFTokenizer:
         self.vocab_size: int = len(self._tok)
         self.pad_token_id: int | None = self._tok.pad_token_id
 
-    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, texts: list[str], context_length: int | None = None) -> dict[str, torch.Tensor]:
         out = self._tok(
             [self._clean(text) for text in texts],
             padding="max_length",
             truncation=True,
-            max_length=self.context_length,
+            max_length=context_length or self.context_length,
             return_tensors="pt",
         )
         return {"input_ids": out["input_ids"].long(), "attention_mask": out["attention_mask"].long()}
+
+    def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1 where the id is not the pad id. A pad token that also stands for a token of every caption
+        (e.g. [SEP]) would mask that token too, so such a tokenizer needs the mask from ``__call__``."""
+        if self.pad_token_id in self._tok("")["input_ids"]:
+            raise ValueError(
+                f"the tokenizer's pad id {self.pad_token_id} also stands for a token of every caption, so "
+                "the ids alone do not tell where the padding starts; pass the attention_mask it returns"
+            )
+        return (input_ids != self.pad_token_id).long()
 
     def save_pretrained(self, directory: Path) -> None:
         self._tok.save_pretrained(directory)
@@ -72,6 +87,22 @@ class HFTokenizer:
 
 
 Tokenizer = OpenCLIPTokenizer | HFTokenizer
+
+
+class IdsTokenizer:
+    """open_clip's tokenizer call shape over a clip_train tokenizer, so code written for open_clip runs
+    unchanged: a str or list of str → LongTensor ids; ``attention_mask(ids)`` gives their mask."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = tokenizer.context_length
+
+    def __call__(self, texts: str | Sequence[str], context_length: int | None = None) -> torch.Tensor:
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        return self.tokenizer(texts, context_length)["input_ids"]
+
+    def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tokenizer.attention_mask(input_ids)
 
 
 def build_tokenizer(name: str, context_length: int, key: str = "model.text.tokenizer") -> Tokenizer:

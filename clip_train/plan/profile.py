@@ -1,6 +1,6 @@
-"""What the plan measures: the planning model (the config's architecture, random weights, no hub),
-each tower's chunk memory under torch's MemTracker at two chunk sizes, and (``--check-cpu``) the
-resident memory of real Gradient Cache steps to hold the estimate against."""
+"""What the plan measures: the planning model (the config's architecture, random weights or on the
+CPU fake tensors, no hub), each tower's chunk memory under torch's MemTracker at two chunk sizes,
+and (``--check-cpu``) the resident memory of real Gradient Cache steps to hold the estimate against."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import ctypes
 import dataclasses
 import platform
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoConfig
 
@@ -21,9 +23,11 @@ from clip_train.engine import GradCache, TrainableHead
 from clip_train.errors import UserError
 from clip_train.memory import format_bytes, peak_bytes, used_bytes
 from clip_train.model import CLIP
+from clip_train.model.hub import load_hf
 from clip_train.model.image import build_image_tower
 from clip_train.model.text import build_text_tower
 from clip_train.optim import build_optimizer
+from clip_train.plan.architecture import find_text_architecture
 from clip_train.plan.estimate import (
     FP32,
     Envelope,
@@ -33,28 +37,10 @@ from clip_train.plan.estimate import (
     TowerProfile,
     adafactor_state_numel,
 )
+from clip_train.plan.progress import Step, quiet
 from clip_train.precision import autocast
 
-# What these hub names build when the hub is unreachable: transformers' BertConfig defaults are
-# bert-base's shapes (the weights do not change the memory, only the shapes do).
-KNOWN_TEXT_CONFIGS: dict[str, dict[str, Any]] = {
-    "bert-base-uncased": {"model_type": "bert", "vocab_size": 30522},
-    "bert-base-cased": {"model_type": "bert", "vocab_size": 28996},
-}
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
-def _text_hyperparameters(source: str) -> dict[str, Any]:
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError):
-        if source in KNOWN_TEXT_CONFIGS:
-            return dict(KNOWN_TEXT_CONFIGS[source])
-        raise UserError(
-            f"model.text.hf={source!r}: its config is neither local nor cached and its shape is not known "
-            "here; pass model.text.hf_config={...} (hidden_size, num_hidden_layers, ...) to plan without it"
-        ) from None
-    return {"model_type": config.model_type, **config.to_diff_dict()}
 
 
 def build_planning_model(model_cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
@@ -63,12 +49,22 @@ def build_planning_model(model_cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
     notes = []
     text_cfg = model_cfg.text
     if not text_cfg.hf_config:
-        text_cfg = dataclasses.replace(text_cfg, hf_config=_text_hyperparameters(text_cfg.hf))
-        notes.append(f"text tower {text_cfg.hf!r} built from its config with random weights")
+        found = find_text_architecture(text_cfg)
+        text_cfg = dataclasses.replace(text_cfg, hf_config=_config_keys(found))
+        source = found if isinstance(found, Path) else "plan's table of known models"
+        notes.append(f"text tower {text_cfg.hf!r}: random weights, architecture from {source}")
     vocab = None if "vocab_size" in text_cfg.hf_config else 49408  # open_clip's BPE, as the tiny config
     text = build_text_tower(text_cfg, model_cfg.embed_dim, vocab_size=vocab)
     visual = build_image_tower(dataclasses.replace(model_cfg.image, pretrained=""), model_cfg.embed_dim)
     return CLIP(visual, text, None, model_cfg.init_logit_scale, model_cfg.init_logit_bias), notes
+
+
+def _config_keys(found: dict[str, Any] | Path) -> dict[str, Any]:
+    """``model.text.hf_config`` keys from a config.json on disk (transformers reads it), or as found."""
+    if isinstance(found, dict):
+        return found
+    config = load_hf(AutoConfig, str(found.parent), "model.text.hf")
+    return {"model_type": config.model_type, **config.to_diff_dict()}
 
 
 def _random_inputs(
@@ -162,26 +158,56 @@ def profile_model(
     precision: str = "fp32",
     chunks: tuple[int, int] = (2, 4),
     device: str = "cpu",
+    step: Step = quiet,
 ) -> ModelProfile:
     """Build the model and measure each tower at two chunk sizes; the rest is counted from shapes."""
     if not 0 < chunks[0] < chunks[1]:
         raise UserError(f"--measure-chunks {chunks[0]} {chunks[1]}: need two sizes 0 < a < b")
-    torch.manual_seed(0)
-    model, notes = build_planning_model(model_cfg)
-    model.to(device).train()
-    return profile_built_model(model, model_cfg, precision, chunks, notes)
+    with _planning_model(model_cfg, device, step) as (model, notes):
+        return profile_built_model(model, model_cfg, precision, chunks, notes, step)
+
+
+@contextlib.contextmanager
+def _planning_model(model_cfg: ModelConfig, device: str, step: Step) -> Iterator[tuple[nn.Module, list[str]]]:
+    """The planning model on ``device``. On the CPU its tensors are fake (shape, dtype and device, no
+    data) while the context is open: a pass allocates exactly what a real one would, without the
+    arithmetic, seconds where ViT-L's real passes take minutes. CUDA runs real passes quickly, and
+    its allocator cross-checks MemTracker's count."""
+    towers = f"{model_cfg.image.timm} and {_text_label(model_cfg)}"
+    if device == "cpu":
+        with step(f"building {towers} as fake tensors (shapes only)"), torch.device("meta"):
+            model, notes = build_planning_model(model_cfg)
+        notes.append("cpu passes on fake tensors: the allocations of real ones, without the arithmetic")
+        with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors' shapes
+            yield model.to_empty(device=device).train(), notes
+    else:
+        with step(f"building {towers} with random weights on {device}"):
+            torch.manual_seed(0)
+            model, notes = build_planning_model(model_cfg)
+        yield model.to(device).train(), notes
+
+
+def _text_label(model_cfg: ModelConfig) -> str:
+    return (
+        model_cfg.text.hf
+        or f"a {model_cfg.text.hf_config.get('model_type', 'bert')} from model.text.hf_config"
+    )
 
 
 def profile_built_model(
-    model: nn.Module, model_cfg: ModelConfig, precision: str, chunks: tuple[int, int], notes: list[str]
+    model: nn.Module,
+    model_cfg: ModelConfig,
+    precision: str,
+    chunks: tuple[int, int],
+    notes: list[str],
+    step: Step = quiet,
 ) -> ModelProfile:
     """Measure a model already on its device (the planning model, or a run's own for auto chunks)."""
     device = model.logit_scale.device
     if _measured_precision(precision, device.type) != precision:
         notes.append(f"{precision} autocast measured as bf16 on {device.type} (same bytes per element)")
-    length = model_cfg.text.context_length
     image, text = (
-        _profile_tower(model, name, chunks, length, precision, notes) for name in ("image", "text")
+        _profile_tower(model, model_cfg, name, chunks, precision, notes, step) for name in ("image", "text")
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
     trainable_bytes = sum(p.numel() * FP32 for p in trainable)
@@ -201,10 +227,23 @@ def profile_built_model(
 
 
 def _profile_tower(
-    model: nn.Module, name: str, chunks: tuple[int, int], length: int, precision: str, notes: list[str]
+    model: nn.Module,
+    model_cfg: ModelConfig,
+    name: str,
+    chunks: tuple[int, int],
+    precision: str,
+    notes: list[str],
+    step: Step,
 ) -> TowerProfile:
     """Each peak of ``measure_chunk`` as a line through the two chunk sizes."""
-    small, large = (measure_chunk(model, name, rows, length, precision) for rows in chunks)
+    length = model_cfg.text.context_length
+    label = model_cfg.image.timm if name == "image" else _text_label(model_cfg)
+
+    def measure(rows: int) -> dict[str, float]:
+        with step(f"measuring the {name} tower ({label}) at chunk {rows}: encode, then replay"):
+            return measure_chunk(model, name, rows, length, precision)
+
+    small, large = (measure(rows) for rows in chunks)
 
     def line(key: str) -> Line:
         return Line.through(chunks, (small[key], large[key]))

@@ -1,0 +1,397 @@
+"""``model.init_from=open_clip:…``: start a run from the weights of an open_clip CLIP.
+
+Three sources: ``open_clip:local-dir:DIR`` (a folder with ``open_clip_config.json`` and the weights,
+as ``clip-train export`` or ``hf download`` writes it), ``open_clip:hf-hub:ORG/REPO`` and
+``open_clip:ARCH/PRETRAINED`` (a built-in architecture with a pretrained tag or a weights file). Hub
+files are read from the local Hugging Face cache only: a run never downloads, and a file that is not
+there fails at start-up in one line that says how to fetch it.
+
+The run's model config defines the architecture; the open_clip model supplies every weight. Towers map
+where clip_train has the same computation: a timm trunk with a bias-free linear projection (open_clip's
+``TimmModel``), open_clip's own ``VisionTransformer`` (into a timm ViT), and a transformers encoder
+(``HFTextEncoder``) with CLS or mean pooling. open_clip's own text transformer pools at the end token,
+which clip_train's text tower does not: such a model fails in one line naming the keys that do not map.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import open_clip
+import torch
+from huggingface_hub import constants, try_to_load_from_cache
+from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+from open_clip.factory import load_state_dict, parse_model_name
+from open_clip.hf_configs import arch_dict
+from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+from timm.layers import QuickGELU
+from timm.models.vision_transformer import VisionTransformer
+
+from clip_train.config import ModelConfig
+from clip_train.export import POOLERS
+from clip_train.model import CLIP
+from clip_train.model.hub import ModelLoadError
+
+PREFIX = "open_clip:"
+WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins
+KEPT_IF_ABSENT = ("logit_bias",)  # a sigmoid-loss run from softmax weights starts at model.init_logit_bias
+
+
+@dataclass(frozen=True)
+class Source:
+    """An open_clip model on this machine: its ``model_cfg`` (as in ``open_clip_config.json``) and weights."""
+
+    model_cfg: dict
+    weights: Path
+
+
+def is_open_clip(spec: str) -> bool:
+    return spec.startswith(PREFIX)
+
+
+def resolve(spec: str) -> Source:
+    """The config and weights file ``spec`` names, without reading the weights or downloading anything."""
+    try:
+        schema, name = parse_model_name(spec.removeprefix(PREFIX))
+    except ValueError as err:
+        raise ModelLoadError(str(err)) from None
+    if schema == "local-dir":
+        return from_folder(Path(name).expanduser())
+    if schema == "hf-hub":
+        return from_hub(name)
+    return from_builtin(name)
+
+
+def from_folder(folder: Path) -> Source:
+    if not (folder / HF_CONFIG_NAME).is_file():
+        what = "holds no " + HF_CONFIG_NAME if folder.is_dir() else "is not a directory"
+        raise ModelLoadError(f"{folder} {what}: not an open_clip model folder")
+    found = [folder / name for name in WEIGHT_NAMES if (folder / name).is_file()]
+    if not found:
+        raise ModelLoadError(f"{folder} holds none of {', '.join(WEIGHT_NAMES)}")
+    return Source(read_model_cfg(folder / HF_CONFIG_NAME), found[0])
+
+
+def from_hub(repo: str) -> Source:
+    config = cached_file(repo, (HF_CONFIG_NAME,))
+    return Source(read_model_cfg(config), cached_file(repo, WEIGHT_NAMES))
+
+
+def from_builtin(name: str) -> Source:
+    """``ARCH/TAG`` (a pretrained tag, from the hub cache) or ``ARCH/FILE`` (a local weights file)."""
+    arch, _, pretrained = name.partition("/")
+    model_cfg = open_clip.get_model_config(arch)
+    if model_cfg is None:
+        raise ModelLoadError(f"open_clip has no built-in model {arch!r} (see open_clip.list_models())")
+    if not pretrained:
+        raise ModelLoadError(f"name the weights: {PREFIX}{arch}/TAG or {PREFIX}{arch}/FILE")
+    if Path(pretrained).expanduser().is_file():
+        return Source(model_cfg, Path(pretrained).expanduser())
+    tag = open_clip.get_pretrained_cfg(arch, pretrained)
+    if not tag:
+        tags = ", ".join(open_clip.list_pretrained_tags_by_model(arch)) or "none"
+        raise ModelLoadError(
+            f"{pretrained!r} is neither a file nor a pretrained tag of {arch} (tags: {tags})"
+        )
+    # OpenAI's weights were trained with QuickGELU, which ViT-B-32's own config does not say
+    model_cfg["quick_gelu"] = model_cfg.get("quick_gelu", False) or tag.get("quick_gelu", False)
+    repo, _, filename = tag["hf_hub"].rpartition("/")  # "org/repo/" (the default file) or "org/repo/file"
+    return Source(model_cfg, cached_file(repo, weight_names(filename)))
+
+
+def weight_names(filename: str) -> tuple[str, ...]:
+    """The files open_clip would fetch for a tag's ``filename`` ("" = the default), safetensors first."""
+    if not filename:
+        return WEIGHT_NAMES
+    if filename.endswith((".bin", ".pth")):
+        return (filename[:-4] + ".safetensors", filename)
+    return (filename,)
+
+
+def cached_file(repo: str, names: tuple[str, ...]) -> Path:
+    """The first of ``names`` in the local Hugging Face cache of ``repo``; a one-line error says how to
+    fetch it otherwise."""
+    for name in names:
+        found = try_to_load_from_cache(repo, name)
+        if isinstance(found, str):
+            return Path(found)
+    either = " or ".join(names)
+    raise ModelLoadError(
+        f"{either} of {repo} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and a run never "
+        f"downloads; on a machine with network run `hf download {repo} {names[0]}` and bring that cache "
+        f"here (HF_HOME), or `hf download {repo} --local-dir DIR` and use {PREFIX}local-dir:DIR"
+    )
+
+
+def read_model_cfg(path: Path) -> dict:
+    try:
+        model_cfg = json.loads(path.read_text()).get("model_cfg")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ModelLoadError(f"{path}: not an open_clip config: {err}") from None
+    if not isinstance(model_cfg, dict) or not {"vision_cfg", "text_cfg"} <= model_cfg.keys():
+        raise ModelLoadError(f"{path}: not an open_clip config (no model_cfg with vision_cfg and text_cfg)")
+    return model_cfg
+
+
+# --------------------------------------------------------------------------------------------
+# open_clip's names → clip_train's
+# --------------------------------------------------------------------------------------------
+
+Convert = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An open_clip key (``pattern``, matched whole) and its clip_train name (a ``re`` template)."""
+
+    pattern: str
+    target: str
+    convert: Convert | None = None  # for tensors whose layout differs, not only their name
+
+
+@dataclass(frozen=True)
+class TowerMap:
+    """How one open_clip tower's keys become clip_train's. ``leftover`` says what the keys that no rule
+    matches are; ``problem`` finds config differences that change the embeddings but no shape."""
+
+    rules: tuple[Rule, ...]
+    leftover: str
+    problem: Callable[[CLIP, ModelConfig], str | None] | None = None
+
+
+SCALES = (Rule(r"logit_(scale|bias)", r"logit_\1"),)
+TIMM_IMAGE = (  # open_clip's TimmModel: the trunk as is, the head's bias-free linear projection
+    Rule(r"visual\.trunk\.(.+)", r"visual.trunk.\1"),
+    Rule(r"visual\.head\.proj\.weight", "visual.proj.weight"),
+)
+HF_TEXT = (  # open_clip's HFTextEncoder: the transformers model and its linear projection
+    Rule(r"text\.transformer\.(.+)", r"text.encoder.\1"),
+    Rule(r"text\.proj\.weight", "text.proj.weight"),
+)
+BLOCK = r"visual\.transformer\.resblocks\.(\d+)\."
+VIT_IMAGE = (  # open_clip's VisionTransformer into a timm VisionTransformer trunk plus clip_train's proj
+    Rule(r"visual\.class_embedding", "visual.trunk.cls_token", lambda t: t.reshape(1, 1, -1)),
+    Rule(r"visual\.positional_embedding", "visual.trunk.pos_embed", lambda t: t.unsqueeze(0)),
+    Rule(r"visual\.conv1\.weight", "visual.trunk.patch_embed.proj.weight"),
+    Rule(r"visual\.ln_pre\.(weight|bias)", r"visual.trunk.norm_pre.\1"),
+    Rule(BLOCK + r"ln_([12])\.(weight|bias)", r"visual.trunk.blocks.\1.norm\2.\3"),
+    Rule(BLOCK + r"attn\.in_proj_(weight|bias)", r"visual.trunk.blocks.\1.attn.qkv.\2"),
+    Rule(BLOCK + r"attn\.out_proj\.(weight|bias)", r"visual.trunk.blocks.\1.attn.proj.\2"),
+    Rule(BLOCK + r"mlp\.c_fc\.(weight|bias)", r"visual.trunk.blocks.\1.mlp.fc1.\2"),
+    Rule(BLOCK + r"mlp\.c_proj\.(weight|bias)", r"visual.trunk.blocks.\1.mlp.fc2.\2"),
+    Rule(BLOCK + r"ls_([12])\.gamma", r"visual.trunk.blocks.\1.ls\2.gamma"),
+    Rule(r"visual\.ln_post\.(weight|bias)", r"visual.trunk.norm.\1"),
+    Rule(r"visual\.proj", "visual.proj.weight", lambda t: t.t()),  # open_clip computes x @ proj
+)
+
+
+def image_map(model_cfg: dict) -> TowerMap:
+    vision = CLIPVisionCfg(**model_cfg["vision_cfg"])
+    if vision.timm_model_name:
+        return TowerMap(
+            TIMM_IMAGE,
+            "head layers other than a bias-free linear projection",
+            lambda model, cfg: timm_pool_problem(vision, cfg),
+        )
+    if isinstance(vision.layers, int):  # a VisionTransformer (a ModifiedResNet has one count per stage)
+        quick_gelu = model_cfg.get("quick_gelu", False)
+        return TowerMap(
+            VIT_IMAGE,
+            "parts with no timm ViT counterpart",
+            lambda model, cfg: vit_problem(vision, quick_gelu, model.visual.trunk, cfg.image.timm),
+        )
+    return TowerMap((), "open_clip's ModifiedResNet has no timm counterpart")
+
+
+def text_map(model_cfg: dict) -> TowerMap:
+    text = CLIPTextCfg(**model_cfg["text_cfg"])
+    if text.hf_model_name:
+        return TowerMap(
+            HF_TEXT,
+            "parts other than the encoder and a linear projection",
+            lambda model, cfg: pooling_problem(text, model),
+        )
+    return TowerMap(
+        (),
+        "open_clip's own text transformer pools at the end token; clip_train's text tower is a "
+        "transformers encoder with cls or mean pooling",
+    )
+
+
+def tower_of(key: str) -> str:
+    if key.startswith("visual."):
+        return "image"
+    return "scale" if key.startswith("logit_") else "text"
+
+
+def to_clip_train(
+    state: dict[str, torch.Tensor], maps: dict[str, TowerMap]
+) -> dict[str, tuple[str, torch.Tensor]]:
+    """clip_train key → (open_clip key, tensor); keys no rule matches are a one-line error by tower."""
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    leftovers: dict[str, list[str]] = {}
+    for key, tensor in state.items():
+        tower = tower_of(key)
+        if found := renamed(key, tensor, maps[tower].rules):
+            out[found[0]] = (key, found[1])
+        else:
+            leftovers.setdefault(tower, []).append(key)
+    if leftovers:
+        parts = (
+            f"the {tower} tower does not map ({maps[tower].leftover}): {listed(keys)}"
+            for tower, keys in leftovers.items()
+        )
+        raise ModelLoadError("; ".join(parts))
+    return out
+
+
+def renamed(key: str, tensor: torch.Tensor, rules: tuple[Rule, ...]) -> tuple[str, torch.Tensor] | None:
+    """The first rule that matches ``key`` applied to it, or None."""
+    for rule in rules:
+        if match := re.fullmatch(rule.pattern, key):
+            return match.expand(rule.target), rule.convert(tensor) if rule.convert else tensor
+    return None
+
+
+def listed(keys: list[str], shown: int = 3) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{len(keys)} keys ({', '.join(sorted(keys)[:shown])}{more})"
+
+
+# --------------------------------------------------------------------------------------------
+# What shapes do not show
+# --------------------------------------------------------------------------------------------
+
+
+def pooling_problem(text: CLIPTextCfg, model: CLIP) -> str | None:
+    """open_clip pools with ``hf_pooler_type``, else the default for the encoder's architecture."""
+    pooler = text.hf_pooler_type or arch_dict.get(model.text.encoder.config.model_type, {}).get("pooler")
+    if pooler == POOLERS[model.text.pooling]:
+        return None
+    ours = {theirs: name for name, theirs in POOLERS.items()}
+    fix = (
+        f"set model.text.pooling={ours[pooler]}"
+        if pooler in ours
+        else "clip_train has only " + ", ".join(f"{name} ({theirs})" for name, theirs in POOLERS.items())
+    )
+    return f"open_clip's text tower pools with {pooler}, the run's with {model.text.pooling}: {fix}"
+
+
+def timm_pool_problem(vision: CLIPVisionCfg, cfg: ModelConfig) -> str | None:
+    """open_clip resets the trunk's pooling to ``timm_pool`` unless it is "" (the architecture's own)."""
+    ours = cfg.image.timm_kwargs.get("global_pool", "")
+    if vision.timm_pool == ours:
+        return None
+    fix = (
+        f"set model.image.timm_kwargs.global_pool={vision.timm_pool}"
+        if vision.timm_pool
+        else "remove model.image.timm_kwargs.global_pool"
+    )
+    return f"open_clip pools the timm trunk with timm_pool={vision.timm_pool!r}, the run with {ours!r}: {fix}"
+
+
+def vit_problem(
+    vision: CLIPVisionCfg, quick_gelu: bool, trunk: torch.nn.Module, timm_name: str
+) -> str | None:
+    """Heads, activation, pooling and norm epsilon of open_clip's ViT against the run's timm ViT."""
+    if not isinstance(trunk, VisionTransformer):
+        return (
+            f"open_clip's image tower is a ViT but model.image.timm={timm_name} is a {type(trunk).__name__}: "
+            "pick a timm CLIP ViT such as vit_base_patch32_clip_224 (model.image.timm_kwargs for its size)"
+        )
+    block = trunk.blocks[0]
+    theirs = {
+        "heads": vision.width // vision.head_width,
+        "activation": "QuickGELU" if quick_gelu else "GELU",
+        "pooling": vision.pool_type,
+        "norm eps": (vision.norm_kwargs or {}).get("eps", 1e-5),  # torch's LayerNorm default
+    }
+    ours = {
+        "heads": block.attn.num_heads,
+        "activation": "QuickGELU" if isinstance(block.mlp.act, QuickGELU) else type(block.mlp.act).__name__,
+        "pooling": {"token": "tok"}.get(trunk.global_pool, trunk.global_pool),
+        "norm eps": block.norm1.eps,
+    }
+    differ = [f"{what} {theirs[what]} vs {ours[what]}" for what in theirs if theirs[what] != ours[what]]
+    if not differ:
+        return None
+    return (
+        f"open_clip's ViT and model.image.timm={timm_name} differ (open_clip's vs the run's "
+        f"{', '.join(differ)}): use a timm CLIP ViT (e.g. vit_base_patch32_clip_224, *_clip_quickgelu_* "
+        "for QuickGELU) and set model.image.timm_kwargs (num_heads, global_pool=token) to match"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def fitted(weights: dict[str, tuple[str, torch.Tensor]], model: CLIP) -> dict[str, torch.Tensor]:
+    """The weights to load: every parameter and buffer the model saves, each of its shape. Buffers the
+    model recomputes rather than saves (``position_ids`` of older transformers) are dropped."""
+    own = model.state_dict()
+    recomputed = {name for name, _ in model.named_buffers()} - own.keys()
+    weights = {key: entry for key, entry in weights.items() if key not in recomputed}
+    if problem := keys_problem(weights.keys(), own.keys()) or shape_problem(weights, own):
+        raise ModelLoadError(problem)
+    return {key: tensor for key, (_, tensor) in weights.items()}
+
+
+def keys_problem(theirs: Iterable[str], ours: Iterable[str]) -> str | None:
+    missing = [key for key in ours if key not in theirs and key not in KEPT_IF_ABSENT]
+    unexpected = [key for key in theirs if key not in ours]
+    found = [
+        f"{what} {listed(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys
+    ]
+    return "the open_clip weights do not fit the model: " + "; ".join(found) if found else None
+
+
+def shape_problem(weights: dict[str, tuple[str, torch.Tensor]], own: dict[str, torch.Tensor]) -> str | None:
+    """The first key, in the model's order, whose shape differs."""
+    for key, tensor in own.items():
+        if key in weights and weights[key][1].shape != tensor.shape:
+            origin, theirs = weights[key]
+            return (
+                f"{key} (open_clip's {origin}) is {tuple(theirs.shape)} in the weights but "
+                f"{tuple(tensor.shape)} in the model: make the model config match the open_clip model"
+            )
+    return None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_state_dict(str(path))
+    except Exception as err:  # torch.load / safetensors raise many types for a bad file
+        raise ModelLoadError(f"{path}: not a readable state dict: {err}") from None
+
+
+def tower_maps(model_cfg: dict) -> dict[str, TowerMap]:
+    try:
+        image, text = image_map(model_cfg), text_map(model_cfg)
+    except TypeError as err:  # a config key this open_clip version does not know
+        raise ModelLoadError(f"not an open_clip {open_clip.__version__} model config: {err}") from None
+    return {"image": image, "text": text, "scale": TowerMap(SCALES, "only logit_scale and logit_bias map")}
+
+
+def check_open_clip(spec: str) -> None:
+    """At start-up, before the model is built: the files exist and no tower is one that never maps."""
+    for tower, tower_map in tower_maps(resolve(spec).model_cfg).items():
+        if not tower_map.rules:
+            raise ModelLoadError(f"the {tower} tower does not map ({tower_map.leftover})")
+
+
+def load_open_clip(spec: str, model: CLIP, cfg: ModelConfig) -> None:
+    """Replace every weight of ``model`` with the open_clip model's; a one-line ``ModelLoadError`` names
+    what does not map, the config difference or the first key whose shape differs."""
+    source = resolve(spec)
+    maps = tower_maps(source.model_cfg)
+    weights = to_clip_train(read_weights(source.weights), maps)
+    for tower in maps.values():
+        if tower.problem and (problem := tower.problem(model, cfg)):
+            raise ModelLoadError(problem)
+    model.load_state_dict(fitted(weights, model), strict=False)  # strict=False: the kept logit_bias

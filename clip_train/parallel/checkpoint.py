@@ -1,0 +1,148 @@
+"""Checkpoints of FSDP runs: every rank writes its own shards of the weights and the optimizer
+(``torch.distributed.checkpoint``, under ``shards/``), rank 0 the rest as for any checkpoint.
+
+Beside the shards, ``model.safetensors`` holds the consolidated weights, gathered one tensor at a
+time into rank 0's host memory, so ``clip_train.load``, ``eval``, ``export`` and ``model.init_from``
+read an FSDP checkpoint like any other. The hidden folder, the rename and the manifest (which
+covers the shards) are those of every checkpoint. Loading reshards: a checkpoint resumes at any
+world size with its weights and optimizer states exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from clip_train.checkpoint import (
+    SHARDS_DIR,
+    WRITE_ERRORS,
+    Checkpointer,
+    Stateful,
+    cannot_save,
+    checkpoint_root,
+    load_train_state,
+    publish_checkpoint,
+    temp_checkpoint_dir,
+    write_checkpoint_files,
+    write_failure,
+)
+from clip_train.distributed import all_ranks_true, decided_by_main, gather_to_main, rank_and_world
+from clip_train.errors import UserError
+
+OPTIMIZER_KEY = "optimizer"
+
+
+class OptimizerApart:
+    """A component (the guarded update) whose ``optimizer`` entry the shards hold: left out of
+    ``train_state.pt``, and on loading taken from the optimizer, which the shards filled first."""
+
+    def __init__(self, part: Stateful, optimizer: torch.optim.Optimizer) -> None:
+        self.part, self.optimizer = part, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.part.state_dict().items() if k != OPTIMIZER_KEY}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part.load_state_dict({**state, OPTIMIZER_KEY: self.optimizer.state_dict()})
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedCheckpointer(Checkpointer):
+    """``Checkpointer`` for a model whose towers are sharded with FSDP2 and its ``optimizer``."""
+
+    optimizer: torch.optim.Optimizer
+
+    def save(self, step: int) -> None:
+        """A collective: each rank writes its shards, rank 0 the rest; a failure on any rank removes
+        the folder and raises the same one-line ``UserError`` on every rank."""
+        gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
+        final = checkpoint_root(self.run_dir) / f"step_{step:08d}"
+        needed = self._bytes_needed()
+        tmp = Path(decided_by_main(lambda: str(self._make_temp(step, final, needed))))
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        failure = ""
+        try:
+            shards = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
+            dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
+        except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
+            failure = write_failure(err)
+        (written,) = all_ranks_true([not failure], self.model.logit_scale.device)
+        # Gathered one tensor at a time into rank 0's host memory; the other ranks get nothing.
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=full) if written else {}
+
+        def finish() -> Path:
+            try:
+                if not written:
+                    raise OSError(failure or "another rank could not write its shards")
+                state = {"world_size": rank_and_world()[1], **gathered}
+                state.update({name: part.state_dict() for name, part in self.shared.items()})
+                write_checkpoint_files(tmp, step, weights, state, self.model, self.model_cfg)
+            except WRITE_ERRORS as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise UserError(cannot_save(final, needed, write_failure(err))) from None
+            return publish_checkpoint(tmp, self.run_dir, step, self.cfg.keep, self.cfg.keep_every)
+
+        decided_by_main(finish)
+
+    def _make_temp(self, step: int, final: Path, needed: int) -> Path:
+        """On rank 0: an empty temporary folder for the save, if the disk can hold it."""
+        tmp = temp_checkpoint_dir(self.run_dir, step)
+        try:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            if self.cfg.check_free_space and shutil.disk_usage(tmp.parent).free < needed:
+                raise UserError(cannot_save(final, needed, "not enough free space (checked before writing)"))
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except WRITE_ERRORS as err:
+            raise UserError(cannot_save(final, needed, write_failure(err))) from None
+        return tmp
+
+    def _bytes_needed(self) -> int:
+        """The shards (weights and optimizer states) plus the consolidated weights, at full size."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        states = sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+        return 2 * weights + states
+
+    def restore(self) -> Path | None:
+        """Load ``checkpoint.resume`` into the sharded model and optimizer, whatever world size wrote
+        it, then every component as ``Checkpointer`` does."""
+        path = decided_by_main(self._resume_point)
+        if path is None:
+            return None
+        if not (path / SHARDS_DIR).is_dir():
+            raise UserError(
+                f"checkpoint {path} has no {SHARDS_DIR}/: it was written by a train.parallel=ddp run; "
+                f"resume it with train.parallel=ddp, or start a new run from its weights with "
+                f"model.init_from={path}"
+            )
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
+        dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[OPTIMIZER_KEY]
+        )
+        self._load_components(load_train_state(path))
+        return path
+
+
+def _one_process() -> bool:
+    """No process group: one rank writes, or reads, every shard."""
+    return not (dist.is_available() and dist.is_initialized())

@@ -1,0 +1,117 @@
+"""FSDP2 (``fully_shard``) over the two towers: each transformer block and each tower's root is one
+unit, so a rank keeps 1/W of every parameter, gradient and optimizer state and gathers one block's
+weights at a time.
+
+The towers are separate FSDP roots because Gradient Cache encodes and replays each on its own; the
+loss's logit scale and bias stay plain replicated parameters, which the engine averages over ranks
+as it does under DDP. Gradient Cache calls ``encode_trainable`` (and, for a locked trunk,
+``encode_frozen``) instead of ``forward``, so those are registered as FSDP forward methods: the
+tower root's weights are gathered around them. Locked parameters are sharded like the rest; they
+never get a gradient, so they are never reduce-scattered and the optimizer holds no state for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from clip_train.config import FsdpConfig, FsdpDtype, Precision
+from clip_train.model.freezing import LockableTower
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def tower_blocks(tower: LockableTower) -> list[nn.Module]:
+    """The repeated blocks of a tower: timm's ``blocks`` (ViTs) or ``stages`` (hierarchical nets),
+    transformers' ``encoder.layer`` (BERT family) or ``layers``; empty when there are none."""
+    holder = getattr(tower, "trunk", None) or getattr(tower, "encoder", None)
+    for path in ("blocks", "stages", "encoder.layer", "layers", "encoder.layers"):
+        try:
+            blocks = holder.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(blocks, nn.Sequential | nn.ModuleList):
+            return list(blocks)
+    return []
+
+
+def mixed_precision(cfg: FsdpConfig, precision: Precision, weights: torch.dtype) -> MixedPrecisionPolicy:
+    """``auto`` gathers bf16 weights under bf16 training (half the all-gather bytes) and reduces
+    gradients in the weights' own dtype, so that summing W ranks' gradients loses nothing."""
+    param = _dtype(cfg.param_dtype, torch.bfloat16 if precision == "bf16" else None)
+    reduce = _dtype(cfg.reduce_dtype, weights if param is not None else None)
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def _dtype(choice: FsdpDtype, auto: torch.dtype | None) -> torch.dtype | None:
+    return auto if choice == "auto" else _DTYPES[choice]
+
+
+def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision) -> None:
+    """Shard both towers of a ``CLIP`` in place across the default process group (a collective-free
+    call: every rank must hold the same weights, as the seeded build gives them). One process
+    without a group has nothing to shard across and keeps its towers whole."""
+    if not dist.is_initialized():
+        return
+    weights = model.logit_scale.dtype
+    options = {
+        "reshard_after_forward": cfg.reshard_after_forward,
+        "mp_policy": mixed_precision(cfg, precision, weights),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if cfg.cpu_offload
+        else OffloadPolicy(),
+    }
+    for tower in (model.visual, model.text):
+        for block in tower_blocks(tower):
+            fully_shard(block, **options)
+        fully_shard(tower, **options)
+        register_fsdp_forward_method(tower, "encode_trainable")
+        if tower.has_frozen_trunk:  # an unlocked tower's encode_frozen only moves its inputs
+            register_fsdp_forward_method(tower, "encode_frozen")
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(tower: nn.Module, sync: bool) -> Iterator[None]:
+    """Reduce-scatter the gradients of backward passes run inside (``sync``) or keep accumulating
+    them unsharded until a later one does; syncing is restored on the way out."""
+    tower.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        tower.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def gathered_for_eval(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
+    """Every sharded unit's full weights on every rank while inside: evaluation splits its data
+    unevenly across ranks, so its forwards must not need collectives. Costs one replica of the
+    parameters (no gradients, no optimizer states) for the duration. A collective on entry.
+    ``reshard_after_forward`` is the run's setting, restored on the way out (the tower roots keep
+    FSDP's own choice for roots: no resharding after forward)."""
+    roots = {id(model.visual), id(model.text)}
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward and id(unit) not in roots, recurse=False)

@@ -1,0 +1,180 @@
+"""``clip-train plan``'s work once its inputs are checked: measure the model, apply the memory model
+to each loss implementation with and without offload, print the table (and ``--check-cpu``'s real
+steps). Imported only then (``commands/plan.py``), as it loads torch, transformers and timm."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clip_train.bench.runner import in_fresh_process
+from clip_train.config import RESOLVED_LOSS_IMPLS, Config, load_config
+from clip_train.distributed import resolve_device
+from clip_train.loss.tiles_torch import default_tile
+from clip_train.memory import format_bytes
+from clip_train.plan.auto_chunks import largest_fitting_chunks, run_setting
+from clip_train.plan.estimate import GIB, ModelProfile, Setting, breakdown, max_batch, usable_bytes
+from clip_train.plan.profile import measure_cpu_step, profile_model
+from clip_train.plan.progress import announce
+
+
+def make_plan(args: argparse.Namespace, cfg: Config) -> int:
+    """The plan for ``cfg`` (its batch and world size already checked), on stdout and in ``--json``."""
+    batch, chunks = cfg.batch.global_size, tuple(args.measure_chunks)
+    device = resolve_device(args.device).type
+    profile = profile_model(cfg.model, cfg.train.precision, chunks, device, announce)
+    capacity = usable_bytes(args.gpu_mem)
+    settings = _settings(cfg, args.gpus)
+    rows = [_row(profile, setting, capacity, cfg.batch.auto_towers) for setting in settings]
+    print(_report(args, cfg, profile, rows, capacity))
+    result: dict[str, Any] = {
+        "config": str(args.config),
+        "overrides": list(args.overrides),
+        "gpu_mem_gib": args.gpu_mem,
+        "usable_bytes": capacity,
+        "profile": dataclasses.asdict(profile),
+        "rows": rows,
+    }
+    if args.check_cpu:
+        result["check_cpu"] = check = _check_cpu(args, cfg, settings, chunks)
+        print(
+            f"\ncheck-cpu: inf loss, no offload, batch {batch}, 2 Gradient Cache + {cfg.optim.name} steps "
+            f"in a fresh process\n  predicted {format_bytes(check['predicted'])} (peak without weights, "
+            f"which precede the baseline)\n  measured  {format_bytes(check['measured'])} (ru_maxrss growth)\n"
+            f"  ratio measured/predicted {check['ratio']:.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _settings(cfg: Config, gpus: int) -> list[Setting]:
+    """The run's setting on GPUs (``auto_chunks.run_setting``) under each loss and offload choice."""
+    run = run_setting(cfg, gpus, "cuda")
+    return [
+        dataclasses.replace(run, impl=impl, offload=offload)
+        for impl in RESOLVED_LOSS_IMPLS
+        if not (impl == "local" and cfg.loss.kind == "sigmoid")  # a softmax-only implementation
+        for offload in (False, True)
+    ]
+
+
+def _check_cpu(
+    args: argparse.Namespace, cfg: Config, settings: list[Setting], chunks: tuple[int, int]
+) -> dict[str, float]:
+    """The inf, no-offload setting with the CPU's tile: predicted peak (weights excluded: they precede
+    the baseline) against the RSS growth of real steps in a fresh process."""
+    inf = next(s for s in settings if s.impl == "inf" and not s.offload)
+    tile = cfg.loss.tile_size or default_tile(torch.device("cpu"))
+    setting = dataclasses.replace(inf, tile=tile, device="cpu")
+    part = breakdown(profile_model(cfg.model, cfg.train.precision, chunks, "cpu", announce), setting)
+    predicted = part.peak - part.weights
+    spec = {
+        "config": str(args.config),
+        "overrides": list(args.overrides),
+        "setting": dataclasses.asdict(setting),
+    }
+    with announce(f"--check-cpu: {setting.batch} samples through 2 real steps in a fresh process"):
+        measured = in_fresh_process(cpu_step, spec)
+    return {"predicted": predicted, "measured": measured, "ratio": measured / predicted}
+
+
+def cpu_step(spec: dict[str, Any]) -> int:
+    """``--check-cpu``'s fresh process: the config again, then real steps."""
+    cfg = load_config(spec["config"], spec["overrides"])
+    return measure_cpu_step(cfg.model, Setting(**spec["setting"]), cfg.train.precision)
+
+
+def _row(profile: ModelProfile, setting: Setting, capacity: float, auto: tuple[str, ...]) -> dict[str, Any]:
+    """One setting's terms; ``auto`` chunks are the ones a run would choose with this capacity."""
+    if auto:
+        choice = largest_fitting_chunks(profile, setting, auto, capacity)
+        setting = dataclasses.replace(setting, image_chunk=choice.image, text_chunk=choice.text)
+    part = breakdown(profile, setting)
+    return {
+        **dataclasses.asdict(setting),
+        **dataclasses.asdict(part),
+        "static": part.static,
+        "peak": part.peak,
+        "fits": part.peak <= capacity,
+        "max_batch": max_batch(profile, setting, capacity),
+    }
+
+
+def _report(
+    args: argparse.Namespace, cfg: Config, profile: ModelProfile, rows: list[dict], capacity: float
+) -> str:
+    first = rows[0]
+    chunks = " / ".join(
+        f"{tower} {'auto' if chunk == 'auto' else chunk or 'all'}"
+        for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True)
+    )
+    lines = [
+        f"plan: {args.config} {' '.join(args.overrides)}".rstrip(),
+        f"  {args.gpus} GPU(s) x {args.gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU after a "
+        f"{format_bytes(args.gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)",
+        f"  precision {profile.precision}, optimizer {cfg.optim.name}, embed_dim {profile.embed_dim}, "
+        f"chunks {chunks}, inf tile {first['tile']}",
+        f"  activations measured on {profile.device} with torch MemTracker (fwd+bwd at chunks "
+        f"{profile.measured_chunks[0]} and {profile.measured_chunks[1]}), scaled linearly in the chunk",
+    ]
+    lines += [f"  note: {note}" for note in profile.notes]
+    for tower in profile.towers:
+        replay = (
+            f"replay {format_bytes(tower.replay.per_sample)}/sample" if tower.replays else "frozen: no replay"
+        )
+        trunk = (
+            f", cached trunk {format_bytes(tower.trunk_per_sample)}/sample" if tower.trunk_per_sample else ""
+        )
+        lines.append(
+            f"  {tower.name:5s}: input {format_bytes(tower.input_per_sample)}/sample, encode "
+            f"{format_bytes(tower.encode.per_sample)}/sample, {replay}{trunk}"
+        )
+    lines.append(
+        f"  static per GPU: weights {format_bytes(first['weights'])}, grads {format_bytes(first['grads'])} "
+        f"(DDP's buckets hold them), optimizer {format_bytes(first['optimizer'])}"
+    )
+    lines.append(
+        f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "
+        "peak = static + data + cache + max(loss + kept graph, backbone, optim step)"
+    )
+    header = (
+        "impl",
+        "offload",
+        "chunks",
+        "data",
+        "cache",
+        "loss",
+        "kept",
+        "backbone",
+        "optim",
+        "static",
+        "peak",
+    )
+    money = ("data", "cache", "loss", "kept_graph", "backbone", "optimizer_step", "static", "peak")
+    per_gpu = first["batch"] // args.gpus
+    table = [(*header, "fits", "max batch")] + [
+        (
+            row["impl"],
+            "yes" if row["offload"] else "no",
+            f"{row['image_chunk'] or per_gpu}/{row['text_chunk'] or per_gpu}",
+            *(format_bytes(row[key]) for key in money),
+            "yes" if row["fits"] else "NO",
+            f"{row['max_batch']:,}",
+        )
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines += [
+        "  ".join(
+            cell.rjust(w) if i > 2 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in table
+    ]
+    return "\n".join(lines)

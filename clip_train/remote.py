@@ -1,0 +1,117 @@
+"""``checkpoint.remote``: the run's checkpoints mirrored to any fsspec URL (``s3://``, ``gs://``,
+``hf://``, a mounted path), so a run on a machine that loses its disk (a spot instance, a node
+swap) resumes elsewhere: ``checkpoint.resume=auto`` with no local checkpoint pulls the newest
+remote one first.
+
+A checkpoint goes up in the background after it is saved, its manifest last: as on the local disk,
+a remote checkpoint without a manifest is incomplete and is never pulled, and a pulled one is
+verified against its manifest like any other. The remote keeps what the local run keeps (older
+ones are deleted after each upload). A failed upload is a warning and is retried with the next
+checkpoint: a week-long run does not stop for a storage hiccup.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from pathlib import Path
+
+import fsspec
+
+from clip_train.checkpoint import (
+    MANIFEST_FILE,
+    RUN_CONFIG_FILE,
+    checkpoint_root,
+    checkpoint_step,
+    complete_checkpoints,
+    temp_checkpoint_dir,
+)
+from clip_train.errors import UserError
+from clip_train.logs import get_logger
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RemoteMirror:
+    """Uploads of ``run_dir``'s checkpoints to ``url``, one at a time, and the pull back."""
+
+    def __init__(self, url: str, run_dir: str | os.PathLike) -> None:
+        self.url, self.run_dir = url, Path(run_dir)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as err:  # an unknown protocol, or its package missing
+            raise UserError(f"checkpoint.remote={url}: {err}") from None
+        self._upload: threading.Thread | None = None
+
+    def push(self, checkpoint: Path) -> None:
+        """Start uploading ``checkpoint`` (waiting for the previous upload first), then the run's
+        config and metrics, then delete remote checkpoints the run no longer keeps."""
+        self.wait()
+        kept = [path.name for path in complete_checkpoints(self.run_dir)]
+        self._upload = threading.Thread(target=self._push, args=(checkpoint, kept), daemon=True)
+        self._upload.start()
+
+    def wait(self) -> None:
+        """Block until the upload in flight (if any) is done: before the next one, and at the end."""
+        if self._upload is not None:
+            self._upload.join()
+            self._upload = None
+
+    def _push(self, checkpoint: Path, kept: list[str]) -> None:
+        try:
+            self._upload_checkpoint(checkpoint)
+            for name in (RUN_CONFIG_FILE, METRICS_FILE):
+                if (self.run_dir / name).is_file():
+                    self._put(self.run_dir / name, f"{self.root}/{name}")
+            for stale in set(self._remote_steps()) - set(kept):
+                self.fs.rm(f"{self._checkpoints()}/{stale}", recursive=True)
+            get_logger().info(f"checkpoint {checkpoint.name} mirrored to {self.url}")
+        except Exception as err:  # any storage error: warn, and retry with the next save
+            get_logger().warning(
+                f"warning: checkpoint.remote={self.url}: uploading {checkpoint.name} failed "
+                f"({type(err).__name__}: {err}); the next checkpoint tries again"
+            )
+
+    def _upload_checkpoint(self, checkpoint: Path) -> None:
+        target = f"{self._checkpoints()}/{checkpoint.name}"
+        files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+        for file in files:
+            self._put(file, f"{target}/{file.relative_to(checkpoint).as_posix()}")
+        self._put(checkpoint / MANIFEST_FILE, f"{target}/{MANIFEST_FILE}")  # complete from now on
+
+    def _put(self, file: Path, target: str) -> None:
+        self.fs.makedirs(posixpath.dirname(target), exist_ok=True)  # object stores ignore it
+        self.fs.put_file(str(file), target)
+
+    def pull_newest(self) -> Path | None:
+        """Download the newest complete remote checkpoint into the run's checkpoint folder (through a
+        temporary folder renamed into place) and return it; ``None`` when the remote has none."""
+        complete = [name for name in self._remote_steps() if self._has_manifest(name)]
+        if not complete:
+            return None
+        name = max(complete)
+        local = checkpoint_root(self.run_dir) / name
+        partial = temp_checkpoint_dir(self.run_dir, checkpoint_step(local))  # cleaned up if we die
+        get_logger().info(f"checkpoint.remote={self.url}: pulling {name}")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.fs.get(f"{self._checkpoints()}/{name}", str(partial), recursive=True)
+        except Exception as err:  # any storage error ends the resume, with its cause
+            raise UserError(
+                f"checkpoint.remote={self.url}: pulling {name} failed ({type(err).__name__}: {err})"
+            ) from None
+        partial.rename(local)
+        return local
+
+    def _checkpoints(self) -> str:
+        return f"{self.root}/checkpoints"
+
+    def _remote_steps(self) -> list[str]:
+        if not self.fs.isdir(self._checkpoints()):
+            return []
+        names = (Path(entry).name for entry in self.fs.ls(self._checkpoints(), detail=False))
+        return [name for name in names if name.startswith("step_")]
+
+    def _has_manifest(self, name: str) -> bool:
+        return self.fs.isfile(f"{self._checkpoints()}/{name}/{MANIFEST_FILE}")

@@ -1,0 +1,177 @@
+"""Gradient Cache over FSDP2-sharded towers on real gloo ranks (W = 2 and 4), in fp64: two optimizer
+steps equal the single-process steps on the concatenated global batch, with chunks and dropout and
+drop-path replayed, with LiT locking and with the sigmoid loss; each sharded unit reduce-scatters
+once per step (or once per replayed chunk with ``sync_every_chunk``)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_gradcache import DROPOUT, SEED, assert_grads_close, grads, make_batch, make_model
+from torch.distributed.tensor import DTensor
+from torch.profiler import profile
+
+from clip_train.config import FsdpConfig
+from clip_train.engine import GradCache
+from clip_train.engine.offload import chunk_bounds
+from clip_train.loss import contrastive_loss
+from clip_train.parallel import is_sharded, shard_towers, tower_blocks
+
+ROWS_PER_RANK, LR, STEPS = 4, 0.5, 2
+SIGMOID = ("model.init_logit_bias=-4.0",)
+LIT = ("model.image.lock=true",)
+LIT_UNLOCKED = ("model.image.lock=true", "model.image.unlocked_layers=1")
+FROZEN_TEXT = ("model.text.lock=true", "model.text.lock_head=true")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    chunks: tuple[int, int]
+    extra: tuple[str, ...] = ()
+    fsdp: FsdpConfig = dataclasses.field(default_factory=FsdpConfig)
+
+
+def rank_batch(rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    return tuple(t[rows] for t in make_batch(world * ROWS_PER_RANK))
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def fsdp_rank(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    return [fsdp_steps(rank, world, case) for case in cases]
+
+
+def fsdp_steps(rank: int, world: int, case: Case) -> dict:
+    model = make_model(*DROPOUT, *case.extra)  # the same initial weights on every rank
+    shard_towers(model, case.fsdp, "fp64")
+    engine = GradCache(
+        model,
+        image_chunk=case.chunks[0],
+        text_chunk=case.chunks[1],
+        precision="fp64",
+        sync_every_chunk=case.fsdp.sync_every_chunk,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    step_grads, losses, reductions = [], [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(SEED + rank)
+        with profile() as prof:
+            losses.append(engine.step(*rank_batch(rank, world)).loss)
+        events = collections.Counter(e.name.split(" ")[0] for e in prof.events())
+        reductions.append(events["FSDP::post_backward_reduce"])
+        step_grads.append({name: full(grad) for name, grad in grads(model).items()})
+        optimizer.step()
+    sharded = {name for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    units = {
+        tower: 1 + len(tower_blocks(getattr(model, tower)))
+        for tower in ("visual", "text")
+        if is_sharded(getattr(model, tower))
+    }
+    return {
+        "losses": losses,
+        "grads": step_grads,
+        "weights": {name: full(p.detach()) for name, p in model.named_parameters()},
+        "local_numel": sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor)),
+        "sharded": sharded,
+        "units": units,
+        "reductions": reductions,
+        "frozen": {name for name, p in model.named_parameters() if not p.requires_grad},
+    }
+
+
+def reference(world: int, case: Case) -> dict:
+    """Plain autograd on the global batch, rank r's chunks encoded from rank r's seed, SGD as above."""
+    model = make_model(*DROPOUT, *case.extra)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    kind = "sigmoid" if model.logit_bias is not None else "softmax"
+    losses, step_grads = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        image_features, text_features = [], []
+        for rank in range(world):
+            images, input_ids, attention_mask = rank_batch(rank, world)
+            torch.manual_seed(SEED + rank)
+            image_features += [
+                model.visual(images[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, case.chunks[0])
+            ]
+            text_features += [
+                model.text(input_ids[a:b], attention_mask[a:b])
+                for a, b in chunk_bounds(ROWS_PER_RANK, case.chunks[1])
+            ]
+        features = (torch.cat(image_features), torch.cat(text_features), model.logit_scale.exp())
+        loss = contrastive_loss(*features, logit_bias=model.logit_bias, kind=kind)
+        loss.backward()
+        losses.append(loss.item())
+        step_grads.append(grads(model))
+        optimizer.step()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    total = sum(p.numel() for name, p in model.named_parameters() if "logit" not in name)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return {"losses": losses, "grads": step_grads, "weights": weights, "numel": total, "frozen": frozen}
+
+
+def check(results: list[dict], want: dict, world: int) -> None:
+    for step in range(STEPS):
+        mean_loss = sum(r["losses"][step] for r in results) / world
+        assert mean_loss == pytest.approx(want["losses"][step], rel=1e-12)
+        for result in results:
+            assert_grads_close(result["grads"][step], want["grads"][step], rtol=1e-10)
+    for result in results:
+        assert result["weights"].keys() == want["weights"].keys()
+        for name, expected in want["weights"].items():
+            torch.testing.assert_close(result["weights"][name], expected, rtol=1e-10, atol=1e-12)
+    # every tower parameter is sharded (locked ones too, and they stay locked), the shards add up
+    # to the model once
+    assert results[0]["frozen"] == want["frozen"]
+    assert all(name.startswith(("visual.", "text.")) for name in results[0]["sharded"])
+    assert len(results[0]["sharded"]) == len(want["weights"]) - sum("logit" in n for n in want["weights"])
+    shard_total = sum(r["local_numel"] for r in results)
+    assert want["numel"] <= shard_total < want["numel"] + world * len(results[0]["sharded"])
+
+
+TWO_RANK_CASES = [
+    Case((2, 4)),  # images in 2 chunks, text in 1 chunk that keeps its graph
+    Case((1, 2)),  # both towers replayed, 4 and 2 chunks
+    Case((0, 0)),  # one chunk per tower: plain backpropagation
+    Case((1, 2), SIGMOID),
+    Case((1, 2), LIT),  # locked image trunk: only the projection trains
+    Case((1, 2), LIT_UNLOCKED),  # the last block trains, the first stays frozen and sharded
+    Case((1, 2), FROZEN_TEXT),  # a tower that never replays
+    Case((1, 2), fsdp=FsdpConfig(sync_every_chunk=True)),
+    Case((1, 2), fsdp=FsdpConfig(reshard_after_forward=False)),
+]
+
+
+def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps():
+    results = run_distributed(fsdp_rank, 2, TWO_RANK_CASES, timeout_s=300)
+    for index, case in enumerate(TWO_RANK_CASES):
+        per_rank = [rank_results[index] for rank_results in results]
+        check(per_rank, reference(2, case), world=2)
+
+
+def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk():
+    plain, lit, every_chunk = (TWO_RANK_CASES[i] for i in (1, 4, 7))
+    results = run_distributed(fsdp_rank, 2, [plain, lit, every_chunk], timeout_s=300)[0]
+    image_units, text_units = results[0]["units"]["visual"], results[0]["units"]["text"]
+    assert (image_units, text_units) == (3, 3)  # two blocks and the root of each tower
+    assert results[0]["reductions"] == [image_units + text_units] * STEPS
+    # LiT: of the image tower only the root holds a trainable weight (the projection)
+    assert results[1]["reductions"] == [1 + text_units] * STEPS
+    # every chunk: 4 image replays, and the text tower's kept chunk plus 1 replay
+    image_chunks, text_chunks = ROWS_PER_RANK // plain.chunks[0], ROWS_PER_RANK // plain.chunks[1]
+    assert results[2]["reductions"] == [image_units * image_chunks + text_units * text_chunks] * STEPS
+
+
+def test_four_ranks_fsdp_step_equals_one_process_full_batch_step():
+    cases = [Case((1, 2)), Case((2, 0), (*SIGMOID, *LIT))]
+    results = run_distributed(fsdp_rank, 4, cases, timeout_s=300)
+    for index, case in enumerate(cases):
+        check([rank_results[index] for rank_results in results], reference(4, case), world=4)

@@ -1,0 +1,249 @@
+"""The trainer with ``train.parallel=fsdp``, end to end, on CPU gloo.
+
+torchrun runs (2 ranks, fp64): an uninterrupted run is the reference; a fresh run resumed from its
+mid-run sharded checkpoint, a run whose worker is killed with SIGKILL under ``--max-restarts=1``,
+and a run stopped by SIGTERM and started again all end with bit-identical weights. In-process ranks
+(the ``run_distributed`` helper): a checkpoint written by 2 ranks resumes on 4 and then on 1 with
+weights and optimizer states exact; the NaN guard, global-norm clipping over sharded gradients and
+the logit-scale clamp act on 2 ranks as on one; the consolidated ``model.safetensors`` loads with
+``clip_train.load``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from safetensors.torch import load_file
+from small_runs import DEMO_CONFIG, run_overrides
+from test_trainer import (
+    _kill_one_worker_after_first_checkpoint,
+    assert_bit_identical,
+    finish,
+    logged_steps,
+    signal_rank_group,
+    stopped_at,
+    torchrun,
+    wait_for_logged_steps,
+)
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+import clip_train
+from clip_train import load_config
+from clip_train.checkpoint import MODEL_FILE, SHARDS_DIR, checkpoint_step, complete_checkpoints, read_manifest
+from clip_train.distributed import DistEnv
+from clip_train.model import build_model
+from clip_train.optim import MAX_LOGIT_SCALE
+from clip_train.trainer import Trainer
+
+STEPS, EVERY = 12, 4
+
+
+def overrides(digits: Path, out_dir: Path, *extra: str, steps: int = STEPS) -> list[str]:
+    return run_overrides(
+        digits,
+        out_dir,
+        steps,
+        "train.parallel=fsdp",
+        "train.precision=fp64",
+        f"checkpoint.every_steps={EVERY}",
+        "checkpoint.keep=5",
+        "log.every_steps=1",
+        *extra,
+    )
+
+
+def weights(out_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(out_dir / "checkpoints" / f"step_{step:08d}" / MODEL_FILE)
+
+
+@pytest.fixture(scope="module")
+def reference(digits, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp_reference")
+    finish(torchrun(*overrides(digits, out)))
+    return out
+
+
+def test_sharded_checkpoints_hold_every_rank_shards_and_the_consolidated_weights(reference, tmp_path):
+    saved = complete_checkpoints(reference)
+    assert [p.name for p in saved] == [f"step_{s:08d}" for s in range(EVERY, STEPS + 1, EVERY)]
+    files = read_manifest(saved[-1])
+    shards = sorted(name for name in files if name.startswith(f"{SHARDS_DIR}/"))
+    assert shards == [f"{SHARDS_DIR}/.metadata", f"{SHARDS_DIR}/__0_0.distcp", f"{SHARDS_DIR}/__1_0.distcp"]
+    consolidated = weights(reference)
+    dcp_to_torch_save(saved[-1] / SHARDS_DIR, tmp_path / "shards.pt")  # the shards, put together
+    assert_bit_identical(consolidated, torch.load(tmp_path / "shards.pt", weights_only=True)["model"])
+    model, _, _ = clip_train.load(saved[-1])  # loads as any checkpoint does (in fp32)
+    assert_bit_identical(model.state_dict(), {k: v.float() for k, v in consolidated.items()})
+
+
+def test_resume_from_a_mid_run_sharded_checkpoint_is_bit_identical(digits, reference, tmp_path):
+    copy = tmp_path / "from" / f"step_{EVERY:08d}"
+    shutil.copytree(reference / "checkpoints" / copy.name, copy)
+    output = finish(torchrun(*overrides(digits, tmp_path / "resumed", f"checkpoint.resume={copy}")))
+    assert f"resumed from {copy}" in output
+    assert_bit_identical(weights(tmp_path / "resumed"), weights(reference))
+
+
+def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
+    out = tmp_path / "killed"
+    run = torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1)
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(run, out, killed))
+    killer.start()
+    output = finish(run)
+    killer.join()
+    assert killed and "resumed from" in output, output[-3000:]
+    assert logged_steps(out) == list(range(1, STEPS + 1))
+    assert_bit_identical(weights(out), weights(reference))
+
+
+def test_sigterm_saves_the_step_in_progress_and_the_rerun_is_bit_identical(digits, reference, tmp_path):
+    out = tmp_path / "preempted"
+    args = overrides(digits, out, "checkpoint.every_steps=1000", "checkpoint.resume=auto")
+    run = torchrun(*args)
+    wait_for_logged_steps(run, out, 2)
+    signal_rank_group(run, 0, signal.SIGTERM)
+    output = run.wait().stdout
+    saved, stopped = stopped_at(out)
+    assert stopped < STEPS and f"SIGTERM received: stopped after step {stopped};" in output, output[-3000:]
+    output = finish(torchrun(*args))
+    assert f"resumed from {saved} at step {stopped}" in output
+    assert logged_steps(out) == list(range(1, STEPS + 1))  # every step once: none lost, none redone
+    assert_bit_identical(weights(out), weights(reference))
+
+
+# -- in-process ranks ------------------------------------------------------------------------------
+
+
+def make_trainer(rank: int, world: int, args: list[str]) -> Trainer:
+    cfg = load_config(DEMO_CONFIG, [*args, "data.workers=0"]).validate(world_size=world)
+    return Trainer(cfg, DistEnv(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu")))
+
+
+def full_states(trainer: Trainer) -> dict[str, Any]:
+    """A copy of the whole model and optimizer state, gathered from the shards (a collective)."""
+    options = StateDictOptions(full_state_dict=True)
+    model = get_model_state_dict(trainer.model, options=options)
+    optimizer = get_optimizer_state_dict(trainer.model, trainer.update.optimizer, options=options)
+    # unsharded tensors (the logit scale, its states) come back as themselves: copy them
+    copy = {"model": model, "optimizer": optimizer["state"]}
+    return {**tree_map_only(torch.Tensor, torch.clone, copy), "step": trainer.step}
+
+
+def trained_then_resumed(rank: int, world: int, args: list[str]) -> dict[str, dict]:
+    """Resume ``args``' run (if it has a checkpoint), note the restored state, train on and save."""
+    trainer = make_trainer(rank, world, args)
+    restored = full_states(trainer)
+    trainer.run()
+    return {"restored": restored, "trained": full_states(trainer)}
+
+
+def assert_states_equal(got: dict, want: dict) -> None:
+    assert got["step"] == want["step"]
+    assert_bit_identical(got["model"], want["model"])
+    assert got["optimizer"].keys() == want["optimizer"].keys()
+    for name, state in want["optimizer"].items():
+        assert_bit_identical(got["optimizer"][name], state)
+
+
+def test_a_two_rank_checkpoint_resumes_on_four_then_on_one_with_weights_and_optimizer_exact(digits, tmp_path):
+    out = tmp_path / "reshard"
+    args = [*overrides(digits, out, "checkpoint.resume=auto", steps=2), "batch.text_chunk=4"]
+    two = run_distributed(trained_then_resumed, 2, args, timeout_s=300)[0]["trained"]
+    assert two["step"] == 2 and len(two["optimizer"]) > 0
+    args[args.index("train.max_steps=2")] = "train.max_steps=3"
+    four = run_distributed(trained_then_resumed, 4, args, timeout_s=300)[0]
+    assert_states_equal(four["restored"], two)
+    assert four["trained"]["step"] == 3
+    args[args.index("train.max_steps=3")] = "train.max_steps=4"
+    one = trained_then_resumed(0, 1, args)  # this process, no process group: the towers stay whole
+    assert_states_equal(one["restored"], four["trained"])
+    assert one["trained"]["step"] == 4
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 3, 4]
+
+
+def step_on(trainer: Trainer):
+    batch = next(trainer.loader)
+    return trainer.engine.step(batch.images, batch.input_ids, batch.attention_mask)
+
+
+def guarded_updates(rank: int, world: int, args: list[str]) -> dict:
+    """The NaN guard, clipping and the logit-scale clamp on sharded towers, on every rank."""
+    trainer = make_trainer(rank, world, args)
+    model, update = trainer.model, trainer.update
+    assert isinstance(model.visual.proj.weight, DTensor)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {
+            k: v.clone()
+            for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()
+        }
+
+    # a non-finite loss on rank 1 alone: every rank skips the step
+    before = snapshot()
+    update.optimizer.zero_grad(set_to_none=True)
+    stats = step_on(trainer)
+    update(float("nan") if rank == 1 else stats.loss, 0)
+    skipped = {
+        "unchanged": all(torch.equal(v, before[k]) for k, v in snapshot().items()),
+        "bad": update.bad_total,
+    }
+
+    # clipping: the norm of the whole (sharded) gradient, then every shard scaled to the limit
+    update.optimizer.zero_grad(set_to_none=True)
+    stats = step_on(trainer)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    whole = math.sqrt(
+        sum(float((g.full_tensor() if isinstance(g, DTensor) else g).pow(2).sum()) for g in grads)
+    )
+    with torch.no_grad():
+        model.logit_scale.fill_(MAX_LOGIT_SCALE + 0.5)  # the clamp must bring it back
+    norm = update(stats.loss, 1)
+    clipped = math.sqrt(
+        sum(float((g.full_tensor() if isinstance(g, DTensor) else g).pow(2).sum()) for g in grads)
+    )
+    return {
+        **skipped,
+        "whole": whole,
+        "norm": norm,
+        "clipped": clipped,
+        "scale": float(model.logit_scale),
+        "changed": not all(torch.equal(v, before[k]) for k, v in snapshot().items()),
+    }
+
+
+def test_nan_guard_clipping_and_scale_clamp_on_two_ranks(digits, tmp_path):
+    args = overrides(digits, tmp_path / "guards", "optim.grad_clip=0.01", steps=4)
+    results = run_distributed(guarded_updates, 2, args, timeout_s=300)
+    for result in results:
+        assert result["unchanged"] and result["bad"] == 1
+        assert result["norm"] == pytest.approx(result["whole"], rel=1e-12)
+        assert result["whole"] > 0.01 and result["clipped"] == pytest.approx(0.01, rel=1e-4)
+        assert result["scale"] == MAX_LOGIT_SCALE and result["changed"]
+    assert results[0]["norm"] == results[1]["norm"]
+
+
+def test_lit_run_keeps_the_locked_trunk_as_built_and_trains_the_rest_on_two_ranks(digits, tmp_path):
+    args = overrides(digits, tmp_path / "lit", "model.image.lock=true", steps=2)
+    finish(torchrun(*args))
+    torch.manual_seed(0)  # train.seed: the weights every rank built
+    built = build_model(load_config(DEMO_CONFIG, args).model).double().state_dict()
+    trained = weights(tmp_path / "lit", 2)
+    moved = {k for k in built if not torch.equal(built[k], trained[k])}
+    assert moved and all(not k.startswith("visual.trunk.") for k in moved)
+    assert {"visual.proj.weight", "text.proj.weight"} <= moved

@@ -1,0 +1,115 @@
+"""``checkpoint.remote``: real checkpoints of the demo run mirrored through fsspec to a local
+``file://`` folder and to fsspec's in-memory filesystem, then pulled back into an empty run."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+from processes import run_to_end
+from small_runs import DEMO_CONFIG, run_overrides
+
+from clip_train.checkpoint import MANIFEST_FILE, checkpoint_problem, checkpoint_root, complete_checkpoints
+from clip_train.errors import UserError
+from clip_train.remote import RemoteMirror
+
+
+@pytest.fixture(params=["file", "memory"])
+def remote_url(request, tmp_path) -> str:
+    if request.param == "file":
+        yield f"file://{tmp_path / 'bucket' / 'run'}"
+        return
+    bucket = f"bucket-{uuid.uuid4().hex}"
+    yield f"memory://{bucket}/run"
+    fsspec.filesystem("memory").rm(bucket, recursive=True)
+
+
+@pytest.fixture
+def run_copy(demo_run, tmp_path) -> Path:
+    """A copy of the demo run (checkpoints at steps 20 and 40), free to change."""
+    return Path(shutil.copytree(demo_run, tmp_path / "run"))
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    return files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and all(
+        filecmp.cmp(a / f, b / f, shallow=False) for f in files
+    )
+
+
+def test_pushed_checkpoints_come_back_verified_into_an_empty_run(run_copy, remote_url, tmp_path):
+    mirror = RemoteMirror(remote_url, run_copy)
+    for checkpoint in complete_checkpoints(run_copy):
+        mirror.push(checkpoint)
+    mirror.wait()
+    fresh = tmp_path / "fresh"
+    pulled = RemoteMirror(remote_url, fresh).pull_newest()
+    newest = complete_checkpoints(run_copy)[-1]
+    assert pulled == checkpoint_root(fresh) / newest.name
+    assert checkpoint_problem(pulled, checksums=True) is None
+    assert _same_tree(pulled, newest)
+    assert [p.name for p in checkpoint_root(fresh).iterdir()] == [newest.name]  # no temporary left
+
+
+def test_the_remote_keeps_what_the_run_keeps_and_never_pulls_an_incomplete_checkpoint(
+    run_copy, remote_url, tmp_path
+):
+    mirror = RemoteMirror(remote_url, run_copy)
+    first, second = complete_checkpoints(run_copy)
+    mirror.push(first)
+    mirror.push(second)
+    mirror.wait()
+    fs, root = fsspec.core.url_to_fs(remote_url)
+    assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {first.name, second.name}
+    shutil.rmtree(first)  # the run pruned it: the next upload prunes the remote too
+    mirror.push(second)
+    mirror.wait()
+    assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {second.name}
+    fs.rm(f"{root}/checkpoints/{second.name}/{MANIFEST_FILE}")  # as an upload cut short leaves it
+    assert RemoteMirror(remote_url, tmp_path / "fresh").pull_newest() is None
+
+
+def test_a_failed_upload_warns_and_the_run_goes_on(run_copy, tmp_path, capsys):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the remote folder should be")
+    mirror = RemoteMirror(f"file://{blocked}", run_copy)
+    mirror.push(complete_checkpoints(run_copy)[-1])
+    mirror.wait()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"clip-train: warning: checkpoint.remote=file://{blocked}: uploading step_")
+    assert line.endswith("the next checkpoint tries again")
+
+
+def test_an_unknown_protocol_is_one_line_naming_the_key(tmp_path):
+    with pytest.raises(UserError, match=r"checkpoint.remote=nosuch://bucket/run: "):
+        RemoteMirror("nosuch://bucket/run", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_fresh_disk_resumes_from_the_remote(digits, tmp_path):
+    """The spot-instance case: a run mirrors its checkpoints, its disk is lost, and the same command
+    with resume=auto on an empty disk continues from the newest remote checkpoint."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+
+    def train(out: Path, steps: int) -> str:
+        overrides = run_overrides(digits, out, steps, "checkpoint.every_steps=2", "checkpoint.resume=auto")
+        command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides]
+        result = run_to_end([*command, f"checkpoint.remote={remote}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stderr
+
+    first = train(tmp_path / "disk1", 4)
+    assert "clip-train: checkpoint step_00000004 mirrored to" in first
+    resumed = train(tmp_path / "disk2", 6)
+    assert f"resumed from {tmp_path / 'disk2' / 'checkpoints' / 'step_00000004'} at step 4" in resumed
+    fs, root = fsspec.core.url_to_fs(remote)
+    # the remote keeps what the run keeps: the new disk holds the pulled step 4 and its own step 6
+    assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {
+        "step_00000004",
+        "step_00000006",
+    }
