@@ -84,7 +84,9 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         if check_space and shutil.disk_usage(root).free < needed:
             raise UserError(cannot_save(final, needed, "not enough free space (checked before writing)"))
-        _write_checkpoint(tmp, step, weights, train_state, model, model_cfg)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg)
     except WRITE_ERRORS as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(cannot_save(final, needed, write_failure(err))) from None
@@ -108,20 +110,6 @@ def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: i
         if not (keep_every and checkpoint_step(old) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _write_checkpoint(
-    tmp: Path,
-    step: int,
-    weights: dict[str, torch.Tensor],
-    train_state: dict,
-    model: CLIP,
-    model_cfg: ModelConfig,
-) -> None:
-    """Every file of a checkpoint into ``tmp``, the manifest last."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg)
 
 
 def write_checkpoint_files(
