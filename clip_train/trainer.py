@@ -130,7 +130,8 @@ class Trainer:
     def _chunks(self, measured: ChunkChoice | None = None) -> tuple[tuple[int, int], str]:
         """The per-rank image and text chunks, and how auto ones were chosen. A resumed run at the
         same world size keeps its checkpoint's choice, so its steps sum in the same order. Sharded
-        towers are ``measured`` before sharding: whole, as DDP holds them, so the choice is safe."""
+        towers are ``measured`` before sharding (rank 0 alone runs them), and the choice counts their
+        sharded states (``run_setting``)."""
         batch, world = self.cfg.batch, self.env.world_size
         per_rank = batch.global_size // world
         if "auto" not in batch.chunks:

@@ -11,6 +11,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = {
     "laion400m-lit-vitb16-bert-256k.yaml": (8, 32),
     "laion400m-vitl14-1m.yaml": (8, 32),
+    "laion2b-vitg14-bert-large-fsdp.yaml": (8, 32),
     "cc12m-vitb32-32k.yaml": (8,),
     "demo-digits.yaml": (1, 2),
     "demo-digits-siglip.yaml": (1, 2),
@@ -44,6 +45,21 @@ def test_lit_recipe_matches_inf_cl():
 def test_million_batch_recipe():
     config = load_config(CONFIGS / "laion400m-vitl14-1m.yaml")
     assert config.batch.global_size == 2**20 and config.model.image.timm.startswith("vit_large_patch14")
+
+
+def test_vitg_recipe_shards_a_giant_at_256k():
+    config = load_config(CONFIGS / "laion2b-vitg14-bert-large-fsdp.yaml")
+    assert config.model.image.timm == "vit_giant_patch14_clip_224" and not config.model.image.pretrained
+    assert (config.model.text.hf, config.model.embed_dim) == ("bert-large-uncased", 1024)
+    assert config.batch.global_size == 256 * 1024 and config.loss.impl == "inf"
+    assert (config.train.parallel, config.train.precision, config.checkpoint.resume) == (
+        "fsdp",
+        "bf16",
+        "auto",
+    )
+    steps_per_epoch = config.data.num_samples // config.batch.global_size
+    assert config.train.max_steps == 6 * steps_per_epoch
+    assert config.optim.warmup_steps == steps_per_epoch // 2
 
 
 def test_siglip_demo_differs_from_the_demo_in_its_loss_and_length():

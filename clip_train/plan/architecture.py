@@ -13,7 +13,8 @@ from huggingface_hub.errors import HFValidationError
 from clip_train.config import TextTowerConfig
 from clip_train.errors import UserError
 
-# BERT-base as published (Devlin et al. 2019); the cased and uncased models differ in the vocabulary.
+# BERT-base and -large as published (Devlin et al. 2019); the cased and uncased models differ in the
+# vocabulary.
 _BERT_BASE: dict[str, Any] = {
     "model_type": "bert",
     "hidden_size": 768,
@@ -23,9 +24,17 @@ _BERT_BASE: dict[str, Any] = {
     "max_position_embeddings": 512,
     "type_vocab_size": 2,
 }
+_BERT_LARGE = {
+    **_BERT_BASE,
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "intermediate_size": 4096,
+}
 KNOWN_TEXT_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "bert-base-uncased": {**_BERT_BASE, "vocab_size": 30522},
     "bert-base-cased": {**_BERT_BASE, "vocab_size": 28996},
+    "bert-large-uncased": {**_BERT_LARGE, "vocab_size": 30522},
 }
 
 

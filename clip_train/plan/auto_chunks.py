@@ -18,6 +18,7 @@ from clip_train.engine.rng import preserved_rng
 from clip_train.errors import UserError
 from clip_train.loss.tiles_torch import default_tile
 from clip_train.memory import format_bytes
+from clip_train.parallel.fsdp import mixed_precision
 from clip_train.plan.estimate import GIB, ModelProfile, Setting, breakdown
 from clip_train.plan.profile import profile_built_model
 
@@ -63,7 +64,24 @@ def run_setting(cfg: Config, world_size: int, device_type: str) -> Setting:
         keep_last_graph=cfg.batch.keep_last_graph,
         kind=cfg.loss.kind,
         device=device_type,
+        sharded=cfg.train.parallel == "fsdp",
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        sync_every_chunk=cfg.fsdp.sync_every_chunk,
+        cpu_offload=cfg.fsdp.cpu_offload,
+        **_fsdp_itemsizes(cfg),
     )
+
+
+def _fsdp_itemsizes(cfg: Config) -> dict[str, int]:
+    """Bytes of an all-gathered weight and of a gradient FSDP2 accumulates unsharded: its mixed
+    precision policy's dtypes (a gradient without a reduce dtype stays in the gathered one), for
+    the fp32 weights the plan assumes."""
+    policy = mixed_precision(cfg.fsdp, cfg.train.precision, torch.float32)
+    gathered = policy.param_dtype or torch.float32
+    return {
+        "gather_itemsize": gathered.itemsize,
+        "accumulate_itemsize": (policy.reduce_dtype or gathered).itemsize,
+    }
 
 
 def device_budget(device: torch.device, local_ranks: int) -> float:

@@ -68,10 +68,11 @@ def _check_cpu(
     args: argparse.Namespace, cfg: Config, settings: list[Setting], chunks: tuple[int, int]
 ) -> dict[str, float]:
     """The inf, no-offload setting with the CPU's tile: predicted peak (weights excluded: they precede
-    the baseline) against the RSS growth of real steps in a fresh process."""
+    the baseline) against the RSS growth of real steps in a fresh process. One process has nothing
+    to shard across (``shard_towers`` keeps its towers whole), so the check is unsharded."""
     inf = next(s for s in settings if s.impl == "inf" and not s.offload)
     tile = cfg.loss.tile_size or default_tile(torch.device("cpu"))
-    setting = dataclasses.replace(inf, tile=tile, device="cpu")
+    setting = dataclasses.replace(inf, tile=tile, device="cpu", sharded=False)
     part = breakdown(profile_model(cfg.model, cfg.train.precision, chunks, "cpu", announce), setting)
     predicted = part.peak - part.weights
     spec = {
@@ -135,10 +136,7 @@ def _report(
             f"  {tower.name:5s}: input {format_bytes(tower.input_per_sample)}/sample, encode "
             f"{format_bytes(tower.encode.per_sample)}/sample, {replay}{trunk}"
         )
-    lines.append(
-        f"  static per GPU: weights {format_bytes(first['weights'])}, grads {format_bytes(first['grads'])} "
-        f"(DDP's buckets hold them), optimizer {format_bytes(first['optimizer'])}"
-    )
+    lines += _static_lines(first)
     lines.append(
         f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "
         "peak = static + data + cache + max(loss + kept graph, backbone, optim step)"
@@ -178,3 +176,34 @@ def _report(
         for r in table
     ]
     return "\n".join(lines)
+
+
+def _static_lines(row: dict[str, Any]) -> list[str]:
+    """The static terms; sharded, also where the shards live and what FSDP2 gathers or accumulates
+    beside them (``estimate.gathered_weights`` and ``accumulated_grads``)."""
+    size = {
+        key: format_bytes(row[key]) for key in ("weights", "gathered", "grads", "accumulated", "optimizer")
+    }
+    if not row["sharded"]:
+        return [
+            f"  static per GPU: weights {size['weights']}, grads {size['grads']} (DDP's buckets hold them), "
+            f"optimizer {size['optimizer']}"
+        ]
+    where = "in host memory (fsdp.cpu_offload)" if row["cpu_offload"] else f"1/{row['gpus']} per GPU"
+    gathered = (
+        "a tower's root unit + 2 blocks: the one in use, the one prefetched"
+        if row["reshard_after_forward"]
+        else "both whole towers: fsdp.reshard_after_forward=false"
+    )
+    accumulated = (
+        "none: fsdp.sync_every_chunk"
+        if row["sync_every_chunk"]
+        else "a tower's, from its first replay chunk until its last reduce-scatters"
+    )
+    return [
+        f"  sharded (fsdp): weights, grads and optimizer states {where}; all-gathered weights "
+        f"{size['gathered']} ({gathered}; {row['gather_itemsize']} bytes each); unsharded grads "
+        f"{size['accumulated']} ({accumulated}; {row['accumulate_itemsize']} bytes each)",
+        f"  static per GPU: weights {size['weights']} + gathered {size['gathered']}, grads {size['grads']} "
+        f"+ unsharded {size['accumulated']}, optimizer {size['optimizer']}",
+    ]

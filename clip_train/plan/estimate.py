@@ -4,7 +4,9 @@ largest global batch that fits: arithmetic only, without torch or the loss's int
     M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)
 
 ``Breakdown`` defines the terms. Only M_backbone is measured (``profile.py``, at two small chunk
-sizes, extrapolated linearly); the rest is counted from shapes.
+sizes, extrapolated linearly); the rest is counted from shapes. Under FSDP2 (``Setting.sharded``)
+the static part is the rank's shards plus what sharding gathers or holds unsharded for a while:
+``gathered_weights`` and ``accumulated_grads``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class TowerProfile:
     trunk_per_sample: int  # bytes of the cached frozen-trunk output (0 unless LiT caches a trunk)
     input_per_sample: int  # raw bytes: uint8 pixels, or int64 ids + mask
     replays: bool
+    # FSDP2's units of the tower (``parallel.fsdp.shard_towers``), as parameter counts: the root's
+    # own (every parameter outside a block), then each block's
+    unit_numels: tuple[int, ...]
+    trainable_numel: int  # parameters that get gradients
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,13 @@ class Setting:
     keep_last_graph: bool = True  # batch.keep_last_graph
     kind: str = "softmax"  # loss.kind
     device: str = "cuda"  # where the loss's tiles run: the plan is for GPUs, --check-cpu runs here
+    # train.parallel=fsdp, and the fsdp.* options that move memory
+    sharded: bool = False
+    reshard_after_forward: bool = True
+    sync_every_chunk: bool = False
+    cpu_offload: bool = False
+    gather_itemsize: int = FP32  # bytes of an all-gathered weight (fsdp.param_dtype)
+    accumulate_itemsize: int = FP32  # bytes of a gradient accumulated unsharded (fsdp.reduce_dtype)
 
     @property
     def per_rank(self) -> int:
@@ -122,8 +135,10 @@ class Setting:
 class Breakdown:
     """Per-GPU bytes of one setting; ``peak`` is eq. 10 plus the static part."""
 
-    weights: float  # every parameter and buffer, fp32
+    weights: float  # every parameter and buffer, fp32; sharded, the rank's 1/W (none with cpu_offload)
+    gathered: float  # sharded: the all-gathered weights in use (``gathered_weights``); DDP: 0
     grads: float  # trainable parameters only (LiT-frozen ones have none); DDP's buckets are views of them
+    accumulated: float  # sharded: a tower's unsharded gradients between syncs (``accumulated_grads``)
     optimizer: float  # the trainable parameters' optimizer state
     data: float  # M_data: the raw per-rank batch; with offload, two chunks of the stream in use
     cache: float  # M_cache: fp32 features and their gradients, and a LiT tower's frozen-trunk output
@@ -134,7 +149,7 @@ class Breakdown:
 
     @property
     def static(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.gathered + self.grads + self.accumulated + self.optimizer
 
     @property
     def transient(self) -> float:
@@ -181,6 +196,7 @@ def loss_workspace(
 
 def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     n, dim = setting.per_rank, profile.embed_dim
+    share = resident_share(setting)
     trainable = profile.trainable_bytes
     optimizer = {"adamw": profile.adamw_bytes, "adafactor": profile.adafactor_bytes}[setting.optimizer]
     # Raw input and cached-trunk streams: all on the device, or (offload) two chunks of the largest.
@@ -201,16 +217,60 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
         setting.impl, setting.batch, setting.gpus, dim, setting.tile, setting.kind, setting.device
     )
     return Breakdown(
-        weights=profile.weight_bytes,
-        grads=trainable,
-        optimizer=optimizer,
+        weights=profile.weight_bytes * share,
+        gathered=gathered_weights(profile, setting),
+        grads=trainable * share,
+        accumulated=accumulated_grads(profile, setting),
+        optimizer=optimizer * share,
         data=data,
         cache=features + trunk,
         loss=loss,
         kept_graph=max(kept_graph, 0.0),
         backbone=max(backbone, 0.0),
-        optimizer_step=trainable,
+        optimizer_step=trainable * share,
     )
+
+
+def resident_share(setting: Setting) -> float:
+    """The part of the weights, gradients and optimizer states (and of the step's temporary) a GPU
+    holds: all under DDP, a 1/W shard under FSDP, none with fsdp.cpu_offload (the shards live, and
+    the optimizer steps, in host memory). Buffers and the loss's scale and bias stay replicated:
+    a few KiB, counted as sharded."""
+    if not setting.sharded:
+        return 1
+    return 0 if setting.cpu_offload else 1 / setting.gpus
+
+
+def gathered_weights(profile: ModelProfile, setting: Setting) -> float:
+    """Sharded: the all-gathered weights (fsdp.param_dtype) at their most. One tower computes at a
+    time; resharding after forward, it holds its root unit (what no block holds) gathered beside
+    the block in use and the next one, prefetched: the larger tower's root and two largest blocks.
+    Without resharding, a graph-less stage-1 encode leaves every block gathered until the tower's
+    own backward reshards it (a frozen tower's never), so through the loss both towers are whole."""
+    if not setting.sharded:
+        return 0.0
+    units = [t.unit_numels for t in profile.towers]
+    if setting.reshard_after_forward:
+        numel = max(root + sum(sorted(blocks)[-2:]) for root, *blocks in units)
+    else:
+        numel = sum(map(sum, units))
+    return numel * setting.gather_itemsize
+
+
+def accumulated_grads(profile: ModelProfile, setting: Setting) -> float:
+    """Sharded: gradients held unsharded between syncs. Gradient Cache turns a tower's gradient sync
+    off for its earlier replay chunks, so FSDP2 adds their gradients up unsharded (in the reduce
+    dtype) until the last chunk reduce-scatters them; the towers replay one after the other, so
+    the larger one's. None with fsdp.sync_every_chunk or in a one-chunk tower (each block's
+    gradients are reduce-scattered as its backward ends). Counted as static, which over-counts the
+    encode and the loss (no gradients yet) and the first tower's replay (the other's shards not
+    yet there), to the safe side."""
+    if not setting.sharded or setting.sync_every_chunk:
+        return 0.0
+    chunked = [
+        t.trainable_numel for t in profile.towers if t.replays and setting.chunk(t.name) < setting.per_rank
+    ]
+    return max(chunked, default=0) * setting.accumulate_itemsize
 
 
 def graph_keepers(replaying: list[TowerProfile], setting: Setting) -> list[TowerProfile]:

@@ -27,6 +27,7 @@ from clip_train.model.hub import load_hf
 from clip_train.model.image import build_image_tower
 from clip_train.model.text import build_text_tower
 from clip_train.optim import build_optimizer
+from clip_train.parallel.fsdp import tower_blocks
 from clip_train.plan.architecture import find_text_architecture
 from clip_train.plan.estimate import (
     FP32,
@@ -248,7 +249,8 @@ def _profile_tower(
     def line(key: str) -> Line:
         return Line.through(chunks, (small[key], large[key]))
 
-    replays = not getattr(model, "visual" if name == "image" else "text").is_frozen
+    tower = getattr(model, "visual" if name == "image" else "text")
+    replays = not tower.is_frozen
     if replays and "allocator_replay" in large:
         notes.append(
             f"{name} replay at chunk {chunks[1]}: CUDA max_memory_allocated "
@@ -262,7 +264,16 @@ def _profile_tower(
         trunk_per_sample=round(large["trunk"]) if replays else 0,
         input_per_sample=_nbytes(_random_inputs(model, name, 1, length)),
         replays=replays,
+        unit_numels=_unit_numels(tower),
+        trainable_numel=sum(p.numel() for p in tower.parameters() if p.requires_grad),
     )
+
+
+def _unit_numels(tower: nn.Module) -> tuple[int, ...]:
+    """The parameter counts of the tower's FSDP2 units, as ``shard_towers`` wraps them: the root's
+    own (every parameter no block holds), then each block's."""
+    blocks = [sum(p.numel() for p in block.parameters()) for block in tower_blocks(tower)]
+    return (sum(p.numel() for p in tower.parameters()) - sum(blocks), *blocks)
 
 
 def _describe_device(device: torch.device) -> str:
