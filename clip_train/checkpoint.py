@@ -75,22 +75,36 @@ def save_checkpoint(
     disk that has less free space than the tensors is refused before anything is written. Older
     checkpoints are pruned only once the new one is in place.
     """
-    root = checkpoint_root(out_dir)
-    final = root / f"step_{step:08d}"
-    tmp = temp_checkpoint_dir(out_dir, step)
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     needed = tensor_bytes(weights) + tensor_bytes(train_state)
+    tmp = fresh_temp_dir(out_dir, step, needed, check_space=check_space)
+    try:
+        write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg)
+    except WRITE_ERRORS as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(cannot_save(checkpoint_dir(out_dir, step), needed, write_failure(err))) from None
+    return publish_checkpoint(tmp, out_dir, step, keep, keep_every)
+
+
+def checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives once complete."""
+    return checkpoint_root(out_dir) / f"step_{step:08d}"
+
+
+def fresh_temp_dir(out_dir: str | os.PathLike, step: int, needed: int, *, check_space: bool) -> Path:
+    """An empty ``temp_checkpoint_dir`` for a save of ``needed`` bytes; with ``check_space`` a disk
+    with less room is refused before anything is written (a one-line ``UserError``, as any failure)."""
+    root, tmp = checkpoint_root(out_dir), temp_checkpoint_dir(out_dir, step)
+    final = checkpoint_dir(out_dir, step)
     try:
         root.mkdir(parents=True, exist_ok=True)
         if check_space and shutil.disk_usage(root).free < needed:
             raise UserError(cannot_save(final, needed, "not enough free space (checked before writing)"))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg)
     except WRITE_ERRORS as err:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(cannot_save(final, needed, write_failure(err))) from None
-    return publish_checkpoint(tmp, out_dir, step, keep, keep_every)
+    return tmp
 
 
 def temp_checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
@@ -100,8 +114,7 @@ def temp_checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
 
 def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: int, keep_every: int) -> Path:
     """Rename a complete ``tmp`` into place and prune all but the newest ``keep`` and the milestones."""
-    root = checkpoint_root(out_dir)
-    final = root / f"step_{step:08d}"
+    root, final = checkpoint_root(out_dir), checkpoint_dir(out_dir, step)
     if final.exists():  # a rerun of the same step after a restart replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import shutil
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,9 @@ from dist_utils import run_distributed
 from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, run_overrides
 from test_trainer import (
-    _kill_one_worker_after_first_checkpoint,
     assert_bit_identical,
     finish,
+    finish_with_a_worker_killed,
     logged_steps,
     signal_rank_group,
     stopped_at,
@@ -101,13 +100,10 @@ def test_resume_from_a_mid_run_sharded_checkpoint_is_bit_identical(digits, refer
 
 def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
     out = tmp_path / "killed"
-    run = torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1)
-    killed: list[int] = []
-    killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(run, out, killed))
-    killer.start()
-    output = finish(run)
-    killer.join()
-    assert killed and "resumed from" in output, output[-3000:]
+    output = finish_with_a_worker_killed(
+        torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1), out
+    )
+    assert "resumed from" in output, output[-3000:]
     assert logged_steps(out) == list(range(1, STEPS + 1))
     assert_bit_identical(weights(out), weights(reference))
 

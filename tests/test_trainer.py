@@ -129,6 +129,17 @@ def _kill_one_worker_after_first_checkpoint(run: Watched, out_dir: Path, killed:
     killed.append(victim.pid)
 
 
+def finish_with_a_worker_killed(run: Watched, out_dir: Path) -> str:
+    """``run``'s output, one of its workers SIGKILLed once its first checkpoint exists (asserted)."""
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(run, out_dir, killed))
+    killer.start()
+    output = finish(run)
+    killer.join()
+    assert killed, "no worker was killed"
+    return output
+
+
 def logged(out_dir: Path) -> list[dict]:
     metrics = out_dir / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -258,13 +269,9 @@ def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digi
 
 def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
     out = tmp_path / "killed"
-    run = torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1)
-    killed: list[int] = []
-    killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(run, out, killed))
-    killer.start()
-    output = finish(run)
-    killer.join()
-    assert killed, "no worker was killed"
+    output = finish_with_a_worker_killed(
+        torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1), out
+    )
     assert "resumed from" in output, output[-3000:]
     assert logged_steps(out) == list(range(1, STEPS + 1))  # the steps after the checkpoint logged once
     assert_bit_identical(weights(out), weights(reference))

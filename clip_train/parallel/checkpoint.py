@@ -31,10 +31,11 @@ from clip_train.checkpoint import (
     Checkpointer,
     Stateful,
     cannot_save,
-    checkpoint_root,
+    checkpoint_dir,
+    fresh_temp_dir,
     load_train_state,
     publish_checkpoint,
-    temp_checkpoint_dir,
+    tensor_bytes,
     write_checkpoint_files,
     write_failure,
 )
@@ -68,9 +69,12 @@ class ShardedCheckpointer(Checkpointer):
         """A collective: each rank writes its shards, rank 0 the rest; a failure on any rank removes
         the folder and raises the same one-line ``UserError`` on every rank."""
         gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
-        final = checkpoint_root(self.run_dir) / f"step_{step:08d}"
+        final = checkpoint_dir(self.run_dir, step)
         needed = self._bytes_needed()
-        tmp = Path(decided_by_main(lambda: str(self._make_temp(step, final, needed))))
+        check_space = self.cfg.check_free_space
+        tmp = Path(
+            decided_by_main(lambda: str(fresh_temp_dir(self.run_dir, step, needed, check_space=check_space)))
+        )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         failure = ""
         try:
@@ -97,29 +101,9 @@ class ShardedCheckpointer(Checkpointer):
 
         decided_by_main(finish)
 
-    def _make_temp(self, step: int, final: Path, needed: int) -> Path:
-        """On rank 0: an empty temporary folder for the save, if the disk can hold it."""
-        tmp = temp_checkpoint_dir(self.run_dir, step)
-        try:
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            if self.cfg.check_free_space and shutil.disk_usage(tmp.parent).free < needed:
-                raise UserError(cannot_save(final, needed, "not enough free space (checked before writing)"))
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except WRITE_ERRORS as err:
-            raise UserError(cannot_save(final, needed, write_failure(err))) from None
-        return tmp
-
     def _bytes_needed(self) -> int:
         """The shards (weights and optimizer states) plus the consolidated weights, at full size."""
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        states = sum(
-            t.numel() * t.element_size()
-            for state in self.optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor)
-        )
-        return 2 * weights + states
+        return 2 * tensor_bytes(self.model.state_dict()) + tensor_bytes(list(self.optimizer.state.values()))
 
     def restore(self) -> Path | None:
         """Load ``checkpoint.resume`` into the sharded model and optimizer, whatever world size wrote
