@@ -30,9 +30,14 @@ demo: $(VENV)/.installed-demo
 		train.out_dir=$(DEMO_RUN) $(DEMO_ARGS)
 	$(VENV)/bin/clip-train report $(DEMO_RUN) --prefix demo
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), each file on one worker so that its
+# module fixtures (trained reference runs) are built once: most tests wait on subprocesses.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 # The floor of the supported range (pyproject's torch>=) as CI runs it: torch, torchvision, Triton
 # and numpy at the image's pins (docker/constraints.txt), in a venv that takes every other package
@@ -54,7 +59,7 @@ $(FLOOR_VENV)/.installed: docker/constraints.txt $(VENV)/.installed-dev+demo
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed
-	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS)
+	$(FLOOR_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) $(FLOOR_TESTS)
 
 # The GPU check kit, for a GPU box without network: `make gpu-wheels` here writes the wheels such a
 # box (torch and torchvision preinstalled) lacks; copy the checkout with them, and on the box
