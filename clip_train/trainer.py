@@ -262,8 +262,11 @@ class Trainer:
         scale = float(self.model.logit_scale.detach().exp())
         lr = self.update.optimizer.param_groups[0]["lr"]
         peak = stats.peak_mem or peak_bytes(self.env.device)
-        optimizer_s = step_s - data_s - stats.encode_s - stats.loss_s - stats.replay_s
-        split = (stats.encode_s, stats.loss_s, stats.replay_s, optimizer_s)
+        optimizer_s = step_s - data_s - stats.encode_s - stats.gather_s - stats.loss_s - stats.replay_s
+        split = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
+        if self.cfg.train.parallel != "fsdp":
+            del split["gat"]  # nothing is gathered
+        split["opt"] = optimizer_s
         monitor.advance(
             self.step,
             {
@@ -271,7 +274,7 @@ class Trainer:
                 "samples/s": round(samples_per_s),
                 "lr": lr,
                 "scale": scale,
-                "enc/loss/rep/opt s": "/".join(f"{t:.2f}" for t in split),
+                f"{'/'.join(split)} s": "/".join(f"{t:.2f}" for t in split.values()),
                 "mem GiB": round(peak / 2**30, 2),
                 "skipped": sum(self.skipped.values()),
             },
@@ -289,6 +292,7 @@ class Trainer:
             "time/step_s": step_s,
             "time/data_s": data_s,
             "time/encode_s": stats.encode_s,
+            "time/gather_s": stats.gather_s,
             "time/loss_s": stats.loss_s,
             "time/replay_s": stats.replay_s,
             "time/optimizer_s": optimizer_s,

@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_gradcache import DROPOUT, SEED, assert_grads_close, grads, make_batch, make_model
+from test_gradcache import (
+    DROPOUT,
+    SEED,
+    assert_close_overall,
+    assert_grads_close,
+    grads,
+    make_batch,
+    make_model,
+)
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
@@ -33,6 +42,7 @@ class Case:
     chunks: tuple[int, int]
     extra: tuple[str, ...] = ()
     fsdp: FsdpConfig = dataclasses.field(default_factory=FsdpConfig)
+    precision: str = "fp64"  # bf16: fp32 weights, bf16 gathers and autocast
 
 
 def rank_batch(rank: int, world: int) -> tuple[torch.Tensor, ...]:
@@ -49,14 +59,20 @@ def fsdp_rank(rank: int, world: int, cases: list[Case]) -> list[dict]:
 
 
 def fsdp_steps(rank: int, world: int, case: Case) -> dict:
-    model = make_model(*DROPOUT, *case.extra)  # the same initial weights on every rank
-    shard_towers(model, case.fsdp, "fp64")
+    weights = torch.float64 if case.precision == "fp64" else torch.float32
+    model = make_model(*DROPOUT, *case.extra, dtype=weights)  # the same initial weights on every rank
+    shard_towers(model, case.fsdp, case.precision)
     engine = GradCache(
         model,
         image_chunk=case.chunks[0],
         text_chunk=case.chunks[1],
-        precision="fp64",
+        precision=case.precision,
         sync_every_chunk=case.fsdp.sync_every_chunk,
+    )
+    gathered = set()  # the dtypes a block's weights have inside its forward
+    block = tower_blocks(model.visual)[0]
+    block.register_forward_pre_hook(
+        lambda module, args: gathered.update(p.dtype for p in module.parameters())
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     step_grads, losses, reductions = [], [], []
@@ -84,6 +100,8 @@ def fsdp_steps(rank: int, world: int, case: Case) -> dict:
         "units": units,
         "reductions": reductions,
         "frozen": {name for name, p in model.named_parameters() if not p.requires_grad},
+        "gathered": gathered,
+        "grad_dtypes": {g.dtype for g in step_grads[-1].values()},
     }
 
 
@@ -147,6 +165,7 @@ TWO_RANK_CASES = [
     Case((1, 2), FROZEN_TEXT),  # a tower that never replays
     Case((1, 2), fsdp=FsdpConfig(sync_every_chunk=True)),
     Case((1, 2), fsdp=FsdpConfig(reshard_after_forward=False)),
+    Case((1, 2), fsdp=FsdpConfig(cpu_offload=True)),  # on CPU: the policy, not the copies
 ]
 
 
@@ -155,6 +174,17 @@ def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps():
     for index, case in enumerate(TWO_RANK_CASES):
         per_rank = [rank_results[index] for rank_results in results]
         check(per_rank, reference(2, case), world=2)
+
+
+def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step():
+    """fsdp.param_dtype auto under bf16 training: each block computes with bf16 copies of its fp32
+    shards; the gradients land in fp32 shards, within bf16's error of the fp64 step."""
+    case = Case((1, 2), precision="bf16")
+    results = run_distributed(fsdp_rank, 2, [case], timeout_s=300)
+    want = reference(2, Case(case.chunks))["grads"][0]
+    for (result,) in results:
+        assert result["gathered"] == {torch.bfloat16} and result["grad_dtypes"] == {torch.float32}
+        assert_close_overall(result["grads"][0], want, rtol=0.05)  # as without FSDP (seen: 0.016)
 
 
 def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk():
@@ -175,3 +205,41 @@ def test_four_ranks_fsdp_step_equals_one_process_full_batch_step():
     results = run_distributed(fsdp_rank, 4, cases, timeout_s=300)
     for index, case in enumerate(cases):
         check([rank_results[index] for rank_results in results], reference(4, case), world=4)
+
+
+DELAY_S = 1.0
+
+
+def step_with_rank_one_late(rank: int, world: int) -> tuple[float, float, float]:
+    """One step in which rank 1 is ``DELAY_S`` late twice: at the image tower's first block in the
+    encode stage, and at its last block's backward in replay. The other rank waits inside those
+    blocks' all-gathers. Returns (gather_s, encode_s, replay_s)."""
+    model = make_model(*DROPOUT)
+    shard_towers(model, FsdpConfig(), "fp64")
+    engine = GradCache(model, image_chunk=2, text_chunk=2, precision="fp64")
+    blocks = tower_blocks(model.visual)
+    late = {"forward": rank == 1, "backward": rank == 1}
+
+    def sleep_once(when: str) -> None:
+        if late[when]:
+            late[when] = False
+            time.sleep(DELAY_S)
+
+    def late_in_backward(module, args, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(lambda grad: sleep_once("backward"))
+
+    # prepended after GradCache's own hooks, so that rank 1's sleeps fall outside its brackets
+    blocks[0].register_forward_pre_hook(lambda *_: sleep_once("forward"), prepend=True)
+    blocks[-1].register_forward_hook(late_in_backward, prepend=True)
+    torch.manual_seed(SEED + rank)
+    stats = engine.step(*rank_batch(rank, world))
+    return stats.gather_s, stats.encode_s, stats.replay_s
+
+
+def test_a_late_rank_shows_as_gather_time_not_encode_or_replay_time():
+    """The rank that waits for a late peer's all-gathers, once in a forward and once in a backward,
+    books both waits as gather_s, taken out of encode_s and replay_s."""
+    (gather_s, encode_s, replay_s), _ = run_distributed(step_with_rank_one_late, 2, timeout_s=300)
+    assert gather_s >= 1.5 * DELAY_S, (gather_s, encode_s, replay_s)
+    assert min(encode_s, replay_s) >= 0

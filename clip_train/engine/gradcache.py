@@ -33,7 +33,7 @@ from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
 from clip_train.loss.kernels import select_kernels
-from clip_train.parallel import gradient_sync, is_sharded
+from clip_train.parallel import GatherWaits, gradient_sync, is_sharded
 from clip_train.precision import autocast
 
 
@@ -45,6 +45,7 @@ class StepStats:
     encode_s: float  # stage 1, both towers
     loss_s: float  # stage 2
     replay_s: float  # stage 3 (+ the logit-scale all-reduce)
+    gather_s: float  # FSDP: waiting for the blocks' all-gathers, taken out of encode_s and replay_s
     peak_mem: int  # bytes: CUDA max_memory_allocated during the step; 0 on CPU (measure RSS instead)
     cache_bytes: int  # features, their gradients and any frozen-trunk cache: O(B·d), wherever kept
     batch_bytes: int  # the raw batch (host memory with offload, else the device)
@@ -138,6 +139,8 @@ class GradCache:
         self.sync_every_chunk = sync_every_chunk  # towers sharded with FSDP2 only
         self.image = self._tower("image", model.visual, image_chunk)
         self.text = self._tower("text", model.text, text_chunk)
+        sharded = self.image.sharded or self.text.sharded
+        self.gather_waits = GatherWaits(model, self.device) if sharded else None
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Config, chunks: tuple[int, int]) -> GradCache:
@@ -209,10 +212,12 @@ class GradCache:
         image_inputs, text_inputs = batch[:1], batch[1:]
 
         start = self._clock()
+        self._gather_s()  # forget waits outside steps (evaluation)
         image_keeps, text_keeps = self._graph_keepers(rows)
         image = self._encode(self.image, image_inputs, rows, keep_graph=image_keeps)
         text = self._encode(self.text, text_inputs, rows, keep_graph=text_keeps)
         encoded = self._clock()
+        encode_gather_s = self._gather_s()
         loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
         cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
         cache_bytes += _bytes(image.trunk_cache + text.trunk_cache)
@@ -222,12 +227,14 @@ class GradCache:
             self._replay(self.text, text, text_inputs, text_grad)
             self._replay(self.image, image, image_inputs, image_grad)
         replayed = self._clock()
+        replay_gather_s = self._gather_s()
 
         return StepStats(
             loss=loss,
-            encode_s=encoded - start,
+            encode_s=encoded - start - encode_gather_s,
             loss_s=lossed - encoded,
-            replay_s=replayed - lossed,
+            replay_s=replayed - lossed - replay_gather_s,
+            gather_s=encode_gather_s + replay_gather_s,
             peak_mem=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             cache_bytes=cache_bytes,
             batch_bytes=_bytes(batch),
@@ -372,6 +379,9 @@ class GradCache:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
+
+    def _gather_s(self) -> float:
+        return self.gather_waits.take_seconds() if self.gather_waits is not None else 0.0
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

@@ -1,6 +1,13 @@
 """Sharding the towers across ranks (FSDP2) and what it changes around the step: gradient sync,
-evaluation on gathered weights, and sharded checkpoints."""
+the time spent gathering weights, evaluation on gathered weights, and sharded checkpoints."""
 
-from clip_train.parallel.fsdp import gathered_for_eval, gradient_sync, is_sharded, shard_towers, tower_blocks
+from clip_train.parallel.fsdp import (
+    GatherWaits,
+    gathered_for_eval,
+    gradient_sync,
+    is_sharded,
+    shard_towers,
+    tower_blocks,
+)
 
-__all__ = ["gathered_for_eval", "gradient_sync", "is_sharded", "shard_towers", "tower_blocks"]
+__all__ = ["GatherWaits", "gathered_for_eval", "gradient_sync", "is_sharded", "shard_towers", "tower_blocks"]

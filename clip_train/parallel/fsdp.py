@@ -13,7 +13,9 @@ never get a gradient, so they are never reduce-scattered and the optimizer holds
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.utils._pytree import tree_leaves
 
 from clip_train.config import FsdpConfig, FsdpDtype, Precision
 from clip_train.model.freezing import LockableTower
@@ -115,3 +118,58 @@ def gathered_for_eval(model: nn.Module, reshard_after_forward: bool) -> Iterator
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(reshard_after_forward and id(unit) not in roots, recurse=False)
+
+
+class GatherWaits:
+    """How long compute waits for FSDP's all-gathers, so the step's time split can show it.
+
+    A block's pre-forward hook, and in backward its outputs' gradient hook, is where FSDP waits for
+    (or issues) the block's gather; each is bracketed by hooks placed before and after FSDP's own.
+    On CUDA the brackets are events on the compute stream, which FSDP makes wait for its all-gather
+    stream; with gloo the wait blocks the host and the host clock measures it. A tower root gathers
+    inside its registered forward method, not in hooks: its few weights (embeddings, final norm,
+    projection) stay in encode and replay time.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._spans: list[tuple[Any, Any]] = []
+        self._opened: Any = None
+        for tower in (model.visual, model.text):
+            for block in tower_blocks(tower) if is_sharded(tower) else ():
+                block.register_forward_pre_hook(self._open, prepend=True)
+                block.register_forward_pre_hook(self._close)
+                block.register_forward_hook(self._before_backward, prepend=True)
+                block.register_forward_hook(self._after_backward)
+
+    def take_seconds(self) -> float:
+        """Seconds waited since the last call (on CUDA, once the device has been synchronised)."""
+        spans, self._spans = self._spans, []
+        if self._cuda:
+            return sum(start.elapsed_time(end) for start, end in spans) / 1000
+        return sum(end - start for start, end in spans)
+
+    def _stamp(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _open(self, *_: Any) -> None:
+        self._opened = self._stamp()
+
+    def _close(self, *_: Any) -> None:
+        self._spans.append((self._opened, self._stamp()))
+
+    def _before_backward(self, module: nn.Module, args: Any, output: Any) -> None:
+        for tensor in _grad_outputs(output):
+            tensor.register_hook(self._open)
+
+    def _after_backward(self, module: nn.Module, args: Any, output: Any) -> None:
+        for tensor in _grad_outputs(output):
+            tensor.register_hook(self._close)
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
