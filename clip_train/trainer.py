@@ -22,6 +22,7 @@ from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate
 from clip_train.init_from import load_init_from
+from clip_train.logs import timed
 from clip_train.memory import peak_bytes
 from clip_train.model import build_model, compile_towers
 from clip_train.monitor import RunMonitor
@@ -309,7 +310,8 @@ class Trainer:
         whole = contextlib.nullcontext()
         if self.sharded:  # every rank gathers the full weights: eval's ranks see uneven batches
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
-        with preserved_rng(self.env.device), whole:  # eval must not shift the training RNG streams
+        # eval must not shift the training RNG streams; a line marks its start in a Slurm log
+        with preserved_rng(self.env.device), whole, timed(f"step {self.step}: evaluating"):
             metrics = evaluate(
                 self.model,
                 self.cfg.eval,

@@ -8,6 +8,7 @@ stopped by SIGTERM and started again must all end with bit-identical weights.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -30,6 +31,7 @@ from clip_train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, compl
 from clip_train.cli import main as cli_main
 from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
+from clip_train.logs import get_logger
 from clip_train.optim import TrainingAborted
 from clip_train.preemption import EXIT_PREEMPTED
 from clip_train.trainer import Trainer
@@ -212,18 +214,26 @@ def test_signals_save_the_step_in_progress_and_the_rerun_redoes_none(digits, ref
 
 
 def cli_in_thread_signalled(args: list[str], when: Callable[[], bool], sig: signal.Signals) -> int:
-    """``clip-train ARGS`` in this process, sent ``sig`` once ``when()`` holds: the exit code."""
+    """``clip-train ARGS`` in this process, sent ``sig`` once ``when()`` holds: the exit code. The
+    signal is not sent if the run ends first."""
+    running = threading.Event()
+    running.set()
 
     def send() -> None:
         while not when():
+            if not running.is_set():
+                return
             time.sleep(0.01)
-        os.kill(os.getpid(), sig)
+        if running.is_set():
+            os.kill(os.getpid(), sig)
 
     sender = threading.Thread(target=send)
     sender.start()
-    code = cli_main(args)
-    sender.join()
-    return code
+    try:
+        return cli_main(args)
+    finally:
+        running.clear()
+        sender.join()
 
 
 def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
@@ -244,7 +254,8 @@ def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
 
 
 def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digits, tmp_path, capsys):
-    """The last step is saved before the evaluation: the signal stops it at once, with a line."""
+    """The last step is saved before the evaluation: the signal, sent once the evaluation has said
+    it started, stops it at once, with a line."""
     classes = json.loads((digits / "zeroshot.json").read_text())
     many_templates = {**classes, "templates": [f"digit {{}} number {i}" for i in range(3000)]}
     (tmp_path / "slow-zeroshot.json").write_text(json.dumps(many_templates))
@@ -256,7 +267,18 @@ def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digi
         f"eval.zeroshot={tmp_path / 'slow-zeroshot.json'}",
         f"eval.zeroshot_data={digits}/val",
     ]
-    code = cli_in_thread_signalled(args, lambda: bool(complete_checkpoints(out)), signal.SIGTERM)
+    evaluation_started = threading.Event()
+
+    def watch(record: logging.LogRecord) -> bool:  # a filter: train's logging setup keeps it
+        if record.getMessage() == "step 4: evaluating ...":
+            evaluation_started.set()
+        return True
+
+    get_logger().addFilter(watch)
+    try:
+        code = cli_in_thread_signalled(args, evaluation_started.is_set, signal.SIGTERM)
+    finally:
+        get_logger().removeFilter(watch)
     assert code == EXIT_PREEMPTED
     assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [4]
     assert not any("zeroshot/top1" in record for record in logged(out))  # the evaluation did not finish
