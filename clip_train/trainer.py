@@ -263,11 +263,11 @@ class Trainer:
         scale = float(self.model.logit_scale.detach().exp())
         lr = self.update.optimizer.param_groups[0]["lr"]
         peak = stats.peak_mem or peak_bytes(self.env.device)
-        optimizer_s = step_s - data_s - stats.encode_s - stats.gather_s - stats.loss_s - stats.replay_s
-        split = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
-        if self.cfg.train.parallel != "fsdp":
+        parts = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
+        optimizer_s = step_s - data_s - sum(parts.values())
+        split = {**parts, "opt": optimizer_s}
+        if not self.sharded:
             del split["gat"]  # nothing is gathered
-        split["opt"] = optimizer_s
         monitor.advance(
             self.step,
             {
