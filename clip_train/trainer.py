@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint
+from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import DistEnv, all_ranks_true, decided_by_main, sum_counts_over_ranks
@@ -51,6 +51,9 @@ class Trainer:
 
         if env.device.type == "cuda" and cfg.train.precision != "fp64":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+        self.remote = self._remote_mirror()
+        # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
+        fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, load_pretrained=not cfg.model.init_from)
         self.model = (model.double() if cfg.train.precision == "fp64" else model).to(env.device)
@@ -59,7 +62,7 @@ class Trainer:
         self.sharded = cfg.train.parallel == "fsdp"
         measured = None
         if self.sharded:  # what needs the whole towers runs before they are sharded
-            if cfg.model.init_from:  # a resume below replaces these weights
+            if fine_tune:
                 self._load_init_from()
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
             shard_towers(self.model, cfg.fsdp, cfg.train.precision)
@@ -93,7 +96,6 @@ class Trainer:
                 self.run_dir, cfg.checkpoint, self.model, cfg.model, shared=shared, per_rank=per_rank
             )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
-        self.remote = self._remote_mirror()
         self.resumed_from = self.checkpointer.restore()
         if self.step > cfg.train.max_steps:
             raise UserError(
@@ -101,7 +103,7 @@ class Trainer:
                 f"{self.resumed_from}: nothing to train; raise train.max_steps to continue the run"
             )
         self.saved_step = self.step  # the newest step on disk (0: none worth saving)
-        if self.resumed_from is None and cfg.model.init_from and not self.sharded:
+        if fine_tune and not self.sharded:
             self._load_init_from()
         self.chunks, self.chunk_note = self._chunks(measured)
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
@@ -118,6 +120,11 @@ class Trainer:
         if self.cfg.checkpoint.resume == "auto" and latest_checkpoint(self.run_dir) is None:
             mirror.pull_newest()
         return mirror
+
+    def _finds_a_checkpoint(self) -> bool:
+        """Whether ``checkpoint.resume`` names one (sizes checked): ``restore`` then resumes it or
+        refuses a damaged one, so the run never starts over from ``init_from``."""
+        return resolve_resume(self.cfg.checkpoint.resume, self.run_dir) is not None
 
     def _load_init_from(self) -> None:
         """Fine-tuning: the weights and nothing else."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,13 +52,21 @@ def test_lit_locking_keeps_the_initial_trunk(demo_run, digits, tmp_path):
     assert not torch.equal(trained["text.proj.weight"], start["text.proj.weight"])
 
 
-def test_a_resumed_run_keeps_its_own_weights(demo_run, digits, tmp_path):
-    """A requeued job with init_from still set must resume, not start over from init_from."""
-    first = trainer(digits, tmp_path, 2, f"model.init_from={demo_run}")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_resumed_run_keeps_its_own_weights_and_never_reads_init_from(demo_run, digits, tmp_path, parallel):
+    """A requeued job with init_from still set must resume, not start over from init_from, and
+    must not need it: the file may be gone by then (FSDP decides before it shards the towers)."""
+    source = tmp_path / "source"
+    shutil.copytree(demo_run / "checkpoints" / "step_00000040", source)
+    out = tmp_path / "run"
+    first = trainer(digits, out, 2, f"model.init_from={source}", f"train.parallel={parallel}")
+    assert all(torch.equal(t, source_weights(demo_run)[k]) for k, t in first.model.state_dict().items())
     first.run()
     own = {name: tensor.clone() for name, tensor in first.model.state_dict().items()}
-    again = trainer(digits, tmp_path, 3, f"model.init_from={demo_run}", "checkpoint.resume=auto")
-    assert again.step == 2
+    shutil.rmtree(source)
+    overrides = (f"model.init_from={source}", f"train.parallel={parallel}", "checkpoint.resume=auto")
+    again = trainer(digits, out, 3, *overrides)
+    assert again.step == 2 and again.resumed_from == out / "checkpoints" / "step_00000002"
     assert all(torch.equal(tensor, own[name]) for name, tensor in again.model.state_dict().items())
 
 
