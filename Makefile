@@ -44,12 +44,13 @@ test: $(VENV)/.installed-dev+demo
 # from .venv, so the two share their wheels (the CUDA libraries torch loads at import included).
 # It runs the tests of the version-dependent code: the collectives, the loss (Triton interpreter
 # and AOT compile), Gradient Cache, the update, checkpoints, the trainer and preemption, and of FSDP2
-# the sharding, its gradient sync and a sharded checkpoint resharded 2 -> 4 -> 1.
+# the sharding (from rank 0's weights), its gradient sync and a sharded checkpoint resharded 2 -> 4 -> 1.
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.py tests/test_triton_aot.py \
 	tests/test_gradcache*.py tests/test_optim.py tests/test_checkpoint*.py tests/test_trainer.py \
 	tests/test_exit_paths.py tests/test_fsdp_config.py \
 	tests/test_fsdp_gradcache.py::test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk \
+	tests/test_fsdp_gradcache.py::test_ranks_that_build_on_meta_get_rank_zeros_weights_and_buffers \
 	tests/test_fsdp_trainer.py::test_a_two_rank_checkpoint_resumes_on_four_then_on_one_with_weights_and_optimizer_exact
 # A .pth line that appends .venv's site-packages (and its .pth files: the editable install) to sys.path.
 export ADD_SITE_PTH := import site, sys; open(site.getsitepackages()[0] + "/zz-clip-train-venv.pth", "w").write(f"import site; site.addsitedir({sys.argv[1]!r})\n")

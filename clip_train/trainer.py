@@ -27,7 +27,7 @@ from clip_train.memory import peak_bytes
 from clip_train.model import build_model, compile_towers
 from clip_train.monitor import RunMonitor
 from clip_train.optim import Update
-from clip_train.parallel import gathered_for_eval, shard_towers
+from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
 from clip_train.parallel.checkpoint import OptimizerApart, ShardedCheckpointer
 from clip_train.plan import choose_chunks
 from clip_train.plan.auto_chunks import ChunkChoice
@@ -54,18 +54,21 @@ class Trainer:
         self.remote = self._remote_mirror()
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
         fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
+        self.sharded = cfg.train.parallel == "fsdp"
+        on_meta = self.sharded and builds_on_meta()  # rank 0's weights reach it when sharded
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        model = build_model(cfg.model, load_pretrained=not cfg.model.init_from)
-        self.model = (model.double() if cfg.train.precision == "fp64" else model).to(env.device)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            model = build_model(cfg.model, load_pretrained=not (on_meta or cfg.model.init_from))
+        model = model.double() if cfg.train.precision == "fp64" else model
+        self.model = model if on_meta else model.to(env.device)
         if cfg.train.compile:
             compile_towers(self.model)
-        self.sharded = cfg.train.parallel == "fsdp"
         measured = None
-        if self.sharded:  # what needs the whole towers runs before they are sharded
-            if fine_tune:
+        if self.sharded:  # what needs the whole towers runs on rank 0 before they are sharded
+            if fine_tune and not on_meta:
                 self._load_init_from()
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
-            shard_towers(self.model, cfg.fsdp, cfg.train.precision)
+            shard_towers(self.model, cfg.fsdp, cfg.train.precision, env.device)
         self.update = Update(self.model, cfg, env.device)
         self.loader = build_train_loader(
             cfg.data,

@@ -33,6 +33,10 @@ def test_bench_step_parallel_reports_ddp_and_fsdp_side_by_side(tmp_path):
         assert fsdp[part] / ddp[part] == pytest.approx(0.5, rel=0.15), part
     for point in (ddp, fsdp):
         assert len(point["ranks"]) == 2 and point["median_s"] > 0 and point["peak_bytes"] > 0
+        assert 0 < point["built_other_bytes"] <= point["peak_bytes"]
+        assert (
+            point["built_main_bytes"] == point["ranks"][0]["built_bytes"] <= point["ranks"][0]["peak_bytes"]
+        )
     rows = [line.split()[0] for line in result.stdout.splitlines()[1:]]
     assert rows == ["ddp", "fsdp"]
 

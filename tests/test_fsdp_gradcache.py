@@ -15,6 +15,7 @@ from dist_utils import run_distributed
 from test_gradcache import (
     DROPOUT,
     SEED,
+    TINY,
     assert_close_overall,
     assert_grads_close,
     grads,
@@ -24,11 +25,13 @@ from test_gradcache import (
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
+from clip_train import load_config
 from clip_train.config import FsdpConfig
 from clip_train.engine import GradCache
 from clip_train.engine.offload import chunk_bounds
 from clip_train.loss import contrastive_loss
-from clip_train.parallel import is_sharded, shard_towers, tower_blocks
+from clip_train.model import build_model
+from clip_train.parallel import builds_on_meta, is_sharded, shard_towers, tower_blocks
 
 ROWS_PER_RANK, LR, STEPS = 4, 0.5, 2
 SIGMOID = ("model.init_logit_bias=-4.0",)
@@ -60,8 +63,10 @@ def fsdp_rank(rank: int, world: int, cases: list[Case]) -> list[dict]:
 
 def fsdp_steps(rank: int, world: int, case: Case) -> dict:
     weights = torch.float64 if case.precision == "fp64" else torch.float32
-    model = make_model(*DROPOUT, *case.extra, dtype=weights)  # the same initial weights on every rank
-    shard_towers(model, case.fsdp, case.precision)
+    model = make_model(*DROPOUT, *case.extra, dtype=weights)
+    if rank:  # as the trainer builds: the other ranks' weights come from rank 0's
+        model = model.to("meta")
+    shard_towers(model, case.fsdp, case.precision, torch.device("cpu"))
     engine = GradCache(
         model,
         image_chunk=case.chunks[0],
@@ -207,6 +212,43 @@ def test_four_ranks_fsdp_step_equals_one_process_full_batch_step():
         check([rank_results[index] for rank_results in results], reference(4, case), world=4)
 
 
+def sharded_from_meta(rank: int, world: int) -> dict:
+    """Rank 0 builds the weights, the others on the meta device (``builds_on_meta``), as the
+    trainer does; every rank's full tensors after sharding."""
+    on_meta = builds_on_meta()
+    if on_meta:
+        with torch.device("meta"):
+            model = build_model(load_config(TINY, list(DROPOUT)).model, load_pretrained=False).double()
+    else:
+        model = make_model(*DROPOUT)
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    shard_towers(model, FsdpConfig(), "fp64", torch.device("cpu"))
+    sharded = {name for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    state = {name: full(t).clone() for name, t in model.state_dict().items()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    return {
+        "on_meta": on_meta,
+        "built_on_meta": built_on_meta,
+        "sharded": sharded,
+        "state": state,
+        "buffers": buffers,
+    }
+
+
+def test_ranks_that_build_on_meta_get_rank_zeros_weights_and_buffers():
+    built = make_model(*DROPOUT)
+    for rank, result in enumerate(run_distributed(sharded_from_meta, 3, timeout_s=300)):
+        assert result["on_meta"] == result["built_on_meta"] == (rank != 0)
+        assert result["sharded"] and all(name.startswith(("visual.", "text.")) for name in result["sharded"])
+        assert result["state"].keys() == built.state_dict().keys()
+        assert all(torch.equal(t, built.state_dict()[name]) for name, t in result["state"].items())
+        # the non-persistent buffers too: pixel statistics and position ids are not in the state dict
+        assert {name: b.dtype for name, b in result["buffers"].items()} == {
+            n: b.dtype for n, b in built.named_buffers()
+        }
+        assert all(torch.equal(b, dict(built.named_buffers())[name]) for name, b in result["buffers"].items())
+
+
 DELAY_S = 1.0
 
 
@@ -215,7 +257,7 @@ def step_with_rank_one_late(rank: int, world: int) -> tuple[float, float, float]
     encode stage, and at its last block's backward in replay. The other rank waits inside those
     blocks' all-gathers. Returns (gather_s, encode_s, replay_s)."""
     model = make_model(*DROPOUT)
-    shard_towers(model, FsdpConfig(), "fp64")
+    shard_towers(model, FsdpConfig(), "fp64", torch.device("cpu"))
     engine = GradCache(model, image_chunk=2, text_chunk=2, precision="fp64")
     blocks = tower_blocks(model.visual)
     late = {"forward": rank == 1, "backward": rank == 1}

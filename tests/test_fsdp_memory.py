@@ -29,7 +29,7 @@ def one_step_state(rank: int, world: int) -> dict[str, int]:
     cfg = load_config(MODEL, [CONTEXT])
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    shard_towers(model, FsdpConfig(), "fp32")
+    shard_towers(model, FsdpConfig(), "fp32", torch.device("cpu"))
     optimizer = build_optimizer(cfg.optim, model)
     engine = GradCache(model, image_chunk=1, text_chunk=1)
     gen = torch.Generator().manual_seed(rank)

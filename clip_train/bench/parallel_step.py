@@ -1,11 +1,13 @@
 """``clip-train bench step --parallel ddp,fsdp``: one Gradient Cache training step (the towers'
 gradients and the AdamW update) on W gloo ranks with the towers replicated (DDP) or sharded
-(FSDP2), side by side: the median step time, each rank's peak resident memory, and the bytes of
-parameters, gradients and optimizer states a rank holds. Each (mode, batch) point runs in fresh
+(FSDP2), side by side: the median step time, each rank's peak resident memory (once the model is
+built and sharded, and overall), and the bytes of parameters, gradients and optimizer states a
+rank holds. Each (mode, batch) point runs in fresh
 processes, so every peak is its own."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -26,13 +28,14 @@ from clip_train.errors import UserError
 from clip_train.memory import format_bytes, peak_bytes
 from clip_train.model import build_model
 from clip_train.optim import build_optimizer
-from clip_train.parallel import shard_towers
+from clip_train.parallel import builds_on_meta, shard_towers
 from clip_train.parallel.memory import state_bytes
 
 PARALLEL_MODES = ("ddp", "fsdp")
 COLUMNS = ("params", "grads", "optim")
-HEADER = f"{'mode':<5} {'B/rank':>6} {'step s':>8} | {'peak RSS/rank':>13} | " + " ".join(
-    f"{c:>8}" for c in COLUMNS
+HEADER = (
+    f"{'mode':<5} {'B/rank':>6} {'step s':>8} | {'built RSS r0/others':>19} | {'peak RSS/rank':>13} | "
+    + " ".join(f"{c:>8}" for c in COLUMNS)
 )
 
 
@@ -74,6 +77,9 @@ def measure_ranks(spec: dict[str, Any]) -> dict[str, Any]:
         "world": spec["world"],
         "median_s": max(r["median_s"] for r in ranks),
         "peak_bytes": max(r["peak_bytes"] for r in ranks),
+        # rank 0 builds the weights; under FSDP the others build on the meta device
+        "built_main_bytes": ranks[0]["built_bytes"],
+        "built_other_bytes": max(r["built_bytes"] for r in ranks[1:]),
         **{k: max(r[k] for r in ranks) for k in ("parameters", "gradients", "optimizer")},
         "ranks": ranks,
     }
@@ -87,9 +93,12 @@ def _rank(rank: int, spec: dict[str, Any], tmp: str) -> None:
     try:
         cfg = load_config(spec["model"], spec["set"])
         torch.manual_seed(0)
-        model = build_model(cfg.model).train()
+        on_meta = spec["mode"] == "fsdp" and builds_on_meta()  # as the trainer builds
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            model = build_model(cfg.model, load_pretrained=not on_meta).train()
         if spec["mode"] == "fsdp":
-            shard_towers(model, FsdpConfig(), "fp32")
+            shard_towers(model, FsdpConfig(), "fp32", torch.device("cpu"))
+        built = peak_bytes(torch.device("cpu"))
         optimizer = build_optimizer(cfg.optim, model)
         engine = GradCache(model, image_chunk=spec["image_chunk"], text_chunk=spec["text_chunk"])
         batch = _batch(model, spec["batch"], rank)
@@ -104,6 +113,7 @@ def _rank(rank: int, spec: dict[str, Any], tmp: str) -> None:
         result = {
             "median_s": statistics.median(times[1:]),
             "peak_bytes": peak_bytes(torch.device("cpu")),
+            "built_bytes": built,
             **state_bytes(model, optimizer),
         }
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
@@ -120,8 +130,10 @@ def _batch(model, rows: int, rank: int) -> tuple[torch.Tensor, ...]:
 
 
 def _row(r: dict[str, Any]) -> str:
-    size = {k: format_bytes(r[k]) for k in ("peak_bytes", "parameters", "gradients", "optimizer")}
+    parts = ("built_main_bytes", "built_other_bytes", "peak_bytes", "parameters", "gradients", "optimizer")
+    size = {k: format_bytes(r[k]) for k in parts}
+    built = f"{size['built_main_bytes']}/{size['built_other_bytes']}"
     return (
-        f"{r['mode']:<5} {r['batch']:>6} {r['median_s']:8.3f} | {size['peak_bytes']:>13} | "
+        f"{r['mode']:<5} {r['batch']:>6} {r['median_s']:8.3f} | {built:>19} | {size['peak_bytes']:>13} | "
         f"{size['parameters']:>8} {size['gradients']:>8} {size['optimizer']:>8}"
     )

@@ -3,6 +3,7 @@ the time spent gathering weights, evaluation on gathered weights, and sharded ch
 
 from clip_train.parallel.fsdp import (
     GatherWaits,
+    builds_on_meta,
     gathered_for_eval,
     gradient_sync,
     is_sharded,
@@ -10,4 +11,12 @@ from clip_train.parallel.fsdp import (
     tower_blocks,
 )
 
-__all__ = ["GatherWaits", "gathered_for_eval", "gradient_sync", "is_sharded", "shard_towers", "tower_blocks"]
+__all__ = [
+    "GatherWaits",
+    "builds_on_meta",
+    "gathered_for_eval",
+    "gradient_sync",
+    "is_sharded",
+    "shard_towers",
+    "tower_blocks",
+]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -62,13 +63,21 @@ def _dtype(choice: FsdpDtype, auto: torch.dtype | None) -> torch.dtype | None:
     return auto if choice == "auto" else _DTYPES[choice]
 
 
-def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision) -> None:
-    """Shard both towers of a ``CLIP`` in place across the default process group (a collective-free
-    call: every rank must hold the same weights, as the seeded build gives them). One process
-    without a group has nothing to shard across and keeps its towers whole."""
+def builds_on_meta() -> bool:
+    """Whether this rank builds a model to shard on the meta device: only rank 0 builds (and loads)
+    the weights, so that a rank's host and device never hold a whole model that only rank 0 needs."""
+    return dist.is_initialized() and dist.get_rank() != 0
+
+
+def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision, device: torch.device) -> None:
+    """Shard both towers of a ``CLIP`` in place across the default process group, every rank taking
+    its shards of rank 0's weights and a copy of its buffers: the other ranks may have built theirs
+    on the meta device (``builds_on_meta``); they are materialized on ``device`` (the host under
+    ``fsdp.cpu_offload``). One process without a group keeps its towers whole."""
     if not dist.is_initialized():
         return
     weights = model.logit_scale.dtype
+    whole = model.state_dict() if dist.get_rank() == 0 else {}
     options = {
         "reshard_after_forward": cfg.reshard_after_forward,
         "mp_policy": mixed_precision(cfg, precision, weights),
@@ -83,6 +92,13 @@ def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision) -> Non
         register_fsdp_forward_method(tower, "encode_trainable")
         if tower.has_frozen_trunk:  # an unlocked tower's encode_frozen only moves its inputs
             register_fsdp_forward_method(tower, "encode_frozen")
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device=torch.device("cpu") if cfg.cpu_offload else device)
+    set_model_state_dict(
+        model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    for buffer in model.buffers():  # non-persistent ones (pixel statistics, position ids) included
+        dist.broadcast(buffer, src=0)
 
 
 def is_sharded(module: nn.Module) -> bool:
