@@ -441,11 +441,34 @@ def test_table_options_reach_the_loader_and_bad_ones_name_their_key(table):
         load_config(None, ["data.csv_img_key=filepath"])
 
 
-def test_a_table_passes_the_start_up_check_only_as_training_data(table):
-    urls = expand_urls(str(table.path))
-    check_readable(urls, what="data.train")
-    with pytest.raises(DataError, match=r"table\.tsv is not a tar file"):
-        check_readable(urls, what="data.val")
+def test_a_table_evaluates_on_the_same_samples_as_shards_made_from_it(table, tmp_path):
+    """As OpenCLIP's --val-data takes a CSV: pieces spread over 2 workers, rows over 2 ranks, each
+    good row once, bad rows skipped; pixels and tokens equal those of shards made from the table."""
+    pairs, _ = csv_pairs(table.path, TableFormat())
+    write_pairs(pairs, tmp_path / "shards", per_shard=7, desc="t")
+    check_readable(expand_urls(str(table.path)), what="data.val")  # a table is not refused as a bad tar
+    runs = []
+    for spec in (str(table.path), str(tmp_path / "shards")):
+        batches = [
+            batch
+            for rank in range(2)
+            for batch in build_eval_loader(
+                spec,
+                batch_size=3,
+                rank=rank,
+                world_size=2,
+                image_size=IMAGE_SIZE,
+                tokenizer=ClipTokenizer(),
+                workers=2,
+                data_cfg=DataConfig(csv_shard_rows=5),
+            )
+        ]
+        samples = {k: (i, t) for b in batches for k, i, t in zip(b.keys, b.images, b.input_ids, strict=True)}
+        assert len(samples) == sum(len(b) for b in batches)  # no row seen twice
+        runs.append(samples)
+    assert sorted(runs[0]) == table.good_keys and runs[0].keys() == runs[1].keys()
+    for key, (image, ids) in runs[0].items():
+        assert torch.equal(image, runs[1][key][0]) and torch.equal(ids, runs[1][key][1]), key
 
 
 # --------------------------------------------------------------------------------------------

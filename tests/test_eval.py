@@ -207,6 +207,23 @@ def test_evaluate_reports_both_and_restores_train_mode(data):
     assert model.training
 
 
+def test_retrieval_on_a_table_with_named_columns_equals_its_shards(data, tmp_path):
+    """``data.val`` may be a CSV, as OpenCLIP's --val-data: the ``data.csv_*`` keys reach the loader."""
+    lines = ["caption;image"]
+    for i in range(NUM_SAMPLES):
+        toy_image(LABELS[i], i).save(tmp_path / f"{i}.png")
+        lines.append(f"sample {i};{i}.png")
+    (tmp_path / "val.csv").write_text("\n".join(lines) + "\n")
+    keys = dict(csv_separator=";", csv_image_key="image", csv_caption_key="caption", csv_shard_rows=4)
+    model, eval_cfg = ToyCLIP(PERFECT), EvalConfig(batch_size=4)
+    from_table = evaluate(
+        model, eval_cfg, DataConfig(val=str(tmp_path / "val.csv"), **keys), device=CPU, precision="fp32"
+    )
+    from_shards = evaluate(model, eval_cfg, DataConfig(val=data["exact"]), device=CPU, precision="fp32")
+    assert from_table["retrieval/n"] == NUM_SAMPLES and "val/loss" in from_table
+    assert from_table == pytest.approx(from_shards, abs=1e-12)
+
+
 def test_zeroshot_on_an_image_folder(data):
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["folder"], retrieval=False)
     metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")

@@ -55,6 +55,16 @@ def test_a_missing_path_is_named(digits, tmp_path, overrides, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def test_a_val_table_header_is_checked_at_start_up(digits, tmp_path):
+    table = tmp_path / "val.tsv"
+    table.write_text("file\ttitle\nimages/1.png\ta caption\n")
+    with pytest.raises(UserError) as err:
+        check_paths(run_config(digits, tmp_path / "run", f"data.val={table}"))
+    assert str(err.value).startswith(f"{table}: the header has no image column 'filepath' or 'path'")
+    assert str(err.value).endswith("Name it with --image-key or data.csv_image_key")
+    check_paths(run_config(digits, tmp_path / "run", f"data.val={table}", "data.csv_image_key=file"))
+
+
 def test_what_exists_or_cannot_be_checked_passes(digits, tmp_path, demo_run):
     image_folder = tmp_path / "imagenet-val"
     (image_folder / "n01440764").mkdir(parents=True)

@@ -87,8 +87,10 @@ def shard_batches(
     world_size: int,
     workers: int = 0,
     pin_memory: bool = False,
+    data_cfg: DataConfig | None = None,
 ) -> DataLoader:
-    """This rank's samples of a set of WebDataset shards, each sample seen by exactly one rank."""
+    """This rank's samples of a set of WebDataset shards or tables (read with ``data_cfg``'s
+    ``csv_*`` keys), each sample seen by exactly one rank."""
     return build_eval_loader(
         urls,
         batch_size=batch_size,
@@ -98,4 +100,5 @@ def shard_batches(
         tokenizer=model.tokenizer,
         workers=workers,
         pin_memory=pin_memory,
+        data_cfg=data_cfg,
     )

@@ -120,12 +120,24 @@ class _TrainSpec:
     max_skip_fraction: float
 
 
+def source_urls(spec: str, data_cfg: DataConfig, *, what: str) -> list[str]:
+    """The URLs of ``spec``'s shards, each CSV/TSV table replaced by its pieces (read with the
+    ``data.csv_*`` keys, which its header is checked against here)."""
+    table_format = TableFormat(data_cfg.csv_separator, data_cfg.csv_image_key, data_cfg.csv_caption_key)
+    return expand_tables(expand_urls(spec, what=what), table_format, data_cfg.csv_shard_rows)
+
+
+def read_source(url: str) -> Iterator[RawSample]:
+    """The raw samples of a shard or of a table's piece."""
+    return (read_piece if is_piece(url) else read_shard)(url)
+
+
 def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
     """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards."""
     empty: set[str] = set()
     for url in shards:
         count = 0
-        for raw in (read_piece if is_piece(url) else read_shard)(url):
+        for raw in read_source(url):
             count += 1
             yield raw
         if count:
@@ -356,10 +368,7 @@ def build_train_loader(
 ) -> TrainLoader:
     """The training loader of one rank, at step 0; rank and world size come from the arguments,
     not from ``torch.distributed``."""
-    table_format = TableFormat(data_cfg.csv_separator, data_cfg.csv_image_key, data_cfg.csv_caption_key)
-    urls = expand_tables(
-        expand_urls(data_cfg.train, what="data.train"), table_format, data_cfg.csv_shard_rows
-    )
+    urls = source_urls(data_cfg.train, data_cfg, what="data.train")
     if global_batch <= 0 or global_batch % world_size:
         raise DataError(
             f"batch.global_size={global_batch} must be a positive multiple of the world size {world_size}"
@@ -416,7 +425,7 @@ class EvalStream(IterableDataset):
         tally = SkipTally(max_fraction=1.0, min_seen=1)
         batch: list[tuple[Decoded, torch.Tensor]] = []
         for url in self.urls[worker::workers]:
-            mine = itertools.islice(read_shard(url), self.rank, None, self.world_size)
+            mine = itertools.islice(read_source(url), self.rank, None, self.world_size)
             for _, sample in _usable(mine, tally):
                 batch.append((sample, self.transform(sample.image)))
                 if len(batch) == self.batch_size:
@@ -436,11 +445,13 @@ def build_eval_loader(
     tokenizer: Tokenizer,
     workers: int = 2,
     pin_memory: bool = False,
+    data_cfg: DataConfig | None = None,
 ) -> DataLoader:
-    """A re-iterable loader over eval shards (a spec as for ``data.val``): deterministic, centre
-    crops, each sample exactly once across ranks, the last batch partial. Ranks may get different
-    numbers of batches; gather features after the loop, not per batch."""
-    shard_urls = expand_urls(urls, what="eval data")
+    """A re-iterable loader over eval shards or tables (a spec as for ``data.val``, tables read
+    with ``data_cfg``'s ``csv_*`` keys): deterministic, centre crops, each sample exactly once
+    across ranks, the last batch partial. Ranks may get different numbers of batches; gather
+    features after the loop, not per batch."""
+    shard_urls = source_urls(urls, data_cfg or DataConfig(), what="eval data")
     dataset = EvalStream(
         shard_urls,
         rank=rank,

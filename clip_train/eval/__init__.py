@@ -76,10 +76,10 @@ def evaluate(
                 zeroshot_source, num_classes=len(classnames), image_size=model.image_size, **share
             )
         else:
-            zeroshot_batches = shard_batches(zeroshot_source, model, **share)
+            zeroshot_batches = shard_batches(zeroshot_source, model, data_cfg=data_cfg, **share)
     metrics: dict[str, float] = {}
     if retrieval:
-        batches = shard_batches(data_cfg.val, model, **share)
+        batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, **share)
         val_split = encode_split(model, batches, text=True, labels=shared_pass, source=data_cfg.val, **encode)
         recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
         metrics |= {f"retrieval/{k}": v for k, v in recall.items()}
