@@ -95,7 +95,7 @@ class DataConfig:
     max_skip_fraction: float = 0.1  # abort when more than this share of samples is bad
     rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
     rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])  # its aspect-ratio range
-    csv_separator: str = ""  # tables (data.train, data.val): one character or \t; "" = tab for .tsv, else ,
+    csv_separator: str = ""  # tables (train and val): one character or \t; "" = tab for .tsv, else comma
     csv_image_key: str = ""  # tables: image-path column (relative to its folder); "" = filepath or path
     csv_caption_key: str = ""  # tables: caption column; "" = title (OpenCLIP's) or caption
     csv_shard_rows: int = 1000  # tables: rows per piece, the unit shuffled and split like a shard
