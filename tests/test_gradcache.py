@@ -423,3 +423,4 @@ def test_compiled_towers_replay_exactly_with_dropout(dtype: torch.dtype, rtol: f
     model = make_model(*DROPOUT, dtype=dtype)
     compile_towers(model)
     assert_grads_close(gc_grads(model, batch, image_chunk=5, text_chunk=5), want, rtol=rtol)
+    assert not torch._inductor.config.fallback_random  # set for the towers only, not process-wide

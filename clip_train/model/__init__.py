@@ -112,11 +112,10 @@ def build_model(model_cfg: ModelConfig, *, load_pretrained: bool = True) -> CLIP
 def compile_towers(model: CLIP) -> None:
     """``train.compile``: both halves of each tower (what Gradient Cache calls) through
     ``torch.compile``, weights and state-dict keys untouched. Random ops keep eager semantics
-    (inductor's ``fallback_random``): a replayed chunk then draws the dropout and drop-path masks
-    its first pass drew, which keeps Gradient Cache exact."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fallback_random = True
+    (inductor's ``fallback_random``, for these functions only, not process-wide): a replayed chunk
+    then draws the dropout and drop-path masks its first pass drew, which keeps Gradient Cache
+    exact."""
+    options = {"fallback_random": True}
     for tower in (model.visual, model.text):
-        tower.encode_frozen = torch.compile(tower.encode_frozen)
-        tower.encode_trainable = torch.compile(tower.encode_trainable)
+        tower.encode_frozen = torch.compile(tower.encode_frozen, options=options)
+        tower.encode_trainable = torch.compile(tower.encode_trainable, options=options)
