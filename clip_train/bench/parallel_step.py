@@ -2,8 +2,7 @@
 gradients and the AdamW update) on W gloo ranks with the towers replicated (DDP) or sharded
 (FSDP2), side by side: the median step time, each rank's peak resident memory (once the model is
 built and sharded, and overall), and the bytes of parameters, gradients and optimizer states a
-rank holds. Each (mode, batch) point runs in fresh
-processes, so every peak is its own."""
+rank holds. Each (mode, batch) point runs in fresh processes, so every peak is its own."""
 
 from __future__ import annotations
 
