@@ -441,6 +441,14 @@ def test_table_options_reach_the_loader_and_bad_ones_name_their_key(table):
         load_config(None, ["data.csv_img_key=filepath"])
 
 
+def eval_batches(spec: str, rank: int, **options) -> list:
+    """Rank ``rank`` of 2's eval batches, read by 2 workers."""
+    loader = build_eval_loader(
+        spec, rank=rank, world_size=2, image_size=IMAGE_SIZE, tokenizer=ClipTokenizer(), workers=2, **options
+    )
+    return list(loader)
+
+
 def test_a_table_evaluates_on_the_same_samples_as_shards_made_from_it(table, tmp_path):
     """As OpenCLIP's --val-data takes a CSV: pieces spread over 2 workers, rows over 2 ranks, each
     good row once, bad rows skipped; pixels and tokens equal those of shards made from the table."""
@@ -449,20 +457,8 @@ def test_a_table_evaluates_on_the_same_samples_as_shards_made_from_it(table, tmp
     check_readable(expand_urls(str(table.path)), what="data.val")  # a table is not refused as a bad tar
     runs = []
     for spec in (str(table.path), str(tmp_path / "shards")):
-        batches = [
-            batch
-            for rank in range(2)
-            for batch in build_eval_loader(
-                spec,
-                batch_size=3,
-                rank=rank,
-                world_size=2,
-                image_size=IMAGE_SIZE,
-                tokenizer=ClipTokenizer(),
-                workers=2,
-                data_cfg=DataConfig(csv_shard_rows=5),
-            )
-        ]
+        tables = DataConfig(csv_shard_rows=5)
+        batches = [b for rank in range(2) for b in eval_batches(spec, rank, batch_size=3, data_cfg=tables)]
         samples = {k: (i, t) for b in batches for k, i, t in zip(b.keys, b.images, b.input_ids, strict=True)}
         assert len(samples) == sum(len(b) for b in batches)  # no row seen twice
         runs.append(samples)
@@ -483,16 +479,7 @@ def test_eval_loader_gives_each_sample_once_across_ranks_with_labels(even_shards
     for _ in range(2):
         per_rank = []
         for rank in range(2):
-            loader = build_eval_loader(
-                spec,
-                batch_size=5,
-                rank=rank,
-                world_size=2,
-                image_size=IMAGE_SIZE,
-                tokenizer=ClipTokenizer(),
-                workers=2,
-            )
-            batches = list(loader)
+            batches = eval_batches(spec, rank, batch_size=5)
             assert all(b.labels is not None and len(b.labels) == len(b) for b in batches)
             per_rank.append(
                 {k: int(label) for b in batches for k, label in zip(b.keys, b.labels, strict=True)}
