@@ -55,7 +55,7 @@ class Trainer:
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
         fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
         self.sharded = cfg.train.parallel == "fsdp"
-        on_meta = self.sharded and builds_on_meta()  # rank 0's weights reach it when sharded
+        on_meta = self.sharded and builds_on_meta(cfg.fsdp)  # rank 0's weights reach it when sharded
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         with torch.device("meta") if on_meta else contextlib.nullcontext():
             model = build_model(cfg.model, load_pretrained=not (on_meta or cfg.model.init_from))

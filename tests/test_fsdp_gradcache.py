@@ -64,7 +64,7 @@ def fsdp_rank(rank: int, world: int, cases: list[Case]) -> list[dict]:
 def fsdp_steps(rank: int, world: int, case: Case) -> dict:
     weights = torch.float64 if case.precision == "fp64" else torch.float32
     model = make_model(*DROPOUT, *case.extra, dtype=weights)
-    if rank:  # as the trainer builds: the other ranks' weights come from rank 0's
+    if builds_on_meta(case.fsdp):  # as the trainer builds: the other ranks' weights come from rank 0's
         model = model.to("meta")
     shard_towers(model, case.fsdp, case.precision, torch.device("cpu"))
     engine = GradCache(
@@ -215,7 +215,8 @@ def test_four_ranks_fsdp_step_equals_one_process_full_batch_step():
 def sharded_from_meta(rank: int, world: int) -> dict:
     """Rank 0 builds the weights, the others on the meta device (``builds_on_meta``), as the
     trainer does; every rank's full tensors after sharding."""
-    on_meta = builds_on_meta()
+    on_meta = builds_on_meta(FsdpConfig())
+    offloaded_on_meta = builds_on_meta(FsdpConfig(cpu_offload=True))  # host shards: never
     if on_meta:
         with torch.device("meta"):
             model = build_model(load_config(TINY, list(DROPOUT)).model, load_pretrained=False).double()
@@ -227,6 +228,7 @@ def sharded_from_meta(rank: int, world: int) -> dict:
     state = {name: full(t).clone() for name, t in model.state_dict().items()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     return {
+        "offloaded_on_meta": offloaded_on_meta,
         "on_meta": on_meta,
         "built_on_meta": built_on_meta,
         "sharded": sharded,
@@ -238,7 +240,7 @@ def sharded_from_meta(rank: int, world: int) -> dict:
 def test_ranks_that_build_on_meta_get_rank_zeros_weights_and_buffers():
     built = make_model(*DROPOUT)
     for rank, result in enumerate(run_distributed(sharded_from_meta, 3, timeout_s=300)):
-        assert result["on_meta"] == result["built_on_meta"] == (rank != 0)
+        assert result["on_meta"] == result["built_on_meta"] == (rank != 0) and not result["offloaded_on_meta"]
         assert result["sharded"] and all(name.startswith(("visual.", "text.")) for name in result["sharded"])
         assert result["state"].keys() == built.state_dict().keys()
         assert all(torch.equal(t, built.state_dict()[name]) for name, t in result["state"].items())

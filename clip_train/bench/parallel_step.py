@@ -92,7 +92,7 @@ def _rank(rank: int, spec: dict[str, Any], tmp: str) -> None:
     try:
         cfg = load_config(spec["model"], spec["set"])
         torch.manual_seed(0)
-        on_meta = spec["mode"] == "fsdp" and builds_on_meta()  # as the trainer builds
+        on_meta = spec["mode"] == "fsdp" and builds_on_meta(FsdpConfig())  # as the trainer builds
         with torch.device("meta") if on_meta else contextlib.nullcontext():
             model = build_model(cfg.model, load_pretrained=not on_meta).train()
         if spec["mode"] == "fsdp":

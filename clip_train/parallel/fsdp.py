@@ -63,21 +63,24 @@ def _dtype(choice: FsdpDtype, auto: torch.dtype | None) -> torch.dtype | None:
     return auto if choice == "auto" else _DTYPES[choice]
 
 
-def builds_on_meta() -> bool:
+def builds_on_meta(cfg: FsdpConfig) -> bool:
     """Whether this rank builds a model to shard on the meta device: only rank 0 builds (and loads)
-    the weights, so that a rank's host and device never hold a whole model that only rank 0 needs."""
-    return dist.is_initialized() and dist.get_rank() != 0
+    the weights, so that a rank's host and device never hold a whole model that only rank 0 needs.
+    Not with ``cpu_offload``, whose shards live on the host, where NCCL cannot broadcast to them:
+    there every rank builds the same seeded weights."""
+    return dist.is_initialized() and dist.get_rank() != 0 and not cfg.cpu_offload
 
 
 def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision, device: torch.device) -> None:
-    """Shard both towers of a ``CLIP`` in place across the default process group, every rank taking
-    its shards of rank 0's weights and a copy of its buffers: the other ranks may have built theirs
-    on the meta device (``builds_on_meta``); they are materialized on ``device`` (the host under
-    ``fsdp.cpu_offload``). One process without a group keeps its towers whole."""
+    """Shard both towers of a ``CLIP`` in place across the default process group. Unless
+    ``cpu_offload``, every rank takes its shards of rank 0's weights and a copy of its buffers, on
+    ``device``: the other ranks may have built theirs on the meta device (``builds_on_meta``).
+    One process without a group keeps its towers whole."""
     if not dist.is_initialized():
         return
     weights = model.logit_scale.dtype
-    whole = model.state_dict() if dist.get_rank() == 0 else {}
+    from_main = not cfg.cpu_offload  # the same on every rank
+    whole = model.state_dict() if from_main and dist.get_rank() == 0 else {}
     options = {
         "reshard_after_forward": cfg.reshard_after_forward,
         "mp_policy": mixed_precision(cfg, precision, weights),
@@ -92,8 +95,10 @@ def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision, device
         register_fsdp_forward_method(tower, "encode_trainable")
         if tower.has_frozen_trunk:  # an unlocked tower's encode_frozen only moves its inputs
             register_fsdp_forward_method(tower, "encode_frozen")
+    if not from_main:
+        return
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model.to_empty(device=torch.device("cpu") if cfg.cpu_offload else device)
+        model.to_empty(device=device)
     set_model_state_dict(
         model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
