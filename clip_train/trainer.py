@@ -57,16 +57,15 @@ class Trainer:
         self.sharded = cfg.train.parallel == "fsdp"
         on_meta = self.sharded and builds_on_meta(cfg.fsdp)  # rank 0's weights reach it when sharded
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
-            model = build_model(cfg.model, load_pretrained=not (on_meta or cfg.model.init_from))
+        model = build_model(cfg.model, load_pretrained=not cfg.model.init_from, on_meta=on_meta)
         model = model.double() if cfg.train.precision == "fp64" else model
         self.model = model if on_meta else model.to(env.device)
+        if fine_tune and not on_meta:
+            self._load_init_from()
         if cfg.train.compile:
             compile_towers(self.model)
         measured = None
         if self.sharded:  # what needs the whole towers runs on rank 0 before they are sharded
-            if fine_tune and not on_meta:
-                self._load_init_from()
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
             shard_towers(self.model, cfg.fsdp, cfg.train.precision, env.device)
         self.update = Update(self.model, cfg, env.device)
@@ -106,8 +105,6 @@ class Trainer:
                 f"{self.resumed_from}: nothing to train; raise train.max_steps to continue the run"
             )
         self.saved_step = self.step  # the newest step on disk (0: none worth saving)
-        if fine_tune and not self.sharded:
-            self._load_init_from()
         self.chunks, self.chunk_note = self._chunks(measured)
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
         # Towers sharded with FSDP2 reduce their own gradients.

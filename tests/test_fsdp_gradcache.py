@@ -218,8 +218,7 @@ def sharded_from_meta(rank: int, world: int) -> dict:
     on_meta = builds_on_meta(FsdpConfig())
     offloaded_on_meta = builds_on_meta(FsdpConfig(cpu_offload=True))  # host shards: never
     if on_meta:
-        with torch.device("meta"):
-            model = build_model(load_config(TINY, list(DROPOUT)).model, load_pretrained=False).double()
+        model = build_model(load_config(TINY, list(DROPOUT)).model, on_meta=True).double()
     else:
         model = make_model(*DROPOUT)
     built_on_meta = all(p.is_meta for p in model.parameters())

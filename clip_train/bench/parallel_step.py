@@ -6,7 +6,6 @@ rank holds. Each (mode, batch) point runs in fresh processes, so every peak is i
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -93,8 +92,7 @@ def _rank(rank: int, spec: dict[str, Any], tmp: str) -> None:
         cfg = load_config(spec["model"], spec["set"])
         torch.manual_seed(0)
         on_meta = spec["mode"] == "fsdp" and builds_on_meta(FsdpConfig())  # as the trainer builds
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
-            model = build_model(cfg.model, load_pretrained=not on_meta).train()
+        model = build_model(cfg.model, on_meta=on_meta).train()
         if spec["mode"] == "fsdp":
             shard_towers(model, FsdpConfig(), "fp32", torch.device("cpu"))
         built = peak_bytes(torch.device("cpu"))

@@ -56,8 +56,11 @@ def check_readable(urls: list[str], *, what: str) -> None:
     """Fail at start-up, not in a data worker mid-run, when no local shard opens as a tar (a 0-byte
     or non-tar file). Stops at the first one that opens, so a long shard list costs one read.
     Tables pass: their readers check their headers when they split them into pieces."""
-    local = [u for u in urls if not u.startswith("pipe:") and "://" not in u and os.path.isfile(u)]
-    local = [u for u in local if not is_table(u)]
+    local = [
+        u
+        for u in urls
+        if not u.startswith("pipe:") and "://" not in u and os.path.isfile(u) and not is_table(u)
+    ]
     problem = ""
     for url in local:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -81,12 +82,19 @@ class CLIP(nn.Module):
         return (p for _, p in self.named_trainable_parameters())
 
 
-def build_model(model_cfg: ModelConfig, *, load_pretrained: bool = True) -> CLIP:
+def build_model(model_cfg: ModelConfig, *, load_pretrained: bool = True, on_meta: bool = False) -> CLIP:
     """Build both towers and the tokenizer; missing weights raise ``ModelLoadError`` with a fix.
 
     ``load_pretrained=False`` builds the architectures without loading the towers' pretrained
     weights, for a full checkpoint that replaces every weight anyway (eval, ``load``, ``init_from``).
+    ``on_meta`` builds every tensor on the meta device (shapes only, nothing loaded), for an FSDP
+    rank that receives its shards of rank 0's weights.
     """
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        return _build_model(model_cfg, load_pretrained=load_pretrained and not on_meta)
+
+
+def _build_model(model_cfg: ModelConfig, *, load_pretrained: bool) -> CLIP:
     text_cfg = model_cfg.text
     key = "model.text.tokenizer" if text_cfg.tokenizer else "model.text.hf"
     tokenizer = build_tokenizer(text_cfg.tokenizer or text_cfg.hf, text_cfg.context_length, key)
