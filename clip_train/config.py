@@ -1,7 +1,7 @@
 """Typed run configuration: YAML files, dotted ``key=value`` overrides and start-up checks.
 
-The dataclasses are the single reference for what a run can set (the README's config table is
-generated from their field comments). A YAML file may list others under a top-level ``include:``
+The dataclasses are the single reference for what a run can set (docs/config.md is generated
+from their field comments). A YAML file may list others under a top-level ``include:``
 (paths relative to it); later files, then the command-line overrides, win.
 """
 

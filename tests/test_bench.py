@@ -1,6 +1,6 @@
 """`clip-train bench loss` and `bench train` end to end at a toy size: every implementation or
 trainer runs in its own fresh process, and the JSON records each (the figures themselves are
-measurements for the README, never asserted here)."""
+measurements for docs/benchmarks.md, never asserted here)."""
 
 from __future__ import annotations
 

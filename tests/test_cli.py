@@ -129,20 +129,20 @@ def test_config_keys_of_a_config_lists_its_values_with_overrides(capsys):
     assert main(["config", str(DEMO_CONFIG), "model.text.hf=/models/bert", "--keys"]) == 2
 
 
-def test_config_readme_rewrites_only_the_marked_section(tmp_path):
-    from clip_train.commands.config import README_BEGIN, README_END, markdown_table
+def test_config_reference_rewrites_only_the_marked_section(tmp_path):
+    from clip_train.commands.config import REFERENCE_BEGIN, REFERENCE_END, markdown_table
 
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n{README_BEGIN}\n| stale |\n{README_END}\nafter\n")
-    first = clip_train("config", "--readme", str(readme))
-    second = clip_train("config", "--readme", str(readme))
+    page = tmp_path / "config.md"
+    page.write_text(f"# Title\n{REFERENCE_BEGIN}\n| stale |\n{REFERENCE_END}\nafter\n")
+    first = clip_train("config", "--reference", str(page))
+    second = clip_train("config", "--reference", str(page))
     assert first.returncode == 0 and "updated" in first.stdout, first.stderr
     assert "already current" in second.stdout
-    assert readme.read_text() == f"# Title\n{README_BEGIN}\n{markdown_table()}\n{README_END}\nafter\n"
-    readme.write_text("no markers\n")
-    missing = clip_train("config", "--readme", str(readme))
+    assert page.read_text() == f"# Title\n{REFERENCE_BEGIN}\n{markdown_table()}\n{REFERENCE_END}\nafter\n"
+    page.write_text("no markers\n")
+    missing = clip_train("config", "--reference", str(page))
     assert missing.returncode != 0 and "config-reference:begin" in missing.stderr
-    assert readme.read_text() == "no markers\n"
+    assert page.read_text() == "no markers\n"
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """Show a config: ``clip-train config CONFIG [key=value ...]`` prints the resolved YAML that
 ``clip-train train`` would run with (includes and overrides applied, cross-field checks passed);
 ``clip-train config --keys`` lists every key with its type, default and meaning (with a CONFIG, its
-value there instead of the default), and ``--readme README.md`` rewrites the README's config
-reference from the same rows.
+value there instead of the default), and ``--reference docs/config.md`` rewrites the config
+reference page from the same rows.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from clip_train.config import Config, ConfigKey, config_keys, config_yaml, load_config
 from clip_train.errors import UserError
 
-README_BEGIN, README_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+REFERENCE_BEGIN, REFERENCE_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 MAX_COLUMN = 40  # a longer cell (a config's dict value) overflows its column rather than widen every row
 
 
@@ -29,18 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="list every config key with its type, default and meaning; with CONFIG, its value there",
     )
     parser.add_argument(
-        "--readme", type=Path, metavar="README", help="rewrite the config reference between the markers"
+        "--reference",
+        type=Path,
+        metavar="FILE",
+        help="rewrite the config reference between the markers (docs/config.md)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.readme:
-        changed = update_readme(args.readme)
-        print(f"{args.readme} {'updated' if changed else 'already current'}")
+    if args.reference:
+        changed = update_reference(args.reference)
+        print(f"{args.reference} {'updated' if changed else 'already current'}")
     elif args.keys:
         print(key_table(None if args.config is None else _resolved(args)))
     elif args.config is None:
-        raise UserError("give a CONFIG to resolve, --keys to list every key, or --readme README.md")
+        raise UserError("give a CONFIG to resolve, --keys to list every key, or --reference docs/config.md")
     else:
         print(config_yaml(_resolved(args)), end="")
     return 0
@@ -71,17 +74,17 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path) -> bool:
+def update_reference(page: Path) -> bool:
     """Rewrite the marked section; True if the file changed."""
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise UserError(f"{readme} has no {README_BEGIN} ... {README_END} section")
-    head, _, rest = text.partition(README_BEGIN)
-    _, _, tail = rest.partition(README_END)
-    new = f"{head}{README_BEGIN}\n{markdown_table()}\n{README_END}{tail}"
+    text = page.read_text()
+    if REFERENCE_BEGIN not in text or REFERENCE_END not in text:
+        raise UserError(f"{page} has no {REFERENCE_BEGIN} ... {REFERENCE_END} section")
+    head, _, rest = text.partition(REFERENCE_BEGIN)
+    _, _, tail = rest.partition(REFERENCE_END)
+    new = f"{head}{REFERENCE_BEGIN}\n{markdown_table()}\n{REFERENCE_END}{tail}"
     if new == text:
         return False
-    readme.write_text(new)
+    page.write_text(new)
     return True
 
 
