@@ -296,6 +296,11 @@ def _check_text_source(text: TextTowerConfig) -> None:
 def _check_schedule(optim: OptimConfig, max_steps: int) -> None:
     """A cooldown only under const-cooldown, and one that fits after the warmup."""
     room = max_steps - optim.warmup_steps
+    if optim.schedule == "const-cooldown" and room < 1:
+        raise ConfigError(
+            f"optim.warmup_steps={optim.warmup_steps} leaves no step of train.max_steps={max_steps} for "
+            "the cooldown of optim.schedule=const-cooldown; shorten the warmup or raise train.max_steps"
+        )
     if optim.schedule == "const-cooldown" and not 0 < optim.cooldown_steps <= room:
         raise ConfigError(
             f"optim.cooldown_steps={optim.cooldown_steps}: optim.schedule=const-cooldown needs 1 to {room} "
