@@ -42,11 +42,11 @@ test: $(VENV)/.installed-dev+demo
 # The floor of the supported range (pyproject's torch>=) as CI runs it: torch, torchvision, Triton
 # and numpy at the image's pins (docker/constraints.txt), in a venv that takes every other package
 # from .venv, so the two share their wheels (the CUDA libraries torch loads at import included).
-# It runs the tests of the version-dependent code: the collectives, the loss (Triton interpreter
-# and AOT compile), Gradient Cache, the update, checkpoints, the trainer and preemption, and of FSDP2
-# the sharding (from rank 0's weights), its gradient sync and a sharded checkpoint resharded 2 -> 4 -> 1.
+# It runs the tests of the version-dependent code: the collectives, the loss, Gradient Cache, the
+# update, checkpoints, the trainer and preemption, and of FSDP2 the sharding (from rank 0's
+# weights), its gradient sync and a sharded checkpoint resharded 2 -> 4 -> 1.
 FLOOR_VENV ?= .venv-floor
-FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.py tests/test_triton_aot.py \
+FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.py \
 	tests/test_gradcache*.py tests/test_optim.py tests/test_checkpoint*.py tests/test_trainer.py \
 	tests/test_exit_paths.py tests/test_fsdp_config.py \
 	tests/test_fsdp_gradcache.py::test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk \
@@ -87,7 +87,7 @@ gpu-figures: $(VENV)/.installed-dev+demo
 		set -ex; \
 		for dtype in float32 bfloat16; do \
 			$(VENV)/bin/clip-train bench loss --device cuda --dtype $$dtype --dim 512 --repeats 5 \
-				--batch 16384,32768,65536,131072,262144 --impl vanilla,inf --kernel torch,triton \
+				--batch 16384,32768,65536,131072,262144 --impl vanilla,inf \
 				--json $(FIGURES)/gpu-loss-$$dtype.json --plot $(FIGURES)/gpu-loss-$$dtype.png; \
 		done; \
 		$(VENV)/bin/clip-train bench step --device cuda --model configs/model/vit-b16-bert-base-random.yaml \

@@ -219,8 +219,8 @@ def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
                 f"{checkpoint} has no {MODEL_CONFIG_FILE} and is not inside a run directory with a "
                 f"{RUN_CONFIG_FILE}; give the config the model was trained with"
             )
-        return load_config(run_config).model
-    cfg = load_config(own).model
+        return load_config(run_config, saved=True).model
+    cfg = load_config(own, saved=True).model
     cfg.init_from = cfg.image.pretrained = ""
     cfg.text.hf, cfg.text.hf_config = str(checkpoint / TEXT_DIR), {}
     if cfg.text.tokenizer != OPEN_CLIP:

@@ -1,8 +1,8 @@
 """Differences between the torch releases clip_train runs on, detected by feature in one place.
 
 Callers ask what to pass, never which version they run on: a version string says nothing about a
-backport or a nightly, a signature does. The floor is torch 2.11 (with its Triton 3.6); every other
-torch and Triton API the package and its tests use exists unchanged from there on.
+backport or a nightly, a signature does. The floor is torch 2.11; every other torch API the package
+and its tests use exists unchanged from there on.
 """
 
 from __future__ import annotations

@@ -33,10 +33,7 @@ class ConfigError(UserError, ValueError):
 Precision = Literal["fp32", "bf16", "fp16", "fp64"]
 LossKind = Literal["softmax", "sigmoid"]
 LossImpl = Literal["vanilla", "local", "inf", "auto"]
-LossKernel = Literal["auto", "torch", "triton"]
-PRECISIONS, LOSS_KINDS, LOSS_IMPLS, LOSS_KERNELS = (
-    typing.get_args(choice) for choice in (Precision, LossKind, LossImpl, LossKernel)
-)
+PRECISIONS, LOSS_KINDS, LOSS_IMPLS = (typing.get_args(choice) for choice in (Precision, LossKind, LossImpl))
 RESOLVED_LOSS_IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # what auto resolves among
 Parallel = Literal["ddp", "fsdp"]
 Schedule = Literal["cosine", "const", "const-cooldown"]
@@ -105,7 +102,6 @@ class DataConfig:
 class LossConfig:
     kind: LossKind = "softmax"  # CLIP's softmax or SigLIP's sigmoid loss
     impl: LossImpl = "auto"  # auto = inf (tiles and a ring of ranks)
-    kernel: LossKernel = "auto"  # inf's tiles: auto = torch (README: loss on GPUs)
     tile_size: int = 0  # 0 picks a size for the device
 
 
@@ -300,6 +296,11 @@ def _check_text_source(text: TextTowerConfig) -> None:
 def _check_schedule(optim: OptimConfig, max_steps: int) -> None:
     """A cooldown only under const-cooldown, and one that fits after the warmup."""
     room = max_steps - optim.warmup_steps
+    if optim.schedule == "const-cooldown" and room < 1:
+        raise ConfigError(
+            f"optim.warmup_steps={optim.warmup_steps} leaves no step of train.max_steps={max_steps} for "
+            "the cooldown of optim.schedule=const-cooldown; shorten the warmup or raise train.max_steps"
+        )
     if optim.schedule == "const-cooldown" and not 0 < optim.cooldown_steps <= room:
         raise ConfigError(
             f"optim.cooldown_steps={optim.cooldown_steps}: optim.schedule=const-cooldown needs 1 to {room} "
@@ -352,11 +353,25 @@ def _check_batch(batch: BatchConfig, world: int) -> None:
             )
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+# Keys earlier releases had, so every run config they saved holds them: a saved config drops them
+# silently, a config someone writes fails at start-up saying why the key went.
+RETIRED_KEYS = {
+    "loss.kernel": "the PyTorch tiles are the only loss path (the Triton kernels measured 1.6-1.85x "
+    "slower on an H100)",
+}
+
+
+def load_config(
+    path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = (), *, saved: bool = False
+) -> Config:
     """Load a YAML file (or the defaults when ``path`` is None) and apply ``key=value`` overrides.
+    ``saved``: the file is one a run wrote (a run's config.yaml, a checkpoint's model.yaml), whose
+    retired keys are dropped; the overrides are still the user's.
 
     Type-checked only: ``Config.validate`` cross-checks at start-up, once the world size is known."""
     raw: dict[str, Any] = _read_yaml_with_includes(Path(path)) if path is not None else {}
+    if saved:
+        _pop_retired(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -364,6 +379,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
                 f"override {item!r} is not of the form key=value (e.g. batch.global_size=65536)"
             )
         _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+    if retired := _pop_retired(raw):
+        raise ConfigError(f"{retired} was removed: {RETIRED_KEYS[retired]}; delete the key")
     config = _build(Config, raw, prefix="")
     # The logit scale and bias left at None take the chosen loss's own initial values, so the saved
     # config (and each checkpoint's model.yaml) records what the model was built with.
@@ -415,6 +432,20 @@ def _field_comments(cls: type) -> dict[str, str]:
             if found := re.match(r"^\s+(\w+):[^#]*#\s*(.+)$", line):
                 comments[found.group(1)] = found.group(2)
     return comments
+
+
+def _pop_retired(raw: dict[str, Any]) -> str | None:
+    """Remove every retired key from ``raw``; the first one it held, if any."""
+    found = None
+    for key in RETIRED_KEYS:
+        *parents, leaf = key.split(".")
+        node: Any = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            del node[leaf]
+            found = found or key
+    return found
 
 
 def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:

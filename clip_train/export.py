@@ -101,6 +101,8 @@ def open_clip_config(model: CLIP, at: Location) -> dict:
         "timm_proj_bias": False,
         "image_size": model.image_size,
     }
+    if model.visual.drop_path_rate is not None:  # training the export in OpenCLIP regularises alike
+        vision_cfg["timm_drop_path"] = model.visual.drop_path_rate
     preprocess = {
         "mean": list(model.image_mean),
         "std": list(model.image_std),

@@ -68,6 +68,12 @@ def test_bad_override_and_missing_file(tmp_path, capsys):
     assert "batch.image_chunk=4 must divide" in line
 
 
+def test_the_retired_loss_kernel_key_is_one_line_naming_what_replaced_it(capsys):
+    assert main(["train", str(DEMO_CONFIG), "loss.kernel=triton"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("clip-train: error: loss.kernel was removed: the PyTorch tiles are the only loss")
+
+
 def test_building_the_parser_imports_no_torch():
     """``--help`` of every command stays fast: command modules import torch only when they run."""
     code = "import sys, clip_train.cli as cli; cli.build_parser(); print('torch' in sys.modules)"

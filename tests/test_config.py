@@ -85,6 +85,33 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(tmp_path / "c.yaml")
 
 
+def test_a_retired_key_fails_in_one_line_unless_a_run_saved_it(tmp_path):
+    """loss.kernel chose the Triton kernels, now gone: a config that sets it fails saying so, while
+    the run configs earlier releases saved (all of which hold it) still load, without it."""
+    message = (
+        "loss.kernel was removed: the PyTorch tiles are the only loss path (the Triton kernels measured "
+        "1.6-1.85x slower on an H100); delete the key"
+    )
+    expected = load_config(None, [BERT, "loss.kind=sigmoid"])
+    saved = tmp_path / "config.yaml"
+    raw = dataclasses.asdict(expected)
+    raw["loss"]["kernel"] = "auto"  # after kind and impl, as earlier releases wrote it
+    saved.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert load_config(saved, saved=True) == expected
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("loss:\n  kernel: triton\n")
+    users = [
+        lambda: load_config(None, ["loss.kernel=torch"]),
+        lambda: load_config(mine),
+        lambda: load_config(saved),  # a run's config given as the user's own
+        lambda: load_config(saved, ["loss.kernel=auto"], saved=True),  # overrides are the user's
+    ]
+    for load in users:
+        with pytest.raises(ConfigError) as err:
+            load()
+        assert str(err.value) == message
+
+
 @pytest.mark.parametrize(
     "override",
     [

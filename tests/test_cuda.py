@@ -1,10 +1,10 @@
 """On a CUDA GPU only (``make gpu-check``; the ``cuda`` marker keeps them out of ``make test``).
 
-What the CPU suite cannot reach: the Triton kernels compiled for the device at hand (every dtype
-and padded embedding width, both losses, 16k rows), the PyTorch tiles on cuBLAS and their host
-syncs, Gradient Cache's GPU-only paths (pinned host batch, side-stream prefetch, dropout replayed on
-the CUDA generator), the CUDA generator in a checkpoint's RNG state, and training runs in bf16 and
-in fp16 with its GradScaler, each against a reference.
+What the CPU suite cannot reach: the loss's tiles on cuBLAS with their compiled elementwise work
+(every dtype and embedding width, both losses, 16k rows) and their host syncs, Gradient Cache's
+GPU-only paths (pinned host batch, side-stream prefetch, dropout replayed on the CUDA generator),
+the CUDA generator in a checkpoint's RNG state, and training runs in bf16 and in fp16 with its
+GradScaler, each against a reference.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from test_loss_sigmoid import _reference as sigmoid_loss_formula
 from clip_train.checkpoint import complete_checkpoints
 from clip_train.engine import GradCache
 from clip_train.engine.rng import ProcessRng
-from clip_train.loss import contrastive_loss, tiles_triton
+from clip_train.loss import contrastive_loss
 
 pytestmark = [
     pytest.mark.cuda,
@@ -75,8 +75,8 @@ def _assert_close_to(actual, expected, tolerance) -> None:
         torch.testing.assert_close(a, e, rtol=tolerance, atol=tolerance * e.abs().max() + 1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["triton", "torch"])
-@pytest.mark.parametrize(
+# Each feature dtype the loss takes (fp32 also with TF32 matmuls), and embedding widths from 64 to 1024.
+EVERY_DTYPE = pytest.mark.parametrize(
     ("dtype", "tf32", "tolerance"),
     [
         (torch.float32, False, 1e-4),
@@ -85,9 +85,13 @@ def _assert_close_to(actual, expected, tolerance) -> None:
         (torch.float16, False, 2e-3),
     ],
 )
-@pytest.mark.parametrize("dim", [64, 200, 512, 768, 1024])  # every padded width the backward has
+EVERY_WIDTH = pytest.mark.parametrize("dim", [64, 200, 512, 768, 1024])
+
+
+@EVERY_DTYPE
+@EVERY_WIDTH
 @pytest.mark.parametrize("hard_negatives", [False, True])
-def test_tiled_loss_on_gpu_matches_fp64(kernel, dtype, tf32, tolerance, dim, hard_negatives) -> None:
+def test_tiled_loss_on_gpu_matches_fp64(dtype, tf32, tolerance, dim, hard_negatives) -> None:
     torch.backends.cuda.matmul.allow_tf32 = tf32
     n, m = 1000, 1300 if hard_negatives else 1000
     images, texts = _features(n, dim, 0), _features(m, dim, 1)
@@ -96,45 +100,41 @@ def test_tiled_loss_on_gpu_matches_fp64(kernel, dtype, tf32, tolerance, dim, har
     expected = _loss_and_grads(clip_loss_formula, images, texts, [50.0], torch.float64, "cpu", labels=labels)
 
     def tiled(i, t, s, labels):
-        return contrastive_loss(i, t, s, labels=labels, kernel=kernel, tile_size=512)
+        return contrastive_loss(i, t, s, labels=labels, tile_size=512)
 
     gpu_labels = None if labels is None else labels.to(CUDA)
-    if kernel == "triton" and dim > tiles_triton.max_dim(dtype):
-        with pytest.raises(ValueError, match="use kernel='torch'"):
-            _loss_and_grads(tiled, images, texts, [50.0], dtype, CUDA, labels=gpu_labels)
-        return
     _assert_close_to(
         _loss_and_grads(tiled, images, texts, [50.0], dtype, CUDA, labels=gpu_labels), expected, tolerance
     )
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("dim", [64, 512])
-def test_sigmoid_kernels_on_gpu_match_each_other_and_fp64(dtype, tolerance, dim) -> None:
+@EVERY_DTYPE
+@EVERY_WIDTH
+def test_sigmoid_tiles_on_gpu_match_fp64(dtype, tf32, tolerance, dim) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     images, texts = (_features(1000, dim, seed).to(dtype).double() for seed in (0, 1))
     scalars = [10.0, -10.0]  # SigLIP's initial scale and bias
     expected = _loss_and_grads(sigmoid_loss_formula, images, texts, scalars, torch.float64, "cpu")
-    results = {}
-    for kernel in ("torch", "triton"):
 
-        def tiled(i, t, s, b, kernel=kernel):
-            return contrastive_loss(i, t, s, logit_bias=b, kind="sigmoid", kernel=kernel, tile_size=512)
+    def tiled(i, t, s, b):
+        return contrastive_loss(i, t, s, logit_bias=b, kind="sigmoid", tile_size=512)
 
-        results[kernel] = _loss_and_grads(tiled, images, texts, scalars, dtype, CUDA)
-        _assert_close_to(results[kernel], expected, tolerance)
-    _assert_close_to(results["triton"], results["torch"], tolerance)
+    _assert_close_to(_loss_and_grads(tiled, images, texts, scalars, dtype, CUDA), expected, tolerance)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_both_paths_at_16k_rows_match_fp64(kernel) -> None:
+@pytest.mark.parametrize(
+    ("formula", "kind", "scalars"),
+    [(clip_loss_formula, "softmax", [50.0]), (sigmoid_loss_formula, "sigmoid", [10.0, -10.0])],
+)
+def test_both_losses_at_16k_rows_match_fp64(formula, kind, scalars) -> None:
     """Sixteen 1024-row tiles a side in fp32 (TF32 off), against the fp64 formula on the GPU."""
     images, texts = (_features(16384, 512, seed).float().double() for seed in (0, 1))
-    expected = _loss_and_grads(clip_loss_formula, images, texts, [50.0], torch.float64, CUDA)
+    expected = _loss_and_grads(formula, images, texts, scalars, torch.float64, CUDA)
 
-    def tiled(i, t, s):
-        return contrastive_loss(i, t, s, kernel=kernel, tile_size=1024)
+    def tiled(i, t, s, b=None):
+        return contrastive_loss(i, t, s, logit_bias=b, kind=kind, tile_size=1024)
 
-    _assert_close_to(_loss_and_grads(tiled, images, texts, [50.0], torch.float32, CUDA), expected, 1e-4)
+    _assert_close_to(_loss_and_grads(tiled, images, texts, scalars, torch.float32, CUDA), expected, 1e-4)
 
 
 def test_tiled_loss_syncs_as_often_over_64_tiles_as_over_one() -> None:
@@ -150,7 +150,7 @@ def test_tiled_loss_syncs_as_often_over_64_tiles_as_over_one() -> None:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                contrastive_loss(i, t, s, kernel="torch", tile_size=tile).backward()
+                contrastive_loss(i, t, s, tile_size=tile).backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchronizing" in str(w.message) for w in caught)
@@ -202,13 +202,13 @@ def test_dropout_and_drop_path_replay_on_the_cuda_generator_is_exact(image_chunk
     assert_grads_close(got, want, rtol=1e-10)
 
 
-@pytest.mark.parametrize(("kernel", "precision"), [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp16")])
-def test_training_run_on_gpu_learns(digits, tmp_path, kernel, precision) -> None:
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_training_run_on_gpu_learns(digits, tmp_path, precision) -> None:
     """60 steps of the demo's model at batch 64 (fp16: with its GradScaler): every loss finite,
     and the last ten average clearly below the first ten (from ~4.2 to ~4.0 on the CPU in fp32)."""
     command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG)]
     overrides = run_overrides(
-        digits, tmp_path, 60, "train.device=cuda", f"loss.kernel={kernel}", f"train.precision={precision}",
+        digits, tmp_path, 60, "train.device=cuda", f"train.precision={precision}",
         "batch.global_size=64", "batch.image_chunk=32", "batch.text_chunk=32", "log.every_steps=1",
         "optim.warmup_steps=5", "optim.lr=3e-3", "checkpoint.every_steps=60",
     )  # fmt: skip

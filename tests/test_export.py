@@ -23,12 +23,13 @@ from PIL import Image
 from processes import run_to_end
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 from test_model import write_bert_dir
+from timm.layers import DropPath
 
 import clip_train
 from clip_train import load_config
 from clip_train.checkpoint import save_checkpoint
 from clip_train.cli import main as cli_main
-from clip_train.export import MARKER, Location, hub_files, verify
+from clip_train.export import MARKER, Location, hub_files, open_clip_config, verify
 from clip_train.model import build_model
 
 TEXTS = [
@@ -128,6 +129,26 @@ def test_the_trained_demo_model_with_mean_pooling(exported_demo, demo_run, digit
         == "mean_pooler"
     )
     assert_same_embeddings(demo_run, f"local-dir:{exported_demo}", sample_images(digits))
+
+
+def test_open_clip_builds_the_export_with_the_runs_stochastic_depth(exported_demo, demo_run):
+    """Training the export in OpenCLIP drops the image trunk's residual branches as the run did
+    (TINY_MODEL's drop_path_rate 0.1); a trunk configured without one exports none."""
+    vision_cfg = json.loads((exported_demo / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
+    assert vision_cfg["timm_drop_path"] == 0.1
+    theirs, _, _ = open_clip.create_model_and_transforms(f"local-dir:{exported_demo}")
+    ours, _, _ = clip_train.load(demo_run)
+    rates = [
+        [m.drop_prob for m in clip.visual.trunk.modules() if isinstance(m, DropPath)]
+        for clip in (ours, theirs)
+    ]
+    assert rates[0] == rates[1] and max(rates[0]) == pytest.approx(0.1)
+    trunk = "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2}"
+    plain = build_model(load_config(TINY_MODEL_CONFIG, [*TINY_MODEL, trunk]).model)
+    assert (
+        "timm_drop_path"
+        not in open_clip_config(plain, Location.folder(exported_demo))["model_cfg"]["vision_cfg"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -279,6 +300,7 @@ def test_anything_but_an_earlier_export_is_left_untouched(tmp_path, capsys, targ
 HUB_EMBEDDINGS = """
 import json, sys, torch, open_clip
 from PIL import Image
+from timm.layers import DropPath
 name, images, texts = sys.argv[1], [Image.open(p) for p in json.loads(sys.argv[2])], json.loads(sys.argv[3])
 model, _, preprocess = open_clip.create_model_and_transforms(name)
 tokenizer = open_clip.get_tokenizer(name)

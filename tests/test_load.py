@@ -10,6 +10,7 @@ import open_clip
 import pytest
 import timm
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 from test_model import write_bert_dir
@@ -30,7 +31,7 @@ from clip_train.config import DataConfig, EvalConfig
 from clip_train.data import build_eval_loader
 from clip_train.data.sources import read_shard
 from clip_train.errors import UserError
-from clip_train.eval import evaluate
+from clip_train.eval import eval_config, evaluate
 from clip_train.export import export_open_clip
 from clip_train.model import CLIP, HFTokenizer, build_model
 from clip_train.model.tokenizer import IdsTokenizer
@@ -130,9 +131,13 @@ def test_a_checkpoint_needs_none_of_the_files_its_towers_came_from(tmp_path):
 
 
 def test_a_checkpoint_from_before_model_yaml_uses_its_runs_config(demo_run, tmp_path):
+    """Older still: its run's config.yaml holds the retired loss.kernel, which loading and
+    evaluating the checkpoint drop."""
     run = tmp_path / "old_run"
     shutil.copytree(demo_run / "checkpoints" / "step_00000040", run / "checkpoints" / "step_00000040")
-    shutil.copy(demo_run / "config.yaml", run / "config.yaml")
+    run_config = yaml.safe_load((demo_run / "config.yaml").read_text())
+    run_config["loss"]["kernel"] = "auto"
+    (run / "config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
     old = run / "checkpoints" / "step_00000040"
     (old / MANIFEST_FILE).unlink()  # older still than manifests
     (old / MODEL_CONFIG_FILE).unlink()
@@ -141,6 +146,7 @@ def test_a_checkpoint_from_before_model_yaml_uses_its_runs_config(demo_run, tmp_
     reference, _, _ = clip_train.load(demo_run)
     with torch.no_grad():
         assert torch.equal(model.encode_text(tokenizer(CAPTIONS)), reference.encode_text(tokenizer(CAPTIONS)))
+    assert eval_config(old / MODEL_FILE, None, []) == load_config(demo_run / "config.yaml")
     (run / "config.yaml").unlink()
     with pytest.raises(UserError, match=f"{old} has no model.yaml and is not inside a run directory"):
         clip_train.load(old)

@@ -26,7 +26,8 @@ def _softplus(x: torch.Tensor) -> torch.Tensor:
 
 def _reference(images, texts, scale, bias) -> torch.Tensor:
     logits = scale * images @ texts.t() + bias
-    signs = 2 * torch.eye(len(images), dtype=logits.dtype) - 1  # +1 on the diagonal, -1 elsewhere
+    # +1 on the diagonal, -1 elsewhere
+    signs = 2 * torch.eye(len(images), dtype=logits.dtype, device=logits.device) - 1
     return _softplus(-signs * logits).sum() / len(images)
 
 

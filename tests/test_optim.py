@@ -91,6 +91,15 @@ def test_const_and_const_cooldown_schedules():
             ["optim.schedule=const-cooldown", "optim.cooldown_steps=999", "optim.warmup_steps=2"],
             "needs 1 to 998",
         ),
+        (
+            ["optim.schedule=const-cooldown", "optim.cooldown_steps=8", "optim.warmup_steps=1016"],
+            r"^optim\.warmup_steps=1016 leaves no step of train\.max_steps=1000 for the cooldown of "
+            r"optim\.schedule=const-cooldown; shorten the warmup or raise train\.max_steps$",
+        ),
+        (
+            ["optim.schedule=const-cooldown", "optim.warmup_steps=1000"],
+            r"^optim\.warmup_steps=1000 leaves no step of train\.max_steps=1000",
+        ),
         (["optim.cooldown_steps=5"], r"no effect with optim.schedule=cosine"),
         (["optim.schedule=linear"], "optim.schedule"),
     ],

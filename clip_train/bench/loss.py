@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
-from clip_train.config import LOSS_KERNELS, LOSS_KINDS, RESOLVED_LOSS_IMPLS
+from clip_train.config import LOSS_KINDS, RESOLVED_LOSS_IMPLS
 from clip_train.distributed import resolve_device
 from clip_train.loss import contrastive_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
@@ -54,9 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: "
         + "; ".join(f"{', '.join(impls)} ({kind})" for kind, impls in IMPLS.items())
         + "; default all",
-    )
-    parser.add_argument(
-        "--kernel", default="auto", help=f"comma-separated kernels for inf's tiles: {', '.join(LOSS_KERNELS)}"
     )
     parser.add_argument(
         "--tf32",
@@ -87,11 +84,6 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(
                 f"bench loss: unknown {args.kind} impl {impl!r}; choose from {', '.join(choices)}"
             )
-    kernels = [k.strip() for k in args.kernel.split(",")]
-    for kernel in kernels:
-        if kernel not in LOSS_KERNELS:
-            raise SystemExit(f"bench loss: unknown kernel {kernel!r}; choose from {', '.join(LOSS_KERNELS)}")
-    runs = [(impl, kernel) for impl in impls for kernel in (kernels if impl == "inf" else ["auto"])]
     if device == "cuda" and args.world > 1:
         raise SystemExit("bench loss: --world runs gloo ranks on CPU; use torchrun for multi-GPU")
     if any(b % args.world for b in batches):
@@ -112,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{batch:>7} {'matmul':>12} {floor['time_s']:>8.3f} {1.0:>8.2f} {'':>9}  one b×b×d matmul (floor)"
         )
-        for impl, kernel in runs:
-            spec = {**_spec(args, impl, batch, device, args.world), "kernel": kernel}
+        for impl in impls:
+            spec = _spec(args, impl, batch, device, args.world)
             need, have = _estimate_bytes(spec), _available_bytes(device)
             if need > 0.85 * have:
                 result = {**_public(spec), "time_s": None, "peak_mib": None, "oom": True}
@@ -127,10 +119,10 @@ def run(args: argparse.Namespace) -> int:
                 if time_s is not None
                 else f"{'-':>8} {'-':>8} {'-':>9}"
             )
-            print(f"{batch:>7} {_label(result):>12} {cells}  {result.get('note', '')}", flush=True)
+            print(f"{batch:>7} {impl:>12} {cells}  {result.get('note', '')}", flush=True)
         ran = [r for r in results if r["batch"] == batch and r["impl"] != "floor" and r["time_s"] is not None]
         if args.world == 1 and len(ran) > 1:
-            runs_spec = [{**_spec(args, r["impl"], batch, device, 1), "kernel": r["kernel"]} for r in ran]
+            runs_spec = [_spec(args, r["impl"], batch, device, 1) for r in ran]
             times = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)["median_s"]
             paired.append({"batch": batch, "median_s": times})
             print(f"{'':>7} {'same process':>12}  {_ratios(times)}", flush=True)
@@ -145,7 +137,6 @@ def _spec(args: argparse.Namespace, impl: str, batch: int, device: str, world: i
     """Everything a measuring subprocess needs, as plain JSON-able values."""
     return {
         "impl": impl,
-        "kernel": "auto",
         "batch": batch,
         "device": device,
         "world": world,
@@ -157,7 +148,7 @@ def _spec(args: argparse.Namespace, impl: str, batch: int, device: str, world: i
 
 
 def _public(spec: dict[str, Any]) -> dict[str, Any]:
-    keys = ("kind", "impl", "kernel", "batch", "dim", "world", "dtype", "device", "tile", "repeats", "tf32")
+    keys = ("kind", "impl", "batch", "dim", "world", "dtype", "device", "tile", "repeats", "tf32")
     return {key: spec[key] for key in keys}
 
 
@@ -166,11 +157,6 @@ def _ratios(times: dict[str, float]) -> str:
     from the impls taking turns in one process."""
     base = "open_clip" if "open_clip" in times else next(iter(times))
     return ", ".join(f"{label} / {base} {t / times[base]:.3f}" for label, t in times.items() if label != base)
-
-
-def _label(result: dict[str, Any]) -> str:
-    """``inf/torch`` or ``inf/triton`` where a kernel was chosen, else the implementation."""
-    return f"{result['impl']}/{result['kernel']}" if result["kernel"] != "auto" else result["impl"]
 
 
 def _estimate_bytes(spec: dict[str, Any]) -> float:
@@ -287,7 +273,7 @@ def _paired_times(specs: list[dict[str, Any]]) -> dict[str, float]:
     """Median step time of each configuration, all in one process taking turns step by step, so a
     shared machine's drift slows them alike and their ratios hold (the memory needs fresh processes)."""
     sync = _synchronizer(torch.device(specs[0]["device"]), 1)
-    steps = {_label(spec): _make_step(spec, 0, 1) for spec in specs}
+    steps = {spec["impl"]: _make_step(spec, 0, 1) for spec in specs}
     times: dict[str, list[float]] = {label: [] for label in steps}
     for repeat in range(max(1, specs[0]["repeats"]) + 1):
         for label, step in steps.items():
@@ -306,12 +292,7 @@ def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
         from open_clip.loss import SigLipLoss  # here: importing open_clip costs every fresh process ~3 s
 
         return SigLipLoss(rank=rank, world_size=world)
-    options = {
-        "kind": spec["kind"],
-        "impl": spec["impl"],
-        "kernel": spec["kernel"],
-        "tile_size": spec["tile"] or None,
-    }
+    options = {"kind": spec["kind"], "impl": spec["impl"], "tile_size": spec["tile"] or None}
 
     def loss(images: Any, texts: Any, scale: Any, bias: Any) -> Any:
         return contrastive_loss(
@@ -338,8 +319,8 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
 
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for color, impl in enumerate(dict.fromkeys(_label(r) for r in results)):
-        done = [r for r in results if _label(r) == impl and r["time_s"] is not None]
+    for color, impl in enumerate(dict.fromkeys(r["impl"] for r in results)):
+        done = [r for r in results if r["impl"] == impl and r["time_s"] is not None]
         if not done:
             continue
         batches = [r["batch"] for r in done]

@@ -27,12 +27,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from clip_train.compat import ddp_no_buffer_sync_kwargs
-from clip_train.config import PRECISIONS, Config, ConfigError, Precision
+from clip_train.config import PRECISIONS, Config, Precision
 from clip_train.distributed import rank_and_world
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
-from clip_train.loss.kernels import select_kernels
+from clip_train.loss.tiles_torch import tile_dtype
 from clip_train.parallel import GatherWaits, gradient_sync, is_sharded
 from clip_train.precision import autocast
 
@@ -116,7 +116,6 @@ class GradCache:
         offload: bool = False,
         keep_last_graph: bool = True,
         loss_impl: str = "auto",
-        loss_kernel: str = "auto",
         tile_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         sync_every_chunk: bool = False,
@@ -130,7 +129,6 @@ class GradCache:
         # A model with a logit bias is trained with the sigmoid loss (Config.validate keeps them together).
         self.loss_kind = "sigmoid" if model.logit_bias is not None else "softmax"
         self.loss_impl = loss_impl
-        self.loss_kernel = loss_kernel
         # Beside a materialising loss the kept graph would share the peak with a b×b workspace.
         self.keep_last_graph = keep_last_graph and loss_impl in ("auto", "inf")
         self.tile_size = tile_size
@@ -145,9 +143,8 @@ class GradCache:
     @classmethod
     def from_config(cls, model: nn.Module, config: Config, chunks: tuple[int, int]) -> GradCache:
         """Offload, precision and loss options from a run config (default process group), with the
-        image and text ``chunks`` the run resolved (``auto`` is measured first). An unusable
-        ``loss.kernel`` fails here, at start-up."""
-        engine = cls(
+        image and text ``chunks`` the run resolved (``auto`` is measured first)."""
+        return cls(
             model,
             image_chunk=chunks[0],
             text_chunk=chunks[1],
@@ -155,16 +152,9 @@ class GradCache:
             offload=config.batch.offload,
             keep_last_graph=config.batch.keep_last_graph,
             loss_impl=config.loss.impl,
-            loss_kernel=config.loss.kernel,
             tile_size=config.loss.tile_size or None,
             sync_every_chunk=config.fsdp.sync_every_chunk,
         )
-        towers = torch.float64 if config.train.precision == "fp64" else torch.float32
-        try:
-            engine._loss_dtype(towers, config.model.embed_dim)
-        except ValueError as err:
-            raise ConfigError(f"loss.kernel={config.loss.kernel}: {err}") from None
-        return engine
 
     def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
         if chunk < 0:
@@ -278,7 +268,7 @@ class GradCache:
                         out.rng.append(RngState.capture(self.device))
                     features = tower.module.encode_trainable(*hidden)
             if out.features is None:
-                dtype = self._loss_dtype(features.dtype, features.shape[1])
+                dtype = self._loss_dtype(features.dtype)
                 out.features = _rows_like(features, rows, dtype=dtype)
             out.features[start:end] = features
             if tower.caches_trunk and index != kept_index:
@@ -292,15 +282,12 @@ class GradCache:
         out.max_live = stream.max_live
         return out
 
-    def _loss_dtype(self, features: torch.dtype, dim: int) -> torch.dtype:
-        """The dtype the loss's tiles take (``select_kernels``): in bf16 training, bf16 for the Triton
-        kernels and for the PyTorch tiles on CUDA (half the bytes; LSEs and gradient sums stay fp32),
-        otherwise >= fp32. Raises ValueError for a kernel that cannot take these features."""
-        wanted = torch.promote_types(features, torch.float32)
-        if self.loss_impl not in ("auto", "inf"):
-            return wanted
-        wanted = torch.bfloat16 if self.precision == "bf16" else wanted
-        return select_kernels(self.loss_kernel, self.device, wanted, dim).feature_dtype
+    def _loss_dtype(self, features: torch.dtype) -> torch.dtype:
+        """The dtype the loss takes: in bf16 training on CUDA, bf16 for the tiles (``tile_dtype``:
+        half the bytes; LSEs and gradient sums stay fp32), otherwise >= fp32."""
+        if self.loss_impl in ("auto", "inf") and self.precision == "bf16":
+            return tile_dtype(torch.bfloat16, self.device)
+        return torch.promote_types(features, torch.float32)
 
     def _loss(
         self,
@@ -320,7 +307,6 @@ class GradCache:
             logit_bias=leaves[1] if len(leaves) > 1 else None,
             kind=self.loss_kind,
             impl=self.loss_impl,
-            kernel=self.loss_kernel,
             group=self.group,
             tile_size=self.tile_size,
         )

@@ -114,7 +114,7 @@ def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Conf
                 f"override {model_overrides[0]}: without a CONFIG the checkpoint's own model config is "
                 "used; give the config to change the model"
             )
-        cfg = load_config(run_config_file(weights.parent), overrides)
+        cfg = load_config(run_config_file(weights.parent), overrides, saved=True)
         cfg.model = checkpoint_model_config(weights.parent)
     if cfg.eval.batch_size <= 0:
         raise EvalError(f"eval.batch_size={cfg.eval.batch_size} must be > 0")

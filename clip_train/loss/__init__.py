@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from clip_train.config import LOSS_IMPLS, LOSS_KINDS, LossImpl, LossKernel, LossKind
+from clip_train.config import LOSS_IMPLS, LOSS_KINDS, LossImpl, LossKind
 from clip_train.loss.checks import check_inputs
-from clip_train.loss.kernels import select_kernels
 from clip_train.loss.reference import local_loss, vanilla_loss, vanilla_sigmoid_loss
 from clip_train.loss.sigmoid import SigmoidLoss
 from clip_train.loss.softmax import SoftmaxLoss
@@ -36,7 +35,6 @@ def contrastive_loss(
     kind: LossKind = "softmax",
     labels: torch.Tensor | None = None,
     impl: LossImpl = "auto",
-    kernel: LossKernel = "auto",
     group: dist.ProcessGroup | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -53,7 +51,6 @@ def contrastive_loss(
             global column r·n+i); else (n,) indices into all ranks' text rows, rank-major:
             one-directional InfoNCE with hard negatives.
         impl: ``"inf"`` (= ``"auto"``), ``"vanilla"`` or ``"local"`` (softmax only).
-        kernel: inf's tiles: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``kernels.select_kernels``).
         group: process group; ``None`` is the default group, or a single process without one.
         tile_size: rows/columns per tile of the PyTorch tiles; ``None`` or 0 picks one per device.
     """
@@ -83,8 +80,7 @@ def contrastive_loss(
         return vanilla_loss(image_features, text_features, logit_scale, batch)
     if impl == "local":
         return local_loss(image_features, text_features, logit_scale, batch)
-    tiles = select_kernels(kernel, image_features.device, image_features.dtype, image_features.shape[1])
     tile = tile_size or default_tile(image_features.device)
     if kind == "sigmoid":
-        return SigmoidLoss.apply(image_features, text_features, logit_scale, logit_bias, batch, tile, tiles)
-    return SoftmaxLoss.apply(image_features, text_features, logit_scale, batch, tile, tiles)
+        return SigmoidLoss.apply(image_features, text_features, logit_scale, logit_bias, batch, tile)
+    return SoftmaxLoss.apply(image_features, text_features, logit_scale, batch, tile)

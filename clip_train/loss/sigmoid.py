@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
-from clip_train.loss.kernels import Tiles
 from clip_train.loss.ring import forward_pass, rank_coefficients, without_autocast
+from clip_train.loss.tiles_torch import sigmoid_forward_backward, tile_dtype
 
 
 def _ring_pass(images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float) -> tuple[torch.Tensor, ...]:
@@ -31,7 +31,7 @@ def _ring_pass(images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float)
     def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
         nonlocal softplus_sum, g_sum, positives
         args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile)
-        softplus, g = ctx.tiles.functions.sigmoid_forward_backward(images, block, *args)
+        softplus, g = sigmoid_forward_backward(images, block, *args)
         softplus_sum, g_sum = softplus_sum + softplus, g_sum + g
         if owner == batch.rank:  # the positives: -X_ii in the loss, -coef on G's diagonal
             positives = (row_dots(images, block, acc_dtype) * ctx.scale + ctx.bias).sum()
@@ -55,11 +55,11 @@ class SigmoidLoss(torch.autograd.Function):
         logit_bias: torch.Tensor,
         batch: Batch,
         tile: int,
-        tiles: Tiles,
     ) -> torch.Tensor:
-        images = image_features.detach().to(tiles.feature_dtype).contiguous()
-        texts = text_features.detach().to(tiles.feature_dtype).contiguous()
-        ctx.batch, ctx.tile, ctx.tiles = batch, tile, tiles
+        dtype = tile_dtype(image_features.dtype, image_features.device)
+        images = image_features.detach().to(dtype).contiguous()
+        texts = text_features.detach().to(dtype).contiguous()
+        ctx.batch, ctx.tile = batch, tile
         ctx.scale, ctx.bias = float(logit_scale), float(logit_bias)
         # Gradients for a unit coefficient and without the factor s: G0 = sigmoid(X) - I.
         softplus_sum, positives, g_sum, grad_images, grad_texts = _ring_pass(images, texts, ctx, 1.0)
@@ -82,4 +82,4 @@ class SigmoidLoss(torch.autograd.Function):
             *_, grad_bias, grad_images, grad_texts = _ring_pass(images, texts, ctx, coef)
         grad_scale = row_dots(images, grad_images, grad_images.dtype).sum()
         grads = (grad_images * ctx.scale, grad_texts * ctx.scale, grad_scale, grad_bias)
-        return (*grads_like(grads, ctx.input_meta), None, None, None)
+        return (*grads_like(grads, ctx.input_meta), None, None)

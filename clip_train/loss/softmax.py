@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
-from clip_train.loss.kernels import Tiles
 from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
+from clip_train.loss.tiles_torch import softmax_backward, softmax_forward, tile_dtype
 
 
 def _positives(batch: Batch, owner: int, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -38,11 +38,11 @@ class SoftmaxLoss(torch.autograd.Function):
         logit_scale: torch.Tensor,
         batch: Batch,
         tile: int,
-        tiles: Tiles,
     ) -> torch.Tensor:
-        # Contiguous copies (or the inputs themselves): the kernels and the ring's buffers need them.
-        images = image_features.detach().to(tiles.feature_dtype).contiguous()
-        texts = text_features.detach().to(tiles.feature_dtype).contiguous()
+        # Contiguous copies (or the inputs themselves): the tiles and the ring's buffers need them.
+        dtype = tile_dtype(image_features.dtype, image_features.device)
+        images = image_features.detach().to(dtype).contiguous()
+        texts = text_features.detach().to(dtype).contiguous()
         acc_dtype = torch.promote_types(images.dtype, torch.float32)  # LSEs and gradient sums
         scale = float(logit_scale)
         (n, _), m = images.shape, texts.shape[0]
@@ -52,7 +52,7 @@ class SoftmaxLoss(torch.autograd.Function):
 
         def visit(owner: int, block: torch.Tensor, col_lse: torch.Tensor | None) -> None:
             nonlocal last_tile
-            last_tile = tiles.functions.softmax_forward(images, block, scale, row_lse, col_lse, tile)
+            last_tile = softmax_forward(images, block, scale, row_lse, col_lse, tile)
             pairs = _positives(batch, owner, m)
             if pairs is not None:
                 positive_logits[pairs[0]] = row_dots(images[pairs[0]], block[pairs[1]], acc_dtype) * scale
@@ -65,7 +65,7 @@ class SoftmaxLoss(torch.autograd.Function):
         loss = lse_sum / (2 * n if batch.symmetric else n) - positive_logits.sum() / n
         # The backward starts from the block in hand, the one the forward ended on.
         ctx.save_for_backward(images, block, row_lse, held_col_lse)
-        ctx.batch, ctx.tile, ctx.tiles, ctx.scale, ctx.last_tile = batch, tile, tiles, scale, last_tile
+        ctx.batch, ctx.tile, ctx.scale, ctx.last_tile = batch, tile, scale, last_tile
         ctx.input_meta = [(t.dtype, t.shape) for t in (image_features, text_features, logit_scale)]
         return loss
 
@@ -90,7 +90,7 @@ class SoftmaxLoss(torch.autograd.Function):
             nonlocal last_tile
             block, *carried = travelling
             grad_block = images.new_zeros(block.shape, dtype=acc_dtype)
-            ctx.tiles.functions.softmax_backward(
+            softmax_backward(
                 images,
                 block,
                 ctx.scale,
@@ -116,4 +116,4 @@ class SoftmaxLoss(torch.autograd.Function):
         grad_texts = backward_pass(batch, [block] + ([col_lse] if col_lse is not None else []), visit)
         grad_scale = row_dots(images, grad_images, acc_dtype).sum()
         grads = (grad_images.mul_(ctx.scale), grad_texts.mul_(ctx.scale), grad_scale)
-        return (*grads_like(grads, ctx.input_meta), None, None, None)
+        return (*grads_like(grads, ctx.input_meta), None, None)

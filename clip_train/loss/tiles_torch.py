@@ -4,7 +4,7 @@ Each function walks the (n × m) block ``X = s·I Tᵀ`` in t×t tiles, one tile
 one matmul fills it (the scale rides along as ``alpha``), then the elementwise work runs over
 cache-sized strips of its rows, so a tile crosses main memory about twice. The softmax backward
 recomputes every tile except the forward's last (:class:`LastTile`); the sigmoid loss needs no
-normaliser, so one pass gives its loss and gradients. ``tiles_triton.py`` has the same functions.
+normaliser, so one pass gives its loss and gradients.
 
 On CUDA each tile's elementwise work is one ``torch.compile``d function (a tile crosses memory
 3 times in the forward and 3 in each backward instead of 8 and 14; README "Loss on GPUs" counts
@@ -42,6 +42,13 @@ class LastTile:
     @property
     def logits(self) -> torch.Tensor:
         return _view(self.buffer, self.rows.stop - self.rows.start, self.cols.stop - self.cols.start)
+
+
+def tile_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the tiles take features of ``dtype`` in: fp64 stays, and bf16 on CUDA, where it
+    feeds cuBLAS's bf16 GEMM with fp32 output (half the bytes); everything else becomes fp32."""
+    keeps = dtype == torch.float64 or (dtype == torch.bfloat16 and device.type == "cuda")
+    return dtype if keeps else torch.float32
 
 
 def default_tile(device: torch.device) -> int:

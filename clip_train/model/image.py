@@ -38,6 +38,8 @@ class ImageTower(LockableTower):
         self.register_buffer("pixel_mean", torch.tensor(self.image_mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(self.image_std).view(1, -1, 1, 1), persistent=False)
         self.trunk = trunk
+        # Stochastic depth as configured (None: the architecture's default): an export hands it on.
+        self.drop_path_rate: float | None = cfg.timm_kwargs.get("drop_path_rate")
         self.proj = init_projection(trunk.num_features, embed_dim)
         self.lock(cfg, "model.image")
 
