@@ -7,7 +7,7 @@ recomputes every tile except the forward's last (:class:`LastTile`); the sigmoid
 normaliser, so one pass gives its loss and gradients.
 
 On CUDA each tile's elementwise work is one ``torch.compile``d function (a tile crosses memory
-3 times in the forward and 3 in each backward instead of 8 and 14; README "Loss on GPUs" counts
+3 times in the forward and 3 in each backward instead of 8 and 14; docs/loss.md counts
 them), and bf16 features multiply in cuBLAS's bf16 GEMM with fp32 output: logits, LSEs and
 gradient sums stay fp32. The CPU keeps its cache-sized strips, whose results these functions match.
 
