@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import io
 import json
+import sys
 import tarfile
 from pathlib import Path
 from typing import NamedTuple
@@ -16,6 +17,8 @@ import open_clip
 import pytest
 import torch
 from PIL import Image
+from processes import run_to_end
+from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train.config import ConfigError, DataConfig, load_config
 from clip_train.data import (
@@ -653,21 +656,12 @@ def test_a_caption_key_list_picks_one_present_caption_per_sample_at_random(capti
         assert set(picked) == {"txt", "json"}  # among the two present, never the absent .caption
     assert runs[0] != runs[1]  # picked afresh each time a sample comes round
     assert two_passes(caption_shards, keys, good=42)[0] == runs  # by the seeded stream
-    eval_keys = {
-        k: caption
-        for rank in range(2)
-        for k, caption in captions_of(
-            eval_batches(
-                f"{caption_shards}/both::{caption_shards}/mixed",
-                rank,
-                batch_size=4,
-                data_cfg=DataConfig(caption_key=keys),
-            )
-        ).items()
-    }
-    assert eval_keys == {
-        k: f"txt {k}" if k[0] in "bt" else runs[0][k] for k in runs[0]
-    }  # eval: the first usable
+    spec, keys_cfg = f"{caption_shards}/both::{caption_shards}/mixed", DataConfig(caption_key=keys)
+    evaluated: dict[str, str] = {}
+    for rank in range(2):
+        evaluated |= captions_of(eval_batches(spec, rank, batch_size=4, data_cfg=keys_cfg))
+    first_usable = {key: f"txt {key}" if key[0] in "bt" else caption for key, caption in runs[0].items()}
+    assert evaluated == first_usable  # evaluation takes the first usable key: no randomness there
 
 
 def test_decoding_rules_for_caption_keys():
@@ -751,3 +745,18 @@ def test_a_mixture_with_a_table_and_caption_picks_resumes_exactly(resume_shards,
                 )
             since = counts[total] - (counts[start] if state is None else collections.Counter())
             assert loader.source_counts() == dict(since)
+
+
+def test_training_logs_each_sources_samples_summed_over_ranks(digits, tmp_path):
+    """A 2-rank run on two sources (the same shards twice, told apart by their index) logs
+    data/source/<name> at each log step: every sample of every rank counted once."""
+    overrides = run_overrides(digits, tmp_path, 4, "log.every_steps=2", "log.wandb.mode=offline")
+    overrides += [f"data.train={digits}/train::{digits}/train", "data.train_weights=[3,1]"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = run_to_end([*torchrun, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counts = [(r["step"], r["data/source/0-train"], r["data/source/1-train"]) for r in records]
+    assert [step for step, *_ in counts] == [2, 4]
+    assert all(first + second == step * 16 for step, first, second in counts)  # batch.global_size=16
+    assert counts[-1][1] > counts[-1][2] > 0  # weighted 3 : 1
