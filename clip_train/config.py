@@ -100,7 +100,7 @@ class DataConfig:
     csv_image_key: str = ""  # tables: image-path column (relative to its folder); "" = filepath or path
     csv_caption_key: str = ""  # tables: caption column; "" = title (OpenCLIP's) or caption
     csv_shard_rows: int = 1000  # tables: rows per piece, the unit shuffled and split like a shard
-    caption_key: str | list[str] = "txt"  # shards: member (txt, caption) or json:FIELD; a list: one each
+    caption_key: str | list[str] = "txt"  # shards: member (txt, caption) or json:FIELD; list: one per sample
 
 
 @dataclass
@@ -275,7 +275,7 @@ class Config:
                 f"checkpoint.every_steps={self.checkpoint.every_steps}: only saved steps can be kept"
             )
         _check_text_source(self.model.text)
-        _check_data_mixture(self.data)
+        _check_data_sources(self.data)
         _check_fsdp(self.train)
         return self
 
@@ -300,7 +300,7 @@ def _check_text_source(text: TextTowerConfig) -> None:
         )
 
 
-def _check_data_mixture(data: DataConfig) -> None:
+def _check_data_sources(data: DataConfig) -> None:
     """One positive weight per ``::`` source, drawn with replacement; caption keys that can name a
     caption (docs/data-mixtures.md)."""
     weights, sources = data.train_weights, len(data.train.split("::"))
