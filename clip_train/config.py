@@ -84,6 +84,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = ""  # brace-expanded shard URLs, a directory or a .csv/.tsv table; "::" joins sources
+    train_weights: list[float] = field(default_factory=list)  # one per "::" source: a weighted mixture
     val: str = ""  # validation shards or a .csv/.tsv table (retrieval; zero-shot when shards carry labels)
     resampled: bool = True  # draw shards with replacement (multi-node); false: shuffle and split
     num_samples: int = 0  # samples per epoch across all ranks; 0 = one pass over the shards
@@ -96,6 +97,7 @@ class DataConfig:
     csv_image_key: str = ""  # tables: image-path column (relative to its folder); "" = filepath or path
     csv_caption_key: str = ""  # tables: caption column; "" = title (OpenCLIP's) or caption
     csv_shard_rows: int = 1000  # tables: rows per piece, the unit shuffled and split like a shard
+    caption_key: str | list[str] = "txt"  # shards: member (txt, caption) or json:FIELD; list: one per sample
 
 
 @dataclass
@@ -269,6 +271,7 @@ class Config:
                 f"checkpoint.every_steps={self.checkpoint.every_steps}: only saved steps can be kept"
             )
         _check_text_source(self.model.text)
+        _check_data_sources(self.data)
         _check_fsdp(self.train)
         return self
 
@@ -291,6 +294,32 @@ def _check_text_source(text: TextTowerConfig) -> None:
             "model.text.tokenizer is empty and model.text.hf_config has no vocabulary to take it from: "
             "set model.text.tokenizer=open_clip, a hub name or a directory"
         )
+
+
+def _check_data_sources(data: DataConfig) -> None:
+    """One positive weight per ``::`` source, drawn with replacement; caption keys that can name a
+    caption (docs/data-mixtures.md)."""
+    weights, sources = data.train_weights, len(data.train.split("::"))
+    if weights and len(weights) != sources:
+        raise ConfigError(
+            f"data.train_weights={weights} has {len(weights)} weights, but data.train has {sources} "
+            "sources joined with '::': give one weight per source"
+        )
+    if not all(math.isfinite(weight) and weight > 0 for weight in weights):
+        raise ConfigError(f"data.train_weights={weights}: every weight must be a positive number")
+    if weights and not data.resampled:
+        raise ConfigError(
+            "data.train_weights needs data.resampled=true: a weighted mixture draws each source's shards "
+            "with replacement (one pass over every shard has no proportions to keep)"
+        )
+    keys = [data.caption_key] if isinstance(data.caption_key, str) else data.caption_key
+    for key in keys or [""]:
+        name = key.strip().lower()
+        if not name or name == "json" or name == "json:":
+            raise ConfigError(
+                f"data.caption_key={data.caption_key!r}: each key is a member of the samples (txt, caption) "
+                "or json:FIELD, a field of their json"
+            )
 
 
 def _check_schedule(optim: OptimConfig, max_steps: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from clip_train.checkpoint import resolve_resume
 from clip_train.config import Config, ModelConfig
-from clip_train.data import check_readable, expand_urls, source_urls
+from clip_train.data import check_caption_options, check_readable, expand_urls, source_urls
 from clip_train.data.eval_sources import is_image_folder, labelled_images
 from clip_train.errors import naming_key
 from clip_train.eval import zeroshot_metadata
@@ -18,9 +18,13 @@ from clip_train.model.image import local_weights_file
 
 def check_paths(cfg: Config) -> None:
     """Raise a one-line ``UserError`` naming the key of the first path the run could not read."""
-    check_readable(expand_urls(cfg.data.train, what="data.train"), what="data.train")
+    train = expand_urls(cfg.data.train, what="data.train")
+    check_readable(train, what="data.train")
+    val: list[str] = []
     if cfg.data.val:  # a table's header is checked as it is split (tiny next to a training table)
-        check_readable(source_urls(cfg.data.val, cfg.data, what="data.val"), what="data.val")
+        val = source_urls(cfg.data.val, cfg.data, what="data.val")
+        check_readable(val, what="data.val")
+    check_caption_options(cfg.data, train + val)
     if cfg.eval.zeroshot_data and not is_image_folder(cfg.eval.zeroshot_data):
         expand_urls(cfg.eval.zeroshot_data, what="eval.zeroshot_data")
     if cfg.eval.zeroshot:

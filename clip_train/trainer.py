@@ -48,6 +48,7 @@ class Trainer:
         self.step = 0
         self.restored_chunks: dict[str, Any] | None = None  # what auto chose before a resume
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)  # every rank's skipped samples, as of the last log
+        self.sources: dict[str, int] = {}  # every rank's samples per mixture source, likewise
 
         if env.device.type == "cuda" and cfg.train.precision != "fp64":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -216,6 +217,8 @@ class Trainer:
         at_log = self.step % cfg.log.every_steps == 0 or last
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
             self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS, self.env.device)
+            if names := self.loader.source_names:
+                self.sources = sum_counts_over_ranks(self.loader.source_counts(), names, self.env.device)
         if monitor is not None:
             self._report(monitor, result, data_s, step_s, at_log)
         at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
@@ -309,6 +312,7 @@ class Trainer:
             "train/skipped_steps": self.update.bad_total,
         }
         metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
+        metrics.update({f"data/source/{name}": n for name, n in self.sources.items()})
         monitor.log(self.step, metrics)
 
     def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import io
 import json
+import sys
 import tarfile
 from pathlib import Path
 from typing import NamedTuple
@@ -16,18 +17,21 @@ import open_clip
 import pytest
 import torch
 from PIL import Image
+from processes import run_to_end
+from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train.config import ConfigError, DataConfig, load_config
 from clip_train.data import (
     DataError,
     build_eval_loader,
     build_train_loader,
+    check_caption_options,
     check_readable,
     dataset_size,
     expand_urls,
 )
 from clip_train.data.pipeline import position_at, role_batches
-from clip_train.data.samples import BadSample, SkipTally, decode_sample, sample_key
+from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_sample, sample_key
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
 from clip_train.data.writers import Record, csv_pairs, write_pairs, write_shards
@@ -498,3 +502,261 @@ def test_written_shards_load_and_captions_are_truncated_to_the_context(tmp_path)
     assert sorted(batch.keys) == [f"{i:03d}" for i in range(6)]
     assert batch.input_ids.shape == (6, 12) and batch.attention_mask.all()  # 12 = context length, full
     assert sorted(batch.labels.tolist()) == list(range(6))
+
+
+# --------------------------------------------------------------------------------------------
+# Weighted mixtures
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory) -> Path:
+    """Two sources of 8-px images written by ``write_shards``: a/ (60 samples, keys a000...) and
+    b/ (45 samples, keys b000...)."""
+    root = tmp_path_factory.mktemp("mixture")
+    for name, count, per_shard in (("a", 60, 20), ("b", 45, 15)):
+        records = [Record(f"{name}{i:03d}", png(i, size=8), "png", f"{name} {i}") for i in range(count)]
+        write_shards(records, root / name, per_shard=per_shard, total=count, source={"t": name}, desc=name)
+    return root
+
+
+def test_a_weighted_mixture_draws_each_source_in_proportion(two_sources):
+    """10,000 samples, 5,000 on each of 2 ranks, from sources weighted 0.8 / 0.2."""
+    cfg = config(f"{two_sources}/a::{two_sources}/b", train_weights=[0.8, 0.2], num_samples=1000)
+    per_rank = []
+    for rank in range(2):
+        loader = loader_for(cfg, rank=rank, world_size=2, global_batch=200)
+        assert loader.source_names == ("0-a", "1-b")
+        keys = [key for batch in take(loader, 50) for key in batch.keys]
+        by_source = collections.Counter(key[0] for key in keys)
+        assert loader.source_counts() == {"0-a": by_source["a"], "1-b": by_source["b"]}  # what is logged
+        per_rank.append(keys)
+    drawn = per_rank[0] + per_rank[1]
+    assert len(drawn) == 10_000
+    share_a = sum(key.startswith("a") for key in drawn) / len(drawn)
+    assert abs(share_a - 0.8) < 0.01, share_a
+    assert per_rank[0] != per_rank[1]  # ranks draw their own streams
+    assert len(set(drawn)) == 60 + 45  # every shard of both sources was reached
+
+
+def test_mixture_options_are_checked_at_start_up_naming_the_key():
+    base = ["model.text.hf=bert-base-uncased", "data.train=/a::/b"]
+    assert load_config(None, [*base, "data.train_weights=[0.7,0.3]"]).validate().data.train_weights == [
+        0.7,
+        0.3,
+    ]
+    with pytest.raises(
+        ConfigError, match=r"data\.train_weights=\[1\.0\] has 1 weights, but data\.train has 2"
+    ):
+        load_config(None, [*base, "data.train_weights=[1]"]).validate()
+    with pytest.raises(
+        ConfigError, match=r"data\.train_weights=\[1\.0, 0\.0\]: every weight must be a positive"
+    ):
+        load_config(None, [*base, "data.train_weights=[1,0]"]).validate()
+    with pytest.raises(ConfigError, match=r"data\.train_weights needs data\.resampled=true"):
+        load_config(None, [*base, "data.train_weights=[1,1]", "data.resampled=false"]).validate()
+
+
+def test_a_mixture_changed_since_the_saved_state_is_refused(two_sources):
+    cfg = config(f"{two_sources}/a::{two_sources}/b", train_weights=[0.8, 0.2], num_samples=64)
+    loader = loader_for(cfg)
+    take(loader, 2)
+    state = loader.state_dict()
+    with pytest.raises(DataError, match=r"saved with mixture=\[\['0-a', 3, 0\.8\].*data\.train_weights"):
+        loader_for(dataclasses.replace(cfg, train_weights=[0.5, 0.5])).load_state_dict(state)
+    with pytest.raises(DataError, match=r"saved with mixture=.*this run has mixture=None"):
+        loader_for(dataclasses.replace(cfg, train_weights=[])).load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------
+# Caption keys
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def caption_shards(tmp_path_factory) -> Path:
+    """Captions written both ways. both/: ``write_shards`` output, each sample with a txt caption and
+    another in its json (b00..b29). mixed/: a tar whose samples have only a txt (t*), only a json
+    caption (j*), only a .caption member (c*), no caption (n0), or a blank txt and a number as
+    json caption (x0)."""
+    root = tmp_path_factory.mktemp("captions")
+    both = [
+        Record(f"b{i:02d}", png(i, 8), "png", f"txt b{i:02d}", {"caption": f"json b{i:02d}"})
+        for i in range(30)
+    ]
+    write_shards(both, root / "both", per_shard=10, total=30, source={"t": "both"}, desc="both")
+    members: list[tuple[str, bytes]] = []
+    for i in range(4):
+        members += [(f"t{i}.png", png(i, 8)), (f"t{i}.txt", f"txt t{i}".encode())]
+        members += [(f"j{i}.json", json.dumps({"caption": f"json j{i}"}).encode()), (f"j{i}.png", png(i, 8))]
+        members += [(f"c{i}.caption", f"caption c{i}".encode()), (f"c{i}.png", png(i, 8))]
+    members += [("n0.json", json.dumps({"label": 1}).encode()), ("n0.png", png(5, 8))]
+    members += [("x0.json", json.dumps({"caption": 7}).encode()), ("x0.png", png(6, 8)), ("x0.txt", b" ")]
+    (root / "mixed").mkdir()
+    write_tar(root / "mixed" / "shard-000.tar", members)
+    return root
+
+
+ALL_CAPTIONS = [f"{kind} b{i:02d}" for i in range(30) for kind in ("txt", "json")]
+ALL_CAPTIONS += [f"{kind} {kind[0]}{i}" for i in range(4) for kind in ("txt", "json", "caption")]
+
+
+def captions_of(batches: list) -> dict[str, str]:
+    """Each sample's caption, read back from its tokens (samples with none of ``ALL_CAPTIONS`` left out)."""
+    ids = ClipTokenizer()(ALL_CAPTIONS)["input_ids"]
+    by_ids = {tuple(row.tolist()): text for text, row in zip(ALL_CAPTIONS, ids, strict=True)}
+    pairs = (
+        (key, tuple(row.tolist())) for b in batches for key, row in zip(b.keys, b.input_ids, strict=True)
+    )
+    return {key: by_ids[row] for key, row in pairs if row in by_ids}
+
+
+def two_passes(root: Path, caption_key, good: int) -> tuple[list[dict[str, str]], dict[str, int]]:
+    """Two passes over both/ and mixed/ in one epoch, in the same order (one worker, no shuffle):
+    each pass's captions by key, and the skips counted from the end of pass 1 to the end of pass 2,
+    which are exactly one pass's wherever they fall."""
+    cfg = config(f"{root}/both::{root}/mixed", resampled=False, workers=1, shuffle_buffer=0, num_samples=1000)
+    cfg = dataclasses.replace(cfg, caption_key=caption_key, max_skip_fraction=1.0)
+    loader = loader_for(cfg, global_batch=1)
+    runs, counts = [], []
+    for _ in range(2):
+        runs.append(captions_of(take(loader, good)))
+        counts.append(collections.Counter(loader.skip_counts()))
+    return runs, dict(counts[1] - counts[0])
+
+
+def test_a_json_field_or_another_member_is_the_caption(caption_shards):
+    (json_run, _), json_skips = two_passes(caption_shards, "json:caption", good=34)
+    expected = {f"b{i:02d}": f"json b{i:02d}" for i in range(30)} | {f"j{i}": f"json j{i}" for i in range(4)}
+    assert json_run == expected
+    assert json_skips == {"missing_caption": 9, "bad_caption": 1}  # t*, c*, n0 lack it; x0's is 7
+    (member_run, _), member_skips = two_passes(caption_shards, "caption", good=4)
+    assert member_run == {f"c{i}": f"caption c{i}" for i in range(4)}
+    assert member_skips == {"missing_caption": 40}
+    (txt_run, _), txt_skips = two_passes(caption_shards, "txt", good=34)
+    assert txt_run == {f"b{i:02d}": f"txt b{i:02d}" for i in range(30)} | {
+        f"t{i}": f"txt t{i}" for i in range(4)
+    }
+    assert txt_skips == {"missing_caption": 9, "empty_caption": 1}
+
+
+def test_a_caption_key_list_picks_one_present_caption_per_sample_at_random(caption_shards):
+    keys = ["txt", "json:caption", "caption"]
+    runs, skips = two_passes(caption_shards, keys, good=42)
+    assert skips == {"missing_caption": 1, "empty_caption": 1}  # n0 has none; x0's txt is blank (reported
+    # before its non-string json caption), so no key gives a usable caption
+    for run in runs:
+        assert run.keys() == {f"b{i:02d}" for i in range(30)} | {f"{k}{i}" for k in "tjc" for i in range(4)}
+        assert all(
+            run[f"{k}{i}"] == f"{kind} {k}{i}"
+            for k, kind in zip("tjc", ("txt", "json", "caption"), strict=True)
+            for i in range(4)
+        )
+        picked = collections.Counter(run[f"b{i:02d}"].split()[0] for i in range(30))
+        assert set(picked) == {"txt", "json"}  # among the two present, never the absent .caption
+    assert runs[0] != runs[1]  # picked afresh each time a sample comes round
+    assert two_passes(caption_shards, keys, good=42)[0] == runs  # by the seeded stream
+    spec, keys_cfg = f"{caption_shards}/both::{caption_shards}/mixed", DataConfig(caption_key=keys)
+    evaluated: dict[str, str] = {}
+    for rank in range(2):
+        evaluated |= captions_of(eval_batches(spec, rank, batch_size=4, data_cfg=keys_cfg))
+    first_usable = {key: f"txt {key}" if key[0] in "bt" else caption for key, caption in runs[0].items()}
+    assert evaluated == first_usable  # evaluation takes the first usable key: no randomness there
+
+
+def test_decoding_rules_for_caption_keys():
+    def raw(**members) -> dict:
+        return {
+            "__key__": "k",
+            "__url__": "u",
+            "png": png(1, 8),
+            **{k: v.encode() for k, v in members.items()},
+        }
+
+    assert caption_keys(["TXT", " json:Title ", "en.txt"]) == ("txt", "json:Title", "en.txt")
+    sample = raw(txt="a", json=json.dumps({"title": "b", "n": 3}))
+    assert [decode_sample(sample, ("txt", "json:title"), pick).caption for pick in range(4)] == [
+        "a",
+        "b",
+        "a",
+        "b",
+    ]
+    assert decode_sample(sample, ("caption", "json:title"), 7).caption == "b"  # the only present one
+    for keys, reason in [(("json:n",), "bad_caption"), (("json:x", "caption"), "missing_caption")]:
+        with pytest.raises(BadSample, match=reason):
+            decode_sample(sample, keys)
+    with pytest.raises(BadSample, match="missing_caption: no json:title"):
+        decode_sample(raw(txt="a"), ("json:title",))  # no json at all
+    base = ["model.text.hf=bert-base-uncased"]
+    assert load_config(None, [*base, "data.caption_key=[txt, json:caption]"]).validate().data.caption_key == [
+        "txt",
+        "json:caption",
+    ]
+    for bad in ("json", "'json:'", "[]", "[txt, '']"):
+        with pytest.raises(ConfigError, match=r"data\.caption_key=.*json:FIELD"):
+            load_config(None, [*base, f"data.caption_key={bad}"]).validate()
+
+
+def test_caption_key_and_csv_caption_key_are_not_mixed_up(table, caption_shards):
+    shards, tsv = expand_urls(f"{caption_shards}/both"), expand_urls(str(table.path))
+    with pytest.raises(
+        DataError,
+        match=r"data\.caption_key='json:caption' picks a member of tar shards.*data\.csv_caption_key",
+    ):
+        check_caption_options(DataConfig(caption_key="json:caption"), tsv)
+    with pytest.raises(DataError, match=r"data\.csv_caption_key='caption' names a column.*data\.caption_key"):
+        check_caption_options(DataConfig(csv_caption_key="caption"), shards)
+    check_caption_options(DataConfig(caption_key="json:caption", csv_caption_key="title"), shards + tsv)
+
+
+def test_a_mixture_with_a_table_and_caption_picks_resumes_exactly(resume_shards, caption_shards, table):
+    """The samples after a resume equal an uninterrupted run's: keys, pixels, picked captions and
+    the per-source counts, from the saved state or by replay."""
+    cfg = config(
+        f"{resume_shards}::{caption_shards}/both::{table.path}",
+        train_weights=[1, 2, 1],
+        caption_key=["txt", "json:caption"],
+        num_samples=36,
+        max_skip_fraction=0.5,
+        csv_shard_rows=5,
+    )
+    total = 14
+    reference = loader_for(cfg, world_size=2, rank=1)
+    batches, states, counts = [], {}, {}
+    for step in range(total):
+        batches.append(next(reference))
+        states[step + 1] = reference.state_dict()
+        counts[step + 1] = collections.Counter(reference.source_counts())
+    names = reference.source_names
+    assert names[0].startswith("0-resume") and names[1:] == ("1-both", "2-table.tsv")
+    assert set(counts[total]) == set(names)
+    picked = collections.Counter(caption.split()[0] for caption in captions_of(batches).values())
+    assert set(picked) == {"txt", "json"}, picked  # both/'s samples: either caption
+    for start in (5, 8):
+        for state in (states[start], None):
+            loader = loader_for(cfg, world_size=2, rank=1)
+            loader.start_at(start, state)
+            resumed = take(loader, total - start)
+            for a, b in zip(resumed, batches[start:], strict=True):
+                assert (
+                    a.keys == b.keys
+                    and torch.equal(a.images, b.images)
+                    and torch.equal(a.input_ids, b.input_ids)
+                )
+            since = counts[total] - (counts[start] if state is None else collections.Counter())
+            assert loader.source_counts() == dict(since)
+
+
+def test_training_logs_each_sources_samples_summed_over_ranks(digits, tmp_path):
+    """A 2-rank run on two sources (the same shards twice, told apart by their index) logs
+    data/source/<name> at each log step: every sample of every rank counted once."""
+    overrides = run_overrides(digits, tmp_path, 4, "log.every_steps=2", "log.wandb.mode=offline")
+    overrides += [f"data.train={digits}/train::{digits}/train", "data.train_weights=[3,1]"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = run_to_end([*torchrun, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counts = [(r["step"], r["data/source/0-train"], r["data/source/1-train"]) for r in records]
+    assert [step for step, *_ in counts] == [2, 4]
+    assert all(first + second == step * 16 for step, first, second in counts)  # batch.global_size=16
+    assert counts[-1][1] > counts[-1][2] > 0  # weighted 3 : 1

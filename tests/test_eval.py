@@ -207,6 +207,15 @@ def test_evaluate_reports_both_and_restores_train_mode(data):
     assert model.training
 
 
+def test_zeroshot_shards_count_whatever_caption_key_the_training_shards_use(data):
+    """Zero-shot reads only labels: its txt-captioned shards stay usable under
+    data.caption_key=json:caption."""
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["exact"], retrieval=False)
+    data_cfg = DataConfig(caption_key="json:caption", workers=0)
+    metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, data_cfg, device=CPU, precision="fp32")
+    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": NUM_SAMPLES}
+
+
 def test_retrieval_on_a_table_with_named_columns_equals_its_shards(data, tmp_path):
     """``data.val`` may be a CSV, as OpenCLIP's --val-data: the ``data.csv_*`` keys reach the loader."""
     lines = ["caption;image"]

@@ -7,12 +7,15 @@ How the training stream makes ranks agree and resume exact:
   ``(d + start_step) % W``); role r's k-th batch is step ``r + k*W``, of epoch ``(r + k*W) // S``.
 * A role's epoch stream depends only on (seed, epoch, rank, role): shards drawn with replacement
   (``data.resampled``) or its rank's and role's split of the seed+epoch shard shuffle, cycled, then
-  a seeded shuffle buffer. It makes exactly its share of the epoch's S batches, so every rank yields
-  S batches per epoch however uneven its shards are. A CSV/TSV table's fixed row ranges
-  (``tables``) are shards like any other.
+  a seeded shuffle buffer. A weighted mixture (``mixture``) draws each source's shards with
+  replacement on its own, and the source of each item with a generator seeded the same way. It
+  makes exactly its share of the epoch's S batches, so every rank yields S batches per epoch
+  however uneven its shards are. A CSV/TSV table's fixed row ranges (``tables``) are shards like
+  any other.
 * Each batch carries its role's position (epoch, batches done, raw items consumed). A loader given
   ``state_dict()`` skips that many raw items undecoded; without a state a role replays its epoch so
-  far, decoding to tell good samples from bad (exact too, only slower). Crops are seeded per item.
+  far, decoding to tell good samples from bad (exact too, only slower). Crops, and the caption
+  picked among several ``data.caption_key``s, are seeded per item.
 """
 
 from __future__ import annotations
@@ -30,14 +33,24 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clip_train.config import DataConfig
-from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, decode_sample
+from clip_train.data.mixture import Source, interleave, mixture_sources
+from clip_train.data.samples import (
+    DEFAULT_CAPTION_KEYS,
+    BadSample,
+    DataError,
+    Decoded,
+    SkipTally,
+    caption_keys,
+    decode_sample,
+)
 from clip_train.data.sources import dataset_size, expand_urls, read_shard
-from clip_train.data.tables import TableFormat, expand_tables, is_piece, read_piece
+from clip_train.data.tables import TableFormat, expand_tables, is_piece, is_table, read_piece
 from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transform, train_transform
 from clip_train.preemption import ignore_preemption_signals
 
 Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
 RawSample = dict[str, Any]  # a tar sample as ``read_shard`` yields it
+Decode = Callable[[RawSample, int], Decoded]  # (raw sample, its number in the stream) -> checked sample
 STATE_VERSION = 1
 
 
@@ -51,6 +64,7 @@ class Batch:
     keys: list[str]
     labels: torch.Tensor | None = None  # from ``{key}.json`` ``{"label": int}`` when every sample has one
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count since the worker's last batch
+    sources: dict[str, int] = field(default_factory=dict)  # mixture source name -> samples in this batch
     position: tuple[int, int, int, int] | None = None  # (role, epoch, done, consumed): resume bookkeeping
 
     def __len__(self) -> int:
@@ -108,7 +122,9 @@ def _seed(*parts: object) -> int:
 
 @dataclass(frozen=True)
 class _TrainSpec:
-    urls: tuple[str, ...]
+    urls: tuple[str, ...]  # every source's
+    mixture: tuple[Source, ...]  # () unless data.train_weights is set
+    caption_keys: tuple[str, ...]
     resampled: bool
     seed: int
     rank: int
@@ -132,6 +148,29 @@ def read_source(url: str) -> Iterator[RawSample]:
     return (read_piece if is_piece(url) else read_shard)(url)
 
 
+def keys_for(raw: RawSample, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The caption keys of ``raw``: a table's rows hold their caption (the ``data.csv_caption_key``
+    column) as ``txt``, whatever ``data.caption_key`` picks in tar shards."""
+    return DEFAULT_CAPTION_KEYS if is_piece(raw["__url__"]) else keys
+
+
+def check_caption_options(data_cfg: DataConfig, urls: list[str]) -> None:
+    """``data.caption_key`` picks a tar member, ``data.csv_caption_key`` a table column: set where
+    ``urls`` (data.train's and data.val's) hold no data of its kind, it is a mix-up of the two."""
+    tables = sum(is_table(url) or is_piece(url) for url in urls)
+    if caption_keys(data_cfg.caption_key) != DEFAULT_CAPTION_KEYS and tables == len(urls):
+        raise DataError(
+            f"data.caption_key={data_cfg.caption_key!r} picks a member of tar shards, but data.train and "
+            "data.val are CSV/TSV tables: name their caption column with data.csv_caption_key"
+        )
+    if data_cfg.csv_caption_key and not tables:
+        raise DataError(
+            f"data.csv_caption_key={data_cfg.csv_caption_key!r} names a column of CSV/TSV tables, but "
+            "data.train and data.val are tar shards: pick their caption member with data.caption_key "
+            "(txt, caption, json:FIELD, or a list of them)"
+        )
+
+
 def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
     """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards."""
     empty: set[str] = set()
@@ -148,12 +187,14 @@ def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
             raise DataError(f"the shards {sorted(pool)[:4]}{'...' if len(pool) > 4 else ''} hold no samples")
 
 
-def _usable(items: Iterable[RawSample], tally: SkipTally, start: int = 0) -> Iterator[tuple[int, Decoded]]:
+def _usable(
+    items: Iterable[RawSample], tally: SkipTally, decode: Decode, start: int = 0
+) -> Iterator[tuple[int, Decoded]]:
     """Each usable sample with the count of items taken up to it, ``start`` of them before ``items``;
     the unusable ones are counted in ``tally``."""
     for taken, raw in enumerate(items, start + 1):
         try:
-            sample = decode_sample(raw)
+            sample = decode(raw, taken)
         except BadSample as bad:
             tally.add_bad(bad, raw)
             continue
@@ -161,13 +202,13 @@ def _usable(items: Iterable[RawSample], tally: SkipTally, start: int = 0) -> Ite
         yield taken, sample
 
 
-def _replay(items: Iterator[RawSample], good_wanted: int) -> int:
+def _replay(items: Iterator[RawSample], good_wanted: int, decode: Decode) -> int:
     """Consume items until ``good_wanted`` usable samples went by; return the items consumed."""
     consumed = good = 0
     while good < good_wanted:
         consumed += 1
         try:
-            decode_sample(next(items))
+            decode(next(items), consumed)
             good += 1
         except BadSample:
             pass
@@ -198,18 +239,37 @@ class TrainStream(IterableDataset):
         passes over the role's share of the shards, each pass shuffled on its own (so an epoch of
         exactly one pass sees every sample once)."""
         spec = self.spec
+        if spec.mixture:
+            streams = [self._resampled(s.urls, role, epoch, index) for index, s in enumerate(spec.mixture)]
+            mix_rng = random.Random(_seed("mix", spec.seed, epoch, spec.rank, role))
+            mixed = interleave(streams, [s.weight for s in spec.mixture], mix_rng)
+            return self._shuffled(mixed, role, epoch, 0)
         if spec.resampled:
-            shard_seed = _seed("shards", spec.seed, epoch, spec.rank, role)
-            drawn = wds.ResampledShards(
-                list(spec.urls), seed=shard_seed, worker_seed=lambda: 0, deterministic=True
-            )
-            return self._shuffled(_samples_of((d["url"] for d in drawn), set(spec.urls)), role, epoch, 0)
+            return self._shuffled(self._resampled(spec.urls, role, epoch), role, epoch, 0)
         order = [d["url"] for d in wds.SimpleShardList(list(spec.urls), seed=f"shards/{spec.seed}/{epoch}")]
         mine = order[spec.rank :: spec.world_size][role :: spec.roles]
         passes = (
             self._shuffled(_samples_of(iter(mine), set(mine)), role, epoch, p) for p in itertools.count()
         )
         return itertools.chain.from_iterable(passes)
+
+    def _resampled(self, urls: tuple[str, ...], role: int, epoch: int, *source: int) -> Iterator[RawSample]:
+        """The samples of ``urls`` drawn with replacement, a shard at a time (a mixture's ``source``
+        seeds its own draw)."""
+        shard_seed = _seed("shards", self.spec.seed, epoch, self.spec.rank, role, *source)
+        drawn = wds.ResampledShards(list(urls), seed=shard_seed, worker_seed=lambda: 0, deterministic=True)
+        return _samples_of((d["url"] for d in drawn), set(urls))
+
+    def _decoder(self, role: int, epoch: int) -> Decode:
+        """Decoding with the caption picked among several keys by a seed of the item's position."""
+        spec = self.spec
+
+        def decode(raw: RawSample, taken: int) -> Decoded:
+            keys = keys_for(raw, spec.caption_keys)
+            pick = _seed("caption", spec.seed, epoch, spec.rank, role, taken) if len(keys) > 1 else 0
+            return decode_sample(raw, keys, pick)
+
+        return decode
 
     def _shuffled(self, items: Iterator[RawSample], role: int, epoch: int, part: int) -> Iterator[RawSample]:
         spec = self.spec
@@ -224,18 +284,21 @@ class TrainStream(IterableDataset):
         if done >= wanted:
             return
         items = self._raw_items(role, epoch)
+        decode = self._decoder(role, epoch)
         if consumed >= 0:  # skip the items the saved position went past, undecoded
             collections.deque(itertools.islice(items, consumed), maxlen=0)
         else:
-            consumed = _replay(items, done * spec.batch_size)
+            consumed = _replay(items, done * spec.batch_size, decode)
         batch: list[tuple[Decoded, torch.Tensor]] = []
-        for taken, sample in _usable(items, tally, consumed):
+        for taken, sample in _usable(items, tally, decode, consumed):
             crop_seed = _seed("crop", spec.seed, epoch, spec.rank, role, taken)
             batch.append((sample, apply_seeded(self.transform, sample.image, crop_seed)))
             if len(batch) == spec.batch_size:
                 done += 1
                 position = (role, epoch, done, taken)
-                yield _collate(batch, self.tokenizer, skipped=tally.take_pending(), position=position)
+                sources = collections.Counter(spec.mixture[s.source].name for s, _ in batch if spec.mixture)
+                extra = {"skipped": tally.take_pending(), "sources": dict(sources), "position": position}
+                yield _collate(batch, self.tokenizer, **extra)
                 batch = []
                 if done == wanted:
                     return
@@ -261,6 +324,7 @@ class TrainLoader:
         self._workers, self._pin_memory = workers, pin_memory
         self.steps_per_epoch = spec.steps_per_epoch
         self.batch_size = spec.batch_size  # per rank
+        self.source_names = tuple(source.name for source in spec.mixture)  # () without a mixture
         self.start_at(0)
 
     def start_at(self, step: int, state: dict[str, Any] | None = None) -> None:
@@ -286,6 +350,9 @@ class TrainLoader:
         self._step = step
         self._positions = list(starts)  # per role: where it stands after its last batch handed out
         self._skipped: collections.Counter[str] = collections.Counter(state["skipped"] if state else {})
+        self._sources: collections.Counter[str] = collections.Counter(
+            state.get("sources", {}) if state else {}
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.start_at(state["step"], state)
@@ -306,11 +373,17 @@ class TrainLoader:
         self._positions[role] = Position(epoch, done, consumed)
         self._step += 1
         self._skipped.update(batch.skipped)
+        self._sources.update(batch.sources)
         return batch
 
     def skip_counts(self) -> dict[str, int]:
         """Skipped samples by reason, over all workers and, after a resume, the run so far."""
         return dict(self._skipped)
+
+    def source_counts(self) -> dict[str, int]:
+        """Samples handed out per mixture source (``source_names``), over all workers and, after a
+        resume, the run so far."""
+        return dict(self._sources)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -319,6 +392,7 @@ class TrainLoader:
             **_fingerprint(self._spec),
             "positions": [list(position) for position in self._positions],
             "skipped": dict(self._skipped),
+            "sources": dict(self._sources),
         }
 
     def close(self) -> None:
@@ -337,6 +411,8 @@ def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
         "seed": spec.seed,
         "resampled": spec.resampled,
         "shards": len(spec.urls),
+        # None without a mixture, so that a state saved before mixtures existed still matches
+        "mixture": [[s.name, len(s.urls), s.weight] for s in spec.mixture] or None,
     }
 
 
@@ -346,11 +422,11 @@ def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[P
     if state["step"] != start_step:
         raise DataError(f"the data loader state was saved at step {state['step']}, not at step {start_step}")
     for key, now in _fingerprint(spec).items():
-        if state[key] != now:
+        if state.get(key) != now:
             raise DataError(
-                f"cannot restore the data position: it was saved with {key}={state[key]}, this run has "
-                f"{key}={now}; keep data.workers, data.train, data.num_samples, batch.global_size, "
-                "train.seed and the world size unchanged to resume exactly"
+                f"cannot restore the data position: it was saved with {key}={state.get(key)}, this run has "
+                f"{key}={now}; keep data.workers, data.train, data.train_weights, data.num_samples, "
+                "batch.global_size, train.seed and the world size unchanged to resume exactly"
             )
     return [Position(*p) for p in state["positions"]]
 
@@ -368,7 +444,16 @@ def build_train_loader(
 ) -> TrainLoader:
     """The training loader of one rank, at step 0; rank and world size come from the arguments,
     not from ``torch.distributed``."""
-    urls = source_urls(data_cfg.train, data_cfg, what="data.train")
+    mixture: tuple[Source, ...] = ()
+    if data_cfg.train_weights:
+
+        def expand(part: str, what: str) -> list[str]:
+            return source_urls(part, data_cfg, what=what)
+
+        mixture = mixture_sources(data_cfg.train, data_cfg.train_weights, expand)
+        urls = [url for source in mixture for url in source.urls]
+    else:
+        urls = source_urls(data_cfg.train, data_cfg, what="data.train")
     if global_batch <= 0 or global_batch % world_size:
         raise DataError(
             f"batch.global_size={global_batch} must be a positive multiple of the world size {world_size}"
@@ -393,6 +478,8 @@ def build_train_loader(
         )
     spec = _TrainSpec(
         urls=tuple(urls),
+        mixture=mixture,
+        caption_keys=caption_keys(data_cfg.caption_key),
         resampled=data_cfg.resampled,
         seed=seed,
         rank=rank,
@@ -418,15 +505,20 @@ class EvalStream(IterableDataset):
     batch_size: int
     transform: ImageTransform
     tokenizer: Tokenizer
+    caption_keys: tuple[str, ...]  # several: the first usable one (no randomness in evaluation)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         tally = SkipTally(max_fraction=1.0, min_seen=1)
         batch: list[tuple[Decoded, torch.Tensor]] = []
+
+        def decode(raw: RawSample, _: int) -> Decoded:
+            return decode_sample(raw, keys_for(raw, self.caption_keys))
+
         for url in self.urls[worker::workers]:
             mine = itertools.islice(read_source(url), self.rank, None, self.world_size)
-            for _, sample in _usable(mine, tally):
+            for _, sample in _usable(mine, tally, decode):
                 batch.append((sample, self.transform(sample.image)))
                 if len(batch) == self.batch_size:
                     yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
@@ -448,10 +540,11 @@ def build_eval_loader(
     data_cfg: DataConfig | None = None,
 ) -> DataLoader:
     """A re-iterable loader over eval shards or tables (a spec as for ``data.val``, tables read
-    with ``data_cfg``'s ``csv_*`` keys): deterministic, centre crops, each sample exactly once
-    across ranks, the last batch partial. Ranks may get different numbers of batches; gather
-    features after the loop, not per batch."""
-    shard_urls = source_urls(urls, data_cfg or DataConfig(), what="eval data")
+    with ``data_cfg``'s ``csv_*`` keys, shards' captions with its ``caption_key``): deterministic,
+    centre crops, each sample exactly once across ranks, the last batch partial. Ranks may get
+    different numbers of batches; gather features after the loop, not per batch."""
+    data_cfg = data_cfg or DataConfig()
+    shard_urls = source_urls(urls, data_cfg, what="eval data")
     dataset = EvalStream(
         shard_urls,
         rank=rank,
@@ -459,6 +552,7 @@ def build_eval_loader(
         batch_size=batch_size,
         transform=eval_transform(image_size),
         tokenizer=tokenizer,
+        caption_keys=caption_keys(data_cfg.caption_key),
     )
     return DataLoader(
         dataset,

@@ -21,15 +21,17 @@ from clip_train.errors import UserError
 log = logging.getLogger("clip_train.data")
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+JSON_PREFIX = "json:"  # a caption key naming a field of the sample's json
+DEFAULT_CAPTION_KEYS = ("txt",)
 SKIP_REASONS = (
     "shard_open",  # the shard could not be opened or held no readable tar member
     "truncated_tar",  # the tar ended or broke mid-way; the sample in progress is dropped
     "duplicate_key",  # a key seen before in the same shard, or a file repeated within a sample
     "empty_file",  # a zero-byte member
     "missing_image",
-    "missing_caption",
+    "missing_caption",  # none of data.caption_key's members or json fields
     "empty_caption",  # whitespace only
-    "bad_caption",  # not UTF-8
+    "bad_caption",  # not UTF-8, or a json field that is not a string
     "bad_json",
     "bad_image",  # bytes PIL cannot decode
     "bad_row",  # a CSV/TSV row with more or fewer fields than its header
@@ -60,10 +62,62 @@ class Decoded:
     image: Image.Image  # RGB, fully loaded
     caption: str
     meta: dict[str, Any]
+    source: int = 0  # which source of a weighted mixture it came from (``"__source__"``)
 
 
-def decode_sample(raw: dict[str, Any]) -> Decoded:
-    """Check a grouped tar sample and decode its image to RGB; raise ``BadSample`` if unusable."""
+def caption_keys(setting: str | list[str]) -> tuple[str, ...]:
+    """``data.caption_key`` as a tuple: member extensions lower-cased (as ``read_shard`` stores
+    them), ``json:FIELD`` fields as written."""
+    keys = [setting] if isinstance(setting, str) else setting
+    return tuple(
+        JSON_PREFIX + key[len(JSON_PREFIX) :] if key.lower().startswith(JSON_PREFIX) else key.lower()
+        for key in (key.strip() for key in keys)
+    )
+
+
+def _caption(members: dict[str, bytes], meta: dict[str, Any], key: str) -> str:
+    """The caption under one key; ``BadSample`` when it is absent, undecodable or blank."""
+    if key.startswith(JSON_PREFIX):
+        field_name = key[len(JSON_PREFIX) :]
+        if field_name not in meta:
+            raise BadSample("missing_caption", f"no {key}")
+        caption = meta[field_name]
+        if not isinstance(caption, str):
+            raise BadSample("bad_caption", f"{key} is a {type(caption).__name__}, not a string")
+    elif key not in members:
+        raise BadSample("missing_caption", f"no {key}")
+    else:
+        try:
+            caption = members[key].decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadSample("bad_caption", str(err)) from None
+    if not caption.strip():
+        raise BadSample("empty_caption", key)
+    return caption.strip()
+
+
+def _pick_caption(members: dict[str, bytes], meta: dict[str, Any], keys: tuple[str, ...], pick: int) -> str:
+    """One of the usable captions under ``keys``: number ``pick`` modulo their count. Unusable
+    ones are passed over, so whether a sample is usable does not depend on ``pick``; with none,
+    the reason is a present caption's problem before a missing one's."""
+    usable: list[str] = []
+    problems: list[BadSample] = []
+    for key in keys:
+        try:
+            usable.append(_caption(members, meta, key))
+        except BadSample as bad:
+            problems.append(bad)
+    if not usable:
+        raise min(problems, key=lambda bad: bad.reason == "missing_caption")
+    return usable[pick % len(usable)]
+
+
+def decode_sample(
+    raw: dict[str, Any], keys: tuple[str, ...] = DEFAULT_CAPTION_KEYS, pick: int = 0
+) -> Decoded:
+    """Check a grouped tar sample and decode its image to RGB; raise ``BadSample`` if unusable.
+    The caption is under one of ``keys`` (see ``_pick_caption``; the training stream passes a
+    seeded random ``pick``, evaluation 0: the first usable key)."""
     if "__bad__" in raw:
         raise BadSample(raw["__bad__"], raw.get("__error__", ""))
     members = {k: v for k, v in raw.items() if not k.startswith("__")}
@@ -72,14 +126,6 @@ def decode_sample(raw: dict[str, Any]) -> Decoded:
     ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
     if ext is None:
         raise BadSample("missing_image")
-    if "txt" not in members:
-        raise BadSample("missing_caption")
-    try:
-        caption = members["txt"].decode("utf-8").strip()
-    except UnicodeDecodeError as err:
-        raise BadSample("bad_caption", str(err)) from None
-    if not caption:
-        raise BadSample("empty_caption")
     meta: dict[str, Any] = {}
     if "json" in members:
         try:
@@ -88,11 +134,14 @@ def decode_sample(raw: dict[str, Any]) -> Decoded:
             raise BadSample("bad_json", str(err)) from None
         if not isinstance(meta, dict):
             raise BadSample("bad_json", f"expected an object, got {type(meta).__name__}")
+    caption = _pick_caption(members, meta, keys, pick)
     try:
         image = Image.open(io.BytesIO(members[ext])).convert("RGB")
     except Exception as err:  # arbitrary bytes make PIL raise many types; all mean "undecodable"
         raise BadSample("bad_image", f"{type(err).__name__}: {err}") from None
-    return Decoded(key=raw["__key__"], image=image, caption=caption, meta=meta)
+    return Decoded(
+        key=raw["__key__"], image=image, caption=caption, meta=meta, source=raw.get("__source__", 0)
+    )
 
 
 class SkipTally:

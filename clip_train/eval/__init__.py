@@ -6,6 +6,7 @@ work scales with the ranks instead of leaving them idle while rank 0 evaluates.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from clip_train.data.eval_sources import (
     labelled_images,
     shard_batches,
 )
+from clip_train.data.samples import caption_keys
 from clip_train.distributed import rank_and_world
 from clip_train.eval.encode import encode_split
 from clip_train.eval.metrics import hits_at_k, retrieval_recall, validation_loss, zeroshot_from_features
@@ -75,8 +77,10 @@ def evaluate(
             zeroshot_batches = image_folder_batches(
                 zeroshot_source, num_classes=len(classnames), image_size=model.image_size, **share
             )
-        else:
-            zeroshot_batches = shard_batches(zeroshot_source, model, data_cfg=data_cfg, **share)
+        else:  # only labels count here: a caption under data.caption_key or txt makes a sample usable
+            either = [*caption_keys(data_cfg.caption_key), "txt"]
+            labelled = dataclasses.replace(data_cfg, caption_key=either)
+            zeroshot_batches = shard_batches(zeroshot_source, model, data_cfg=labelled, **share)
     metrics: dict[str, float] = {}
     if retrieval:
         batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, **share)
