@@ -31,12 +31,12 @@ from timm.models._hub import save_config_for_hf  # timm's own writer; timm.model
 from clip_train.checkpoint import save_weights
 from clip_train.errors import UserError
 from clip_train.model import CLIP, HFTokenizer
+from clip_train.model.text import POOLERS
 
 FORMATS = ("open_clip",)
 TOWERS_CONFIG = "config.json"
 MODEL_CARD = "README.md"
 MARKER = ".clip_train_export"  # in every export: a folder that a later export may replace
-POOLERS = {"cls": "cls_last_hidden_state_pooler", "mean": "mean_pooler"}  # open_clip's names
 RENAMES = (("visual.proj.", "visual.head.proj."), ("text.encoder.", "text.transformer."))  # ours, open_clip's
 VERIFY_TOLERANCE = 1e-4  # largest |difference| of unit-norm embeddings the export may show
 PROBE_CAPTIONS = ["a photo of a dog", "A handwritten digit seven,  on paper!", "zero " * 40]

@@ -191,6 +191,27 @@ def test_gradcache_step_on_gpu_equals_cpu(offload) -> None:
         torch.testing.assert_close(grads[1][key], expected, rtol=1e-3, atol=1e-5, msg=key)
 
 
+def test_offload_prefetches_on_one_side_stream_for_the_engines_life(monkeypatch) -> None:
+    """Four prefetch runs a step, two steps, one side stream: a new stream per run would come from the
+    pool that ProcessGroupNCCL's stream comes from, and every 32nd or so would be NCCL's."""
+    created, make_stream = [], torch.cuda.Stream
+
+    def counted_stream(*args, **kwargs) -> torch.cuda.Stream:
+        created.append(make_stream(*args, **kwargs))
+        return created[-1]
+
+    monkeypatch.setattr(torch.cuda, "Stream", counted_stream)
+    engine = GradCache(
+        make_model(*NO_DROPOUT, dtype=torch.float32).to(CUDA), image_chunk=8, text_chunk=6, offload=True
+    )
+    batch = make_batch(rows=24)
+    assert engine.step(*batch).max_live_chunks <= 2
+    side = engine.chunk_stream.side_stream
+    assert engine.step(*batch).max_live_chunks <= 2
+    assert len(created) == 1 and created[0] is side is engine.chunk_stream.side_stream
+    assert side != torch.cuda.current_stream(CUDA)
+
+
 @pytest.mark.parametrize("image_chunk", [3, 0])
 def test_dropout_and_drop_path_replay_on_the_cuda_generator_is_exact(image_chunk) -> None:
     """fp64 on the GPU: the chunked step's replay draws the CUDA generator's masks again, so its

@@ -323,15 +323,28 @@ def test_chunk_stream_yields_the_right_slices_and_counts_live_chunks():
     bounds = chunk_bounds(10, 4)
     assert bounds == [(0, 4), (4, 8), (8, 10)]
     seen, kept = [], []
-    stream = ChunkStream((data, data * 10), bounds, torch.device("cpu"))
-    stream.run(lambda index, chunk: seen.append((index, chunk[0].tolist(), chunk[1].tolist())))
+    stream = ChunkStream(torch.device("cpu"))
+    stream.run(
+        (data, data * 10), bounds, lambda index, chunk: seen.append((index, *map(torch.Tensor.tolist, chunk)))
+    )
     assert seen == [(i, data[a:b].tolist(), (data[a:b] * 10).tolist()) for i, (a, b) in enumerate(bounds)]
     assert stream.max_live == 1
-    hoarding = ChunkStream((data,), bounds, torch.device("cpu"))
-    hoarding.run(lambda index, chunk: kept.append(chunk))  # a consumer that leaks every chunk
-    assert hoarding.max_live == 3
+    stream.run((data,), bounds, lambda index, chunk: kept.append(chunk))  # a consumer that leaks every chunk
+    assert stream.max_live == 3
+    stream.place((data,))  # a new step: its count starts again
+    stream.run((data,), bounds[:2], lambda index, chunk: None)  # the leaked chunks are the last run's
+    assert stream.max_live == 1 and len(kept) == 3
     with pytest.raises(ValueError, match="chunk size"):
         chunk_bounds(10, -1)
+
+
+def test_an_engine_streams_every_step_through_its_one_chunk_stream():
+    model, batch = make_model(*NO_DROPOUT), make_batch()
+    engine = GradCache(model, image_chunk=3, text_chunk=4, offload=True)
+    stream = engine.chunk_stream
+    steps = [engine.step(*batch) for _ in range(2)]
+    assert engine.chunk_stream is stream and [s.max_live_chunks for s in steps] == [1, 1]  # no prefetch here
+    assert stream.side_stream is None  # made on the first CUDA prefetch only (tests/test_cuda.py)
 
 
 def test_fp16_with_grad_scaler_and_bf16_are_close_to_fp32():

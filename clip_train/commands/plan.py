@@ -12,10 +12,16 @@ architectures alone: no pretrained weights, no network. Progress goes to stderr,
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
 
+from clip_train.bench.runner import in_fresh_process
 from clip_train.config import load_config
 from clip_train.errors import UserError
 from clip_train.plan.architecture import find_text_architecture
+from clip_train.plan.estimate import Setting
 from clip_train.plan.progress import announce
 
 
@@ -50,8 +56,18 @@ def run(args: argparse.Namespace) -> int:
     cfg.validate(world_size=args.gpus)
     find_text_architecture(cfg.model.text)  # read from disk: a missing one fails within a second
     with announce("importing torch, transformers and timm"):  # seconds, hence after the checks
-        from clip_train.plan.command import make_plan
-    return make_plan(args, cfg)
+        from clip_train.plan.table import cpu_check_prediction, cpu_check_report, make_plan
+    chunks = tuple(args.measure_chunks)
+    title = f"plan: {args.config} {' '.join(args.overrides)}".rstrip()
+    text, record = make_plan(cfg, args.gpus, args.gpu_mem, args.device, chunks, title)
+    print(text)
+    result = {"config": str(args.config), "overrides": list(args.overrides), **record}
+    if args.check_cpu:
+        result["check_cpu"] = check = _check_cpu(args, *cpu_check_prediction(cfg, chunks))
+        print(cpu_check_report(cfg, check))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
 
 
 def _validate_args(args: argparse.Namespace, batch: int) -> None:
@@ -63,3 +79,23 @@ def _validate_args(args: argparse.Namespace, batch: int) -> None:
         raise UserError(f"--batch {batch}: must be >= 1")
     if args.check_cpu and args.gpus != 1:
         raise UserError(f"--check-cpu runs one process on this machine: use --gpus 1, not {args.gpus}")
+
+
+def _check_cpu(args: argparse.Namespace, setting: Setting, predicted: float) -> dict[str, float]:
+    """``setting``'s predicted peak against the RSS growth of 2 real steps in a fresh process."""
+    spec = {
+        "config": str(args.config),
+        "overrides": list(args.overrides),
+        "setting": dataclasses.asdict(setting),
+    }
+    with announce(f"--check-cpu: {setting.batch} samples through 2 real steps in a fresh process"):
+        measured = in_fresh_process(cpu_step, spec)
+    return {"predicted": predicted, "measured": measured, "ratio": measured / predicted}
+
+
+def cpu_step(spec: dict[str, Any]) -> int:
+    """``--check-cpu``'s fresh process: the config again, then real steps."""
+    from clip_train.plan.profile import measure_cpu_step
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    return measure_cpu_step(cfg.model, Setting(**spec["setting"]), cfg.train.precision)

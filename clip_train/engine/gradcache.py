@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from clip_train.compat import ddp_no_buffer_sync_kwargs
 from clip_train.config import PRECISIONS, Config, Precision
 from clip_train.distributed import rank_and_world
-from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
+from clip_train.engine.offload import ChunkStream, Rows, chunk_bounds
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
 from clip_train.loss.tiles_torch import tile_dtype
@@ -49,7 +49,7 @@ class StepStats:
     peak_mem: int  # bytes: CUDA max_memory_allocated during the step; 0 on CPU (measure RSS instead)
     cache_bytes: int  # features, their gradients and any frozen-trunk cache: O(B·d), wherever kept
     batch_bytes: int  # the raw batch (host memory with offload, else the device)
-    max_live_chunks: int  # most input chunks alive at once in any stream (<= 2 by construction)
+    max_live_chunks: int  # most input chunks alive at once in any run of the stream (<= 2 by construction)
 
 
 class TrainableHead(nn.Module):
@@ -90,12 +90,11 @@ class _Tower:
 class _Encoded:
     """Stage 1's output for one tower."""
 
-    bounds: list[tuple[int, int]]
+    bounds: list[Rows]
     features: torch.Tensor | None = None
     rng: list[RngState] = field(default_factory=list)
     trunk_cache: tuple[torch.Tensor, ...] = ()
     kept: torch.Tensor | None = None  # the last chunk's features, graph and all (see ``_encode``)
-    max_live: int = 0  # most input chunks alive at once while encoding or replaying
 
 
 class GradCache:
@@ -139,6 +138,7 @@ class GradCache:
         self.text = self._tower("text", model.text, text_chunk)
         sharded = self.image.sharded or self.text.sharded
         self.gather_waits = GatherWaits(model, self.device) if sharded else None
+        self.chunk_stream = ChunkStream(self.device, offload)  # the engine's, with its CUDA side stream
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Config, chunks: tuple[int, int]) -> GradCache:
@@ -195,17 +195,15 @@ class GradCache:
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if self.offload:
-            batch = to_host((images, input_ids, attention_mask), self.device)
-        else:
-            batch = tuple(t.to(self.device, non_blocking=True) for t in (images, input_ids, attention_mask))
+        batch = self.chunk_stream.place((images, input_ids, attention_mask))
         image_inputs, text_inputs = batch[:1], batch[1:]
+        image_bounds, text_bounds = (chunk_bounds(rows, tower.chunk) for tower in (self.image, self.text))
 
         start = self._clock()
         self._gather_s()  # forget waits outside steps (evaluation)
-        image_keeps, text_keeps = self._graph_keepers(rows)
-        image = self._encode(self.image, image_inputs, rows, keep_graph=image_keeps)
-        text = self._encode(self.text, text_inputs, rows, keep_graph=text_keeps)
+        image_keeps, text_keeps = self._graph_keepers(len(image_bounds), len(text_bounds))
+        image = self._encode(self.image, image_inputs, image_bounds, keep_graph=image_keeps)
+        text = self._encode(self.text, text_inputs, text_bounds, keep_graph=text_keeps)
         encoded = self._clock()
         encode_gather_s = self._gather_s()
         loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
@@ -228,28 +226,30 @@ class GradCache:
             peak_mem=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
             cache_bytes=cache_bytes,
             batch_bytes=_bytes(batch),
-            max_live_chunks=max(image.max_live, text.max_live),
+            max_live_chunks=self.chunk_stream.max_live,
         )
 
-    def _graph_keepers(self, rows: int) -> tuple[bool, bool]:
+    def _graph_keepers(self, image_chunks: int, text_chunks: int) -> tuple[bool, bool]:
         """Whether the image and the text tower keep their last chunk's graph (see ``_encode``): the
         last tower encoded does; when every trained tower is one chunk, all do, and the step is
         plain backpropagation, with no tower encoded twice."""
         if not self.keep_last_graph:
             return False, False
-        replaying = [tower for tower in (self.image, self.text) if tower.replays]
-        if all(len(chunk_bounds(rows, tower.chunk)) == 1 for tower in replaying):
+        if (image_chunks == 1 or not self.image.replays) and (text_chunks == 1 or not self.text.replays):
             return self.image.replays, self.text.replays
-        return self.image is replaying[-1], self.text is replaying[-1]
+        last = self.text if self.text.replays else self.image  # the last trained tower encoded
+        return self.image is last, self.text is last
 
-    def _encode(self, tower: _Tower, inputs: Sequence[torch.Tensor], rows: int, keep_graph: bool) -> _Encoded:
+    def _encode(
+        self, tower: _Tower, inputs: Sequence[torch.Tensor], bounds: list[Rows], keep_graph: bool
+    ) -> _Encoded:
         """Stage 1: graph-less features, each chunk's RNG state and the frozen-trunk cache for replay.
 
         With ``keep_graph`` the last chunk keeps its graph: replay backpropagates it first instead of
         encoding it again, so it never meets another chunk's graph. It does live through the loss,
         whose workspace can outweigh it at the largest batches: ``batch.keep_last_graph: false``.
         """
-        out = _Encoded(chunk_bounds(rows, tower.chunk))
+        out, rows = _Encoded(bounds), len(inputs[0])
         keep_trunk_on_host = self.offload and self.device.type == "cuda"
         kept_index = len(out.bounds) - 1 if keep_graph else None
 
@@ -277,9 +277,7 @@ class GradCache:
                 for cached, h in zip(out.trunk_cache, hidden, strict=True):
                     cached[start:end].copy_(h, non_blocking=True)
 
-        stream = ChunkStream(inputs, out.bounds, self.device)
-        stream.run(encode)
-        out.max_live = stream.max_live
+        self.chunk_stream.run(inputs, bounds, encode)
         return out
 
     def _loss_dtype(self, features: torch.dtype) -> torch.dtype:
@@ -359,9 +357,7 @@ class GradCache:
                     features = tower.head(*chunk)
                 features.backward(grad[start:end].to(features.dtype))
 
-        stream = ChunkStream(cache.trunk_cache or inputs, bounds, self.device)
-        stream.run(replay)
-        cache.max_live = max(cache.max_live, stream.max_live)
+        self.chunk_stream.run(cache.trunk_cache or inputs, bounds, replay)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)

@@ -32,9 +32,9 @@ from timm.layers import QuickGELU
 from timm.models.vision_transformer import VisionTransformer
 
 from clip_train.config import ModelConfig
-from clip_train.export import POOLERS
 from clip_train.model import CLIP
 from clip_train.model.hub import ModelLoadError
+from clip_train.model.text import POOLERS
 
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins

@@ -12,6 +12,8 @@ from clip_train.config import ConfigError, TextTowerConfig
 from clip_train.model.freezing import LockableTower, init_projection
 from clip_train.model.hub import load_hf
 
+POOLERS = {"cls": "cls_last_hidden_state_pooler", "mean": "mean_pooler"}  # each pooling's open_clip name
+
 
 class TextTower(LockableTower):
     """HF encoder → pooling → projection → L2 norm.

@@ -1,6 +1,7 @@
 """Memory planning (``clip-train plan``): ``profile`` measures a model's chunk memory on the device at
-hand, ``estimate`` turns a profile into per-GPU bytes and the largest batch that fits, and
-``auto_chunks`` picks a run's ``auto`` chunk sizes from both.
+hand, ``estimate`` turns a profile into per-GPU bytes and the largest batch that fits,
+``auto_chunks`` picks a run's ``auto`` chunk sizes from both, and ``table`` lays out the plan that
+``clip-train plan`` prints.
 
 Each name below imports its module on first use, so ``clip_train.plan.architecture`` and
 ``clip_train.plan.progress`` load without torch: ``clip-train plan`` checks its inputs before the

@@ -1,56 +1,39 @@
-"""``clip-train plan``'s work once its inputs are checked: measure the model, apply the memory model
-to each loss implementation with and without offload, print the table (and ``--check-cpu``'s real
-steps). Imported only then (``commands/plan.py``), as it loads torch, transformers and timm."""
+"""The plan's table: one config's per-GPU memory terms and largest batch under each loss implementation,
+with and without offload, and its text. ``clip-train plan`` (``commands/plan.py``) imports it only
+once its inputs are checked, as it loads torch, transformers and timm."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from clip_train.bench.runner import in_fresh_process
-from clip_train.config import RESOLVED_LOSS_IMPLS, Config, load_config
+from clip_train.config import RESOLVED_LOSS_IMPLS, Config
 from clip_train.distributed import resolve_device
 from clip_train.loss.tiles_torch import default_tile
 from clip_train.memory import format_bytes
 from clip_train.plan.auto_chunks import largest_fitting_chunks, run_setting
 from clip_train.plan.estimate import GIB, ModelProfile, Setting, breakdown, max_batch, usable_bytes
-from clip_train.plan.profile import measure_cpu_step, profile_model
+from clip_train.plan.profile import profile_model
 from clip_train.plan.progress import announce
 
 
-def make_plan(args: argparse.Namespace, cfg: Config) -> int:
-    """The plan for ``cfg`` (its batch and world size already checked), on stdout and in ``--json``."""
-    batch, chunks = cfg.batch.global_size, tuple(args.measure_chunks)
-    device = resolve_device(args.device).type
-    profile = profile_model(cfg.model, cfg.train.precision, chunks, device, announce)
-    capacity = usable_bytes(args.gpu_mem)
-    settings = _settings(cfg, args.gpus)
-    rows = [_row(profile, setting, capacity, cfg.batch.auto_towers) for setting in settings]
-    print(_report(args, cfg, profile, rows, capacity))
-    result: dict[str, Any] = {
-        "config": str(args.config),
-        "overrides": list(args.overrides),
-        "gpu_mem_gib": args.gpu_mem,
+def make_plan(
+    cfg: Config, gpus: int, gpu_mem: float, device: str, chunks: tuple[int, int], title: str
+) -> tuple[str, dict[str, Any]]:
+    """The plan for ``cfg`` (its batch and world size already checked) on ``gpus`` GPUs of ``gpu_mem``
+    GiB, activations measured on ``device`` at ``chunks``: its text under ``title``, and its record."""
+    profile = profile_model(cfg.model, cfg.train.precision, chunks, resolve_device(device).type, announce)
+    capacity = usable_bytes(gpu_mem)
+    rows = [_row(profile, setting, capacity, cfg.batch.auto_towers) for setting in _settings(cfg, gpus)]
+    record = {
+        "gpu_mem_gib": gpu_mem,
         "usable_bytes": capacity,
         "profile": dataclasses.asdict(profile),
         "rows": rows,
     }
-    if args.check_cpu:
-        result["check_cpu"] = check = _check_cpu(args, cfg, settings, chunks)
-        print(
-            f"\ncheck-cpu: inf loss, no offload, batch {batch}, 2 Gradient Cache + {cfg.optim.name} steps "
-            f"in a fresh process\n  predicted {format_bytes(check['predicted'])} (peak without weights, "
-            f"which precede the baseline)\n  measured  {format_bytes(check['measured'])} (ru_maxrss growth)\n"
-            f"  ratio measured/predicted {check['ratio']:.3f}"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    return 0
+    return _report(title, gpus, gpu_mem, cfg, profile, rows, capacity), record
 
 
 def _settings(cfg: Config, gpus: int) -> list[Setting]:
@@ -64,31 +47,25 @@ def _settings(cfg: Config, gpus: int) -> list[Setting]:
     ]
 
 
-def _check_cpu(
-    args: argparse.Namespace, cfg: Config, settings: list[Setting], chunks: tuple[int, int]
-) -> dict[str, float]:
-    """The inf, no-offload setting with the CPU's tile: predicted peak (weights excluded: they precede
-    the baseline) against the RSS growth of real steps in a fresh process. One process has nothing
-    to shard across (``shard_towers`` keeps its towers whole), so the check is unsharded."""
-    inf = next(s for s in settings if s.impl == "inf" and not s.offload)
+def cpu_check_prediction(cfg: Config, chunks: tuple[int, int]) -> tuple[Setting, float]:
+    """``--check-cpu``'s setting (inf loss, no offload, the CPU's tile) and its predicted peak without
+    the weights (they precede the baseline of the measured RSS growth). One process has nothing to
+    shard across (``shard_towers`` keeps its towers whole), so the setting is unsharded."""
+    inf = next(s for s in _settings(cfg, 1) if s.impl == "inf" and not s.offload)
     tile = cfg.loss.tile_size or default_tile(torch.device("cpu"))
     setting = dataclasses.replace(inf, tile=tile, device="cpu", sharded=False)
     part = breakdown(profile_model(cfg.model, cfg.train.precision, chunks, "cpu", announce), setting)
-    predicted = part.peak - part.weights
-    spec = {
-        "config": str(args.config),
-        "overrides": list(args.overrides),
-        "setting": dataclasses.asdict(setting),
-    }
-    with announce(f"--check-cpu: {setting.batch} samples through 2 real steps in a fresh process"):
-        measured = in_fresh_process(cpu_step, spec)
-    return {"predicted": predicted, "measured": measured, "ratio": measured / predicted}
+    return setting, part.peak - part.weights
 
 
-def cpu_step(spec: dict[str, Any]) -> int:
-    """``--check-cpu``'s fresh process: the config again, then real steps."""
-    cfg = load_config(spec["config"], spec["overrides"])
-    return measure_cpu_step(cfg.model, Setting(**spec["setting"]), cfg.train.precision)
+def cpu_check_report(cfg: Config, check: dict[str, float]) -> str:
+    """``--check-cpu``'s lines: the prediction of ``cpu_check_prediction`` against the measurement."""
+    return (
+        f"\ncheck-cpu: inf loss, no offload, batch {cfg.batch.global_size}, 2 Gradient Cache + "
+        f"{cfg.optim.name} steps in a fresh process\n  predicted {format_bytes(check['predicted'])} (peak "
+        f"without weights, which precede the baseline)\n  measured  {format_bytes(check['measured'])} "
+        f"(ru_maxrss growth)\n  ratio measured/predicted {check['ratio']:.3f}"
+    )
 
 
 def _row(profile: ModelProfile, setting: Setting, capacity: float, auto: tuple[str, ...]) -> dict[str, Any]:
@@ -108,7 +85,13 @@ def _row(profile: ModelProfile, setting: Setting, capacity: float, auto: tuple[s
 
 
 def _report(
-    args: argparse.Namespace, cfg: Config, profile: ModelProfile, rows: list[dict], capacity: float
+    title: str,
+    gpus: int,
+    gpu_mem: float,
+    cfg: Config,
+    profile: ModelProfile,
+    rows: list[dict],
+    capacity: float,
 ) -> str:
     first = rows[0]
     chunks = " / ".join(
@@ -116,9 +99,9 @@ def _report(
         for tower, chunk in zip(("image", "text"), cfg.batch.chunks, strict=True)
     )
     lines = [
-        f"plan: {args.config} {' '.join(args.overrides)}".rstrip(),
-        f"  {args.gpus} GPU(s) x {args.gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU after a "
-        f"{format_bytes(args.gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)",
+        title,
+        f"  {gpus} GPU(s) x {gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU after a "
+        f"{format_bytes(gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)",
         f"  precision {profile.precision}, optimizer {cfg.optim.name}, embed_dim {profile.embed_dim}, "
         f"chunks {chunks}, inf tile {first['tile']}",
         f"  activations measured on {profile.device} with torch MemTracker (fwd+bwd at chunks "
@@ -138,7 +121,7 @@ def _report(
         )
     lines += _static_lines(first)
     lines.append(
-        f"\nglobal batch {first['batch']:,} ({first['batch'] // args.gpus:,} per GPU); "
+        f"\nglobal batch {first['batch']:,} ({first['batch'] // gpus:,} per GPU); "
         "peak = static + data + cache + max(loss + kept graph, backbone, optim step)"
     )
     header = (
@@ -155,7 +138,7 @@ def _report(
         "peak",
     )
     money = ("data", "cache", "loss", "kept_graph", "backbone", "optimizer_step", "static", "peak")
-    per_gpu = first["batch"] // args.gpus
+    per_gpu = first["batch"] // gpus
     table = [(*header, "fits", "max batch")] + [
         (
             row["impl"],
