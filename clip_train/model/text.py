@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, AutoModel, CLIPTextModel, PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -158,7 +159,10 @@ def _config_from_keys(hf_config: dict, vocab_size: int | None) -> PreTrainedConf
         raise ConfigError(f"model.text.hf_config: unknown {model_type} config key(s) {', '.join(unknown)}")
     if vocab_size is not None:
         kwargs.setdefault("vocab_size", vocab_size)
-    return AutoConfig.for_model(model_type, **kwargs)
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except StrictDataclassError as err:  # a value of the wrong type, e.g. YAML's string "1e-6" (write 1.0e-6)
+        raise ConfigError(f"model.text.hf_config: {' '.join(str(err).split())}") from None
 
 
 def build_text_tower(
