@@ -9,11 +9,14 @@ open_clip model that gives the trained model's embeddings.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import huggingface_hub
 import open_clip
 import pytest
 import torch
+from open_clip.constants import OPENAI_DATASET_MEAN
 from safetensors.torch import save_file
 from small_runs import ROOT, TINY_MODEL_CONFIG
 from test_init_from import trainer
@@ -23,6 +26,7 @@ from test_init_from_open_clip import (
     initialised,
     one_line_error,
     perturbed,
+    put_in_hub_cache,
     save_open_clip_folder,
 )
 
@@ -33,6 +37,7 @@ from clip_train.errors import UserError
 from clip_train.export import export_open_clip
 from clip_train.init_from import check_init_from, load_init_from
 from clip_train.model import CLIP, build_model
+from clip_train.model.from_open_clip import resolve
 
 TEXT = {"context_length": 12, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
 CAPTIONS = ["a photo of a seven", "3", "", "zero " * 20]  # the last one is cut to the context length
@@ -238,6 +243,36 @@ def test_weights_of_the_other_activation_fail_in_one_line(tiny_clip):
         DIFFER.format(f"activation {theirs} vs {ours}")
         + ": set model.text.pooling=eot and model.text.hf_config"
     )
+
+
+def test_weights_trained_with_another_image_normalisation_fail_in_one_line(tiny_clip, tmp_path):
+    """The mean and std come from the run's timm name; LAION-2B's ViT-L-14 was trained with 0.5."""
+    folder, quick_gelu = tiny_clip
+    copy = Path(shutil.copytree(folder, tmp_path / "half"))
+    config = json.loads((copy / "open_clip_config.json").read_text())
+    config["preprocess_cfg"] = {"mean": [0.5] * 3, "std": [0.5] * 3}
+    (copy / "open_clip_config.json").write_text(json.dumps(config))
+    spec = f"open_clip:local-dir:{copy}"
+    assert one_line_error(clip_text_run(quick_gelu), spec).startswith(
+        "open_clip's model normalises images with mean (0.5, 0.5, 0.5) and std (0.5, 0.5, 0.5), the run's "
+        "model.image.timm with (0.48145466, 0.4578275, 0.40821073) and (0.26862954, 0.26130258, 0.27577711)"
+    )
+    overlay = "model.image.timm_kwargs.pretrained_cfg_overlay={mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}"
+    assert initialised([*clip_text_run(quick_gelu), overlay], spec).image_mean == (0.5, 0.5, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("name", "repo", "mean"),
+    [
+        ("ViT-L-14/laion2b_s32b_b82k", "laion/CLIP-ViT-L-14-laion2B-s32B-b82K", (0.5, 0.5, 0.5)),
+        ("ViT-L-14/datacomp_xl_s13b_b90k", "laion/CLIP-ViT-L-14-DataComp.XL-s13B-b90K", OPENAI_DATASET_MEAN),
+    ],
+)
+def test_a_pretrained_tag_brings_its_image_normalisation(tmp_path, monkeypatch, name, repo, mean):
+    (tmp_path / "weights").write_bytes(b"not read")
+    put_in_hub_cache(tmp_path, repo, {"open_clip_model.safetensors": tmp_path / "weights"})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve(f"open_clip:{name}").mean == mean
 
 
 def test_a_config_value_of_the_wrong_type_is_a_config_error():

@@ -25,7 +25,13 @@ from pathlib import Path
 import open_clip
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
-from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+from open_clip.constants import (
+    HF_CONFIG_NAME,
+    HF_SAFE_WEIGHTS_NAME,
+    HF_WEIGHTS_NAME,
+    OPENAI_DATASET_MEAN,
+    OPENAI_DATASET_STD,
+)
 from open_clip.factory import load_state_dict, parse_model_name
 from open_clip.hf_configs import arch_dict
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
@@ -40,15 +46,19 @@ from clip_train.model.hub import ModelLoadError
 
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins
+NORMALISATION = (("mean", OPENAI_DATASET_MEAN), ("std", OPENAI_DATASET_STD))  # open_clip's defaults
 KEPT_IF_ABSENT = ("logit_bias",)  # a sigmoid-loss run from softmax weights starts at model.init_logit_bias
 
 
 @dataclass(frozen=True)
 class Source:
-    """An open_clip model on this machine: its ``model_cfg`` (as in ``open_clip_config.json``) and weights."""
+    """An open_clip model on this machine: its ``model_cfg`` (as in ``open_clip_config.json``), weights
+    and the image normalisation it was trained with (a tag's or ``preprocess_cfg``, else open_clip's)."""
 
     model_cfg: dict
     weights: Path
+    mean: tuple[float, ...] = OPENAI_DATASET_MEAN
+    std: tuple[float, ...] = OPENAI_DATASET_STD
 
 
 def is_open_clip(spec: str) -> bool:
@@ -75,12 +85,12 @@ def from_folder(folder: Path) -> Source:
     found = [folder / name for name in WEIGHT_NAMES if (folder / name).is_file()]
     if not found:
         raise ModelLoadError(f"{folder} holds none of {', '.join(WEIGHT_NAMES)}")
-    return Source(read_model_cfg(folder / HF_CONFIG_NAME), found[0])
+    return read_config(folder / HF_CONFIG_NAME, found[0])
 
 
 def from_hub(repo: str) -> Source:
     config = cached_file(repo, (HF_CONFIG_NAME,))
-    return Source(read_model_cfg(config), cached_file(repo, WEIGHT_NAMES))
+    return read_config(config, cached_file(repo, WEIGHT_NAMES))
 
 
 def from_builtin(name: str) -> Source:
@@ -102,7 +112,8 @@ def from_builtin(name: str) -> Source:
     # OpenAI's weights were trained with QuickGELU, which ViT-B-32's own config does not say
     model_cfg["quick_gelu"] = model_cfg.get("quick_gelu", False) or tag.get("quick_gelu", False)
     repo, _, filename = tag["hf_hub"].rpartition("/")  # "org/repo/" (the default file) or "org/repo/file"
-    return Source(model_cfg, cached_file(repo, weight_names(filename)))
+    weights = cached_file(repo, weight_names(filename))
+    return Source(model_cfg, weights, *(tuple(tag.get(key, default)) for key, default in NORMALISATION))
 
 
 def weight_names(filename: str) -> tuple[str, ...]:
@@ -129,14 +140,18 @@ def cached_file(repo: str, names: tuple[str, ...]) -> Path:
     )
 
 
-def read_model_cfg(path: Path) -> dict:
+def read_config(path: Path, weights: Path) -> Source:
+    """The model and the image normalisation of an ``open_clip_config.json``, with ``weights``."""
     try:
-        model_cfg = json.loads(path.read_text()).get("model_cfg")
+        config = json.loads(path.read_text())
+        model_cfg, preprocess = config.get("model_cfg"), config.get("preprocess_cfg") or {}
     except (OSError, ValueError, AttributeError) as err:
         raise ModelLoadError(f"{path}: not an open_clip config: {err}") from None
     if not isinstance(model_cfg, dict) or not {"vision_cfg", "text_cfg"} <= model_cfg.keys():
         raise ModelLoadError(f"{path}: not an open_clip config (no model_cfg with vision_cfg and text_cfg)")
-    return model_cfg
+    return Source(
+        model_cfg, weights, *(tuple(preprocess.get(key, default)) for key, default in NORMALISATION)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,6 +379,21 @@ def clip_text_problem(text: CLIPTextCfg, quick_gelu: bool, model: CLIP, cfg: Mod
     )
 
 
+def normalisation_problem(source: Source, model: CLIP) -> str | None:
+    """The image mean and std come from the run's timm name, not from the weights: they must agree."""
+    theirs, ours = (*source.mean, *source.std), (*model.image_mean, *model.image_std)
+    if len(theirs) == len(ours) and torch.allclose(
+        torch.tensor(theirs), torch.tensor(ours), rtol=0, atol=1e-6
+    ):
+        return None
+    return (
+        f"open_clip's model normalises images with mean {source.mean} and std {source.std}, the run's "
+        f"model.image.timm with {model.image_mean} and {model.image_std}: pick a timm tag trained with them "
+        "(e.g. vit_large_patch14_clip_224.laion2b for mean = std = 0.5) or set "
+        "model.image.timm_kwargs.pretrained_cfg_overlay={mean: [...], std: [...]}"
+    )
+
+
 def timm_pool_problem(vision: CLIPVisionCfg, cfg: ModelConfig) -> str | None:
     """open_clip resets the trunk's pooling to ``timm_pool`` unless it is "" (the architecture's own)."""
     ours = cfg.image.timm_kwargs.get("global_pool", "")
@@ -477,4 +507,6 @@ def load_open_clip(spec: str, model: CLIP, cfg: ModelConfig) -> None:
     for tower in maps.values():
         if tower.problem and (problem := tower.problem(model, cfg)):
             raise ModelLoadError(problem)
+    if problem := normalisation_problem(source, model):
+        raise ModelLoadError(problem)
     model.load_state_dict(fitted(weights, model), strict=False)  # strict=False: the kept logit_bias
