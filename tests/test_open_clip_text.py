@@ -286,3 +286,46 @@ def test_eot_pooling_needs_open_clips_tokenizer():
     overrides = ["model.text.pooling=eot", "model.text.tokenizer=bert-base-uncased"]
     with pytest.raises(UserError, match=r"^model.text.pooling=eot pools at the largest token id"):
         load_config(TINY_MODEL_CONFIG, overrides).validate(world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["model.text.hf_config.hidden_act=gelu_new"],
+            "model.text.hf_config.hidden_act=gelu_new: open_clip's text transformer has gelu or quick_gelu",
+        ),
+        (
+            [
+                "model.text.hf_config={model_type: bert, hidden_size: 32, num_hidden_layers: 1, "
+                "num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 12}"
+            ],
+            "model.text.pooling=eot: open_clip pools a transformers encoder with cls "
+            "(cls_last_hidden_state_pooler), mean (mean_pooler)",
+        ),
+    ],
+    ids=["activation", "bert-eot"],
+)
+def test_what_open_clip_cannot_build_is_not_exported(tmp_path, overrides, message):
+    model = build_model(load_config(TINY_MODEL_CONFIG, [*clip_text_run(False), *overrides]).model)
+    with pytest.raises(UserError) as err:
+        export_open_clip(model, tmp_path / "out")
+    assert str(err.value) == message and not (tmp_path / "out").exists()
+
+
+def test_activation_checkpointing_keeps_the_embeddings_and_gradients(tiny_clip):
+    folder, quick_gelu = tiny_clip
+    spec = f"open_clip:local-dir:{folder}"
+    plain = initialised(clip_text_run(quick_gelu), spec).train()
+    recomputed = initialised([*clip_text_run(quick_gelu), "model.text.grad_checkpointing=true"], spec).train()
+    assert (
+        recomputed.text.encoder.is_activation_checkpointing
+        and not plain.text.encoder.is_activation_checkpointing
+    )
+    tokens = plain.tokenizer(CAPTIONS)
+    for model in (plain, recomputed):
+        model.encode_text(**tokens).square().sum().backward()
+    grads = [p.grad for p in recomputed.text.parameters()]
+    for ours, theirs in zip(grads, (p.grad for p in plain.text.parameters()), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert all(grad is not None for grad in grads)
