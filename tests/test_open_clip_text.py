@@ -16,9 +16,11 @@ import huggingface_hub
 import open_clip
 import pytest
 import torch
+from dist_utils import run_distributed
 from open_clip.constants import OPENAI_DATASET_MEAN
 from safetensors.torch import save_file
 from small_runs import ROOT, TINY_MODEL_CONFIG
+from test_fsdp_gradcache import Case, check, fsdp_rank, reference
 from test_init_from import trainer
 from test_init_from_open_clip import (
     VIT,
@@ -329,3 +331,27 @@ def test_activation_checkpointing_keeps_the_embeddings_and_gradients(tiny_clip):
     for ours, theirs in zip(grads, (p.grad for p in plain.text.parameters()), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert all(grad is not None for grad in grads)
+
+
+CLIP_TEXT_TINY = (  # after test_gradcache's DROPOUT overrides, whose BERT keys it replaces
+    "model.text.hf_config={model_type: clip_text_model, hidden_size: 32, intermediate_size: 64, "
+    "num_hidden_layers: 2, num_attention_heads: 2, max_position_embeddings: 16, attention_dropout: 0.1}",
+    "model.text.pooling=eot",
+)
+FSDP_CASES = [
+    Case((1, 2), CLIP_TEXT_TINY),  # both towers replayed in chunks, the text tower's layers sharded
+    Case(
+        (1, 2),
+        (*CLIP_TEXT_TINY, "model.image.lock=true", "model.text.lock=true", "model.text.unlocked_layers=1"),
+    ),
+]
+
+
+def test_fsdp_steps_of_the_clip_text_tower_equal_one_process_full_batch_steps():
+    """FSDP2 on 2 gloo ranks, Gradient Cache, fp64: the CLIP text tower's layers are FSDP units, and
+    two steps equal plain autograd on the global batch, unlocked and LiT with one layer unlocked."""
+    results = run_distributed(fsdp_rank, 2, FSDP_CASES, timeout_s=300)
+    for index, case in enumerate(FSDP_CASES):
+        per_rank = [rank_results[index] for rank_results in results]
+        check(per_rank, reference(2, case), world=2)
+        assert per_rank[0]["units"]["text"] == 3  # two layers and the tower's root
