@@ -103,7 +103,7 @@ def check_expressible(model: CLIP) -> None:
 def open_clip_config(model: CLIP, at: Location) -> dict:
     """``open_clip_config.json``: the model and preprocessing, the towers named by ``at``."""
     if model.text.causal:
-        text_cfg = open_clip_text_cfg(model.text.encoder.config)
+        text_cfg = open_clip_text_cfg(model.text.encoder.config, model.tokenizer.context_length)
     else:
         text_cfg = {
             "hf_model_name": at.hf_name,
@@ -141,7 +141,9 @@ def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
     if model.text.causal:
         text = {name: tensor for name, tensor in state.items() if name.startswith("text.")}
         state = {name: tensor for name, tensor in state.items() if name not in text}
-        state |= clip_text_weights(text, model.text.encoder.config.num_hidden_layers)
+        state |= clip_text_weights(
+            text, model.text.encoder.config.num_hidden_layers, model.tokenizer.context_length
+        )
     weights = {}
     for name, tensor in state.items():
         for ours, theirs in RENAMES:  # disjoint prefixes: at most one applies
@@ -151,12 +153,16 @@ def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
     return weights
 
 
-def clip_text_weights(text: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
-    """CLIP's text tower under the names of open_clip's ``TextTransformer`` (q, k, v stacked in_proj)."""
+def clip_text_weights(
+    text: dict[str, torch.Tensor], layers: int, context_length: int
+) -> dict[str, torch.Tensor]:
+    """CLIP's text tower under the names of open_clip's ``TextTransformer`` (q, k, v stacked in_proj),
+    with the positions the run's captions use: open_clip then tokenizes to the run's length."""
     weights = {
         f"text.{theirs}": torch.cat([text[f"text.encoder.{name}"] for name in ours])
         for theirs, ours in encoder_names(layers).items()
     }
+    weights["text.positional_embedding"] = weights["text.positional_embedding"][:context_length]
     return weights | {f"text.{PROJECTION}": text["text.proj.weight"].t()}
 
 

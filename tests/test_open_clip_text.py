@@ -315,6 +315,22 @@ def test_what_open_clip_cannot_build_is_not_exported(tmp_path, overrides, messag
     assert str(err.value) == message and not (tmp_path / "out").exists()
 
 
+def test_an_export_tokenizes_to_the_runs_context_length(tmp_path):
+    """A run may use fewer positions than the transformer has: open_clip gets those, so its tokenizer
+    cuts captions where the run's does."""
+    run = [*clip_text_run(False), "model.text.hf_config.max_position_embeddings=16"]
+    model = perturbed(build_model(load_config(TINY_MODEL_CONFIG, run).model))
+    image, text = export_open_clip(model, tmp_path / "out")
+    assert max(image, text) <= TOLERANCE
+    theirs = open_clip_model(tmp_path / "out")
+    assert theirs.text.positional_embedding.shape == (12, 32)
+    assert torch.equal(
+        open_clip.get_tokenizer(f"local-dir:{tmp_path / 'out'}")(CAPTIONS),
+        model.tokenizer(CAPTIONS)["input_ids"],
+    )
+    assert max(max_differences(model, theirs, float_images(16))) <= TOLERANCE
+
+
 def test_activation_checkpointing_keeps_the_embeddings_and_gradients(tiny_clip):
     folder, quick_gelu = tiny_clip
     spec = f"open_clip:local-dir:{folder}"

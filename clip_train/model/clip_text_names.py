@@ -40,10 +40,11 @@ def encoder_names(layers: int) -> dict[str, tuple[str, ...]]:
     return names
 
 
-def open_clip_text_cfg(config: CLIPTextConfig) -> dict:
-    """open_clip's ``text_cfg`` for the same transformer (QuickGELU is a model-level flag there)."""
+def open_clip_text_cfg(config: CLIPTextConfig, context_length: int) -> dict:
+    """open_clip's ``text_cfg`` for the same transformer (QuickGELU is a model-level flag there) with
+    ``context_length`` positions, which open_clip's tokenizer then pads and truncates to."""
     return {
-        "context_length": config.max_position_embeddings,
+        "context_length": context_length,
         "vocab_size": config.vocab_size,
         "width": config.hidden_size,
         "heads": config.num_attention_heads,
