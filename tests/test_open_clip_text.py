@@ -39,7 +39,14 @@ from clip_train.errors import UserError
 from clip_train.export import export_open_clip
 from clip_train.init_from import check_init_from, load_init_from
 from clip_train.model import CLIP, build_model
-from clip_train.model.from_open_clip import resolve
+from clip_train.model.from_open_clip import (
+    Source,
+    fitted,
+    normalisation_problem,
+    resolve,
+    to_clip_train,
+    tower_maps,
+)
 
 TEXT = {"context_length": 12, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
 CAPTIONS = ["a photo of a seven", "3", "", "zero " * 20]  # the last one is cut to the context length
@@ -121,6 +128,22 @@ def test_the_shipped_model_config_needs_nothing_but_the_weights(arch, tmp_path):
     load_init_from(cfg.model, ours)
     ours.eval()
     assert max(max_differences(ours, theirs, float_images(224, count=2))) <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["ViT-B-32", "ViT-B-32-quickgelu", "ViT-L-14", "ViT-L-14-quickgelu"])
+def test_every_shipped_model_config_fits_its_open_clip_architecture(arch):
+    """Keys, shapes, activation, heads, norm epsilon and image normalisation, on the meta device (no
+    weights: ViT-L-14 is too large to run here; the ViT-B-32 configs also run above)."""
+    model_cfg = open_clip.get_model_config(arch)
+    with torch.device("meta"):
+        theirs = open_clip.CLIP(**model_cfg)
+    cfg = load_config(ROOT / "configs" / "model" / f"{arch}.yaml").model
+    ours = build_model(cfg, load_pretrained=False, on_meta=True)
+    maps = tower_maps(model_cfg)
+    weights = to_clip_train(theirs.state_dict(), maps)
+    assert [tower.problem(ours, cfg) for tower in maps.values() if tower.problem] == [None, None]
+    assert normalisation_problem(Source(model_cfg, Path("unread")), ours) is None
+    assert fitted(weights, ours).keys() == ours.state_dict().keys()
 
 
 def test_a_run_from_open_clip_loads_with_its_embeddings_then_trains_and_exports_back(
