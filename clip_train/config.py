@@ -67,7 +67,7 @@ class TextTowerConfig(TowerConfig):
     hf: str = ""  # pretrained encoder: hub name or local directory (model and tokenizer); or hf_config
     hf_config: dict[str, Any] = field(default_factory=dict)  # random init from these config keys; or hf
     tokenizer: str = ""  # open_clip, a hub name or a local dir; "" means the same as `hf`
-    pooling: Literal["cls", "mean"] = "cls"  # first token, or mask-aware mean of the tokens
+    pooling: Literal["cls", "mean", "eot"] = "cls"  # first token, masked mean, or end token (clip_text_model)
     context_length: int = 64  # tokens per caption (padded or truncated)
 
 
@@ -293,6 +293,11 @@ def _check_text_source(text: TextTowerConfig) -> None:
         raise ConfigError(
             "model.text.tokenizer is empty and model.text.hf_config has no vocabulary to take it from: "
             "set model.text.tokenizer=open_clip, a hub name or a directory"
+        )
+    if text.pooling == "eot" and text.tokenizer != "open_clip":
+        raise ConfigError(
+            "model.text.pooling=eot pools at the largest token id, the end token of open_clip's BPE: set "
+            f"model.text.tokenizer=open_clip (got {text.tokenizer or text.hf!r})"
         )
 
 

@@ -7,8 +7,11 @@ the encoder keys), a transformers tokenizer's files, a model card and the ``.cli
 marker: an export replaces only an empty folder or an earlier export, never a folder of the user's.
 open_clip resolves the tower names relative to the working directory, so a folder export names
 itself by its absolute path.
+A transformers text tower becomes open_clip's ``HFTextEncoder``; CLIP's text transformer
+(``CLIPTextModel``, end-token pooling) becomes open_clip's own ``TextTransformer``. For the first,
 open_clip masks every token equal to the pad id, clip_train everything after the end token: with
 the bundled BPE, whose pad id 0 is also "!" before some punctuation ("!("), such captions differ.
+The second masks nothing but the future in both.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from timm.models._hub import save_config_for_hf  # timm's own writer; timm.model
 from clip_train.checkpoint import save_weights
 from clip_train.errors import UserError
 from clip_train.model import CLIP, HFTokenizer
+from clip_train.model.clip_text_names import PROJECTION, encoder_names, open_clip_text_cfg
 from clip_train.model.text import POOLERS
 
 FORMATS = ("open_clip",)
@@ -65,6 +69,18 @@ class Location:
 def check_expressible(model: CLIP) -> None:
     """One-line ``ExportError`` naming the config key for what open_clip's towers cannot build."""
     encoder = model.text.encoder.config
+    if model.text.causal:
+        if encoder.hidden_act not in ("gelu", "quick_gelu"):
+            raise ExportError(
+                f"model.text.hf_config.hidden_act={encoder.hidden_act}: open_clip's text transformer "
+                "has gelu or quick_gelu"
+            )
+        return
+    if model.text.pooling not in POOLERS:
+        raise ExportError(
+            f"model.text.pooling={model.text.pooling}: open_clip pools a transformers encoder with "
+            + ", ".join(f"{name} ({theirs})" for name, theirs in POOLERS.items())
+        )
     if encoder.model_type not in arch_dict:
         raise ExportError(
             f"model.text.hf: open_clip's text tower supports {', '.join(sorted(arch_dict))} encoders, "
@@ -86,12 +102,15 @@ def check_expressible(model: CLIP) -> None:
 
 def open_clip_config(model: CLIP, at: Location) -> dict:
     """``open_clip_config.json``: the model and preprocessing, the towers named by ``at``."""
-    text_cfg = {
-        "hf_model_name": at.hf_name,
-        "hf_pooler_type": POOLERS[model.text.pooling],
-        "hf_proj_type": "linear",
-        "context_length": model.tokenizer.context_length,
-    }
+    if model.text.causal:
+        text_cfg = open_clip_text_cfg(model.text.encoder.config, model.tokenizer.context_length)
+    else:
+        text_cfg = {
+            "hf_model_name": at.hf_name,
+            "hf_pooler_type": POOLERS[model.text.pooling],
+            "hf_proj_type": "linear",
+            "context_length": model.tokenizer.context_length,
+        }
     if isinstance(model.tokenizer, HFTokenizer):
         text_cfg["hf_tokenizer_name"] = at.hf_name
     vision_cfg = {
@@ -110,15 +129,25 @@ def open_clip_config(model: CLIP, at: Location) -> dict:
         "resize_mode": "shortest",
     }
     model_cfg = {"embed_dim": model.text.proj.out_features, "vision_cfg": vision_cfg, "text_cfg": text_cfg}
+    if model.text.causal:  # CustomTextCLIP (text weights under text.); QuickGELU is a model-level flag
+        model_cfg |= {"custom_text": True, "quick_gelu": model.text.encoder.config.hidden_act == "quick_gelu"}
     if model.logit_bias is not None:  # a sigmoid-loss (SigLIP) model: open_clip builds the parameter
         model_cfg["init_logit_bias"] = model.logit_bias.item()
     return {"model_cfg": model_cfg, "preprocess_cfg": preprocess}
 
 
 def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
-    """The state dict under open_clip's names (``CustomTextCLIP`` with ``TimmModel``, ``HFTextEncoder``)."""
+    """The state dict under open_clip's names (``CustomTextCLIP`` with ``TimmModel`` and ``HFTextEncoder``
+    or ``TextTransformer``)."""
+    state = model.state_dict()
+    if model.text.causal:
+        text = {name: tensor for name, tensor in state.items() if name.startswith("text.")}
+        state = {name: tensor for name, tensor in state.items() if name not in text}
+        state |= clip_text_weights(
+            text, model.text.encoder.config.num_hidden_layers, model.tokenizer.context_length
+        )
     weights = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         for ours, theirs in RENAMES:  # disjoint prefixes: at most one applies
             if name.startswith(ours):
                 name = theirs + name.removeprefix(ours)
@@ -126,8 +155,22 @@ def open_clip_weights(model: CLIP) -> dict[str, torch.Tensor]:
     return weights
 
 
+def clip_text_weights(
+    text: dict[str, torch.Tensor], layers: int, context_length: int
+) -> dict[str, torch.Tensor]:
+    """CLIP's text tower under the names of open_clip's ``TextTransformer`` (q, k, v stacked in_proj),
+    with the positions the run's captions use: open_clip then tokenizes to the run's length."""
+    weights = {
+        f"text.{theirs}": torch.cat([text[f"text.encoder.{name}"] for name in ours])
+        for theirs, ours in encoder_names(layers).items()
+    }
+    weights["text.positional_embedding"] = weights["text.positional_embedding"][:context_length]
+    return weights | {f"text.{PROJECTION}": text["text.proj.weight"].t()}
+
+
 def write_towers_config(model: CLIP, path: Path) -> None:
-    """One ``config.json`` for both towers: timm's export of the trunk merged with the encoder's config."""
+    """One ``config.json`` for both towers: timm's export of the trunk merged with the encoder's config
+    (which open_clip's own text transformer does not read)."""
     try:
         save_config_for_hf(model.visual.trunk, path)
     except ValueError as err:

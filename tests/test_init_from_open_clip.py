@@ -1,9 +1,9 @@
 """``model.init_from=open_clip:…``: a run starts from an open_clip CLIP's weights, offline.
 
-The open_clip models here are real ones, tiny and random: clip_train's own export, an open_clip
-``VisionTransformer`` with a transformers text tower, and a plain open_clip ``CLIP``, each saved as
-open_clip saves a model folder and, for the hub specs, laid out in a Hugging Face cache the way
-``hf download`` leaves it.
+The open_clip models here are real ones, tiny and random: clip_train's own export and an open_clip
+``VisionTransformer`` with a transformers text tower, each saved as open_clip saves a model folder
+and, for the hub specs, laid out in a Hugging Face cache the way ``hf download`` leaves it. open_clip's
+plain ``CLIP``, with its own text transformer, is test_open_clip_text.py's.
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ VIT_RUN = [  # the clip_train config of the same ViT: timm's CLIP ViT (pre-norm,
     "model.image.timm=vit_base_patch32_clip_224",
     "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2}",
 ]
-TEXT_TOWER_DOES_NOT_MAP = (
-    "the text tower does not map (open_clip's own text transformer pools at the end token; clip_train's "
-    "text tower is a transformers encoder with cls or mean pooling)"
-)
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:
@@ -115,17 +111,6 @@ def vit_bert(tmp_path_factory) -> tuple[Path, list[str]]:
     return folder, [*VIT_RUN, *text_run, "model.text.pooling=mean", "model.text.context_length=12"]
 
 
-@pytest.fixture(scope="module")
-def plain_clip(tmp_path_factory) -> Path:
-    """open_clip's CLIP with its own text transformer, as OpenAI and LAION ship ViT-B-32."""
-    model_cfg = {
-        "embed_dim": 16,
-        "vision_cfg": VIT,
-        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-    }
-    return save_open_clip_folder(tmp_path_factory.mktemp("plain"), open_clip.CLIP(**model_cfg), model_cfg)
-
-
 # --------------------------------------------------------------------------------------------
 # Towers that map: the same embeddings
 # --------------------------------------------------------------------------------------------
@@ -192,15 +177,6 @@ def test_a_sigmoid_loss_run_keeps_its_initial_logit_bias(demo_export):
 # --------------------------------------------------------------------------------------------
 # What does not map or fit: one line
 # --------------------------------------------------------------------------------------------
-
-
-def test_open_clips_own_text_transformer_does_not_map(plain_clip):
-    spec = f"open_clip:local-dir:{plain_clip}"
-    with pytest.raises(UserError) as err:
-        check_init_from(spec)  # at start-up, before any model is built
-    assert str(err.value) == TEXT_TOWER_DOES_NOT_MAP
-    keys = "17 keys (ln_final.bias, ln_final.weight, positional_embedding and 14 more)"
-    assert one_line_error(VIT_RUN, spec) == f"{TEXT_TOWER_DOES_NOT_MAP}: {keys}"  # the image tower maps
 
 
 VIT_SIZE = "img_size: 16, patch_size: 8, embed_dim: 32"

@@ -13,6 +13,7 @@ RECIPES = {
     "laion400m-vitl14-1m.yaml": (8, 32),
     "laion2b-vitg14-bert-large-fsdp.yaml": (8, 32),
     "cc12m-vitb32-32k.yaml": (8,),
+    "finetune-vitb32-laion2b-lit-64k.yaml": (8,),
     "demo-digits.yaml": (1, 2),
     "demo-digits-siglip.yaml": (1, 2),
 }
@@ -40,6 +41,24 @@ def test_lit_recipe_matches_inf_cl():
     assert config.train.max_steps == 8 * steps_per_epoch
     assert config.optim.warmup_steps == steps_per_epoch // 2
     assert config.train.precision == "bf16"
+
+
+def test_finetune_recipe_is_open_clips_vitb32_with_a_locked_image_tower():
+    config = load_config(CONFIGS / "finetune-vitb32-laion2b-lit-64k.yaml")
+    assert (
+        config.model
+        == load_config(
+            CONFIGS / "model/ViT-B-32.yaml",
+            [
+                "model.init_from=open_clip:ViT-B-32/laion2b_s34b_b79k",
+                "model.image.lock=true",
+                "model.image.lock_head=true",
+            ],
+        ).model
+    )
+    assert (config.model.text.pooling, config.model.text.tokenizer) == ("eot", "open_clip")
+    assert config.batch.global_size == 64 * 1024 and config.loss.impl == "inf"
+    assert config.data.num_samples // config.batch.global_size * 5 == config.train.max_steps
 
 
 def test_million_batch_recipe():

@@ -8,9 +8,10 @@ there fails at start-up in one line that says how to fetch it.
 
 The run's model config defines the architecture; the open_clip model supplies every weight. Towers map
 where clip_train has the same computation: a timm trunk with a bias-free linear projection (open_clip's
-``TimmModel``), open_clip's own ``VisionTransformer`` (into a timm ViT), and a transformers encoder
-(``HFTextEncoder``) with CLS or mean pooling. open_clip's own text transformer pools at the end token,
-which clip_train's text tower does not: such a model fails in one line naming the keys that do not map.
+``TimmModel``), open_clip's own ``VisionTransformer`` (into a timm ViT), a transformers encoder
+(``HFTextEncoder``) with CLS or mean pooling, and open_clip's own CLIP text transformer (causal, pooled
+at the end token: OpenAI's and LAION's CLIPs) into transformers' ``CLIPTextModel``. What does not map
+(e.g. SigLIP's text transformer, bidirectional and pooled at the last position) fails in one line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from pathlib import Path
 import open_clip
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
-from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+from open_clip.constants import (
+    HF_CONFIG_NAME,
+    HF_SAFE_WEIGHTS_NAME,
+    HF_WEIGHTS_NAME,
+    OPENAI_DATASET_MEAN,
+    OPENAI_DATASET_STD,
+)
 from open_clip.factory import load_state_dict, parse_model_name
 from open_clip.hf_configs import arch_dict
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
@@ -33,20 +40,25 @@ from timm.models.vision_transformer import VisionTransformer
 
 from clip_train.config import ModelConfig
 from clip_train.model import CLIP
+from clip_train.model.clip_text_names import PROJECTION, encoder_names
 from clip_train.model.hub import ModelLoadError
 from clip_train.model.text import POOLERS
 
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins
+NORMALISATION = (("mean", OPENAI_DATASET_MEAN), ("std", OPENAI_DATASET_STD))  # open_clip's defaults
 KEPT_IF_ABSENT = ("logit_bias",)  # a sigmoid-loss run from softmax weights starts at model.init_logit_bias
 
 
 @dataclass(frozen=True)
 class Source:
-    """An open_clip model on this machine: its ``model_cfg`` (as in ``open_clip_config.json``) and weights."""
+    """An open_clip model on this machine: its ``model_cfg`` (as in ``open_clip_config.json``), weights
+    and the image normalisation it was trained with (a tag's or ``preprocess_cfg``, else open_clip's)."""
 
     model_cfg: dict
     weights: Path
+    mean: tuple[float, ...] = OPENAI_DATASET_MEAN
+    std: tuple[float, ...] = OPENAI_DATASET_STD
 
 
 def is_open_clip(spec: str) -> bool:
@@ -73,12 +85,12 @@ def from_folder(folder: Path) -> Source:
     found = [folder / name for name in WEIGHT_NAMES if (folder / name).is_file()]
     if not found:
         raise ModelLoadError(f"{folder} holds none of {', '.join(WEIGHT_NAMES)}")
-    return Source(read_model_cfg(folder / HF_CONFIG_NAME), found[0])
+    return read_config(folder / HF_CONFIG_NAME, found[0])
 
 
 def from_hub(repo: str) -> Source:
     config = cached_file(repo, (HF_CONFIG_NAME,))
-    return Source(read_model_cfg(config), cached_file(repo, WEIGHT_NAMES))
+    return read_config(config, cached_file(repo, WEIGHT_NAMES))
 
 
 def from_builtin(name: str) -> Source:
@@ -100,7 +112,8 @@ def from_builtin(name: str) -> Source:
     # OpenAI's weights were trained with QuickGELU, which ViT-B-32's own config does not say
     model_cfg["quick_gelu"] = model_cfg.get("quick_gelu", False) or tag.get("quick_gelu", False)
     repo, _, filename = tag["hf_hub"].rpartition("/")  # "org/repo/" (the default file) or "org/repo/file"
-    return Source(model_cfg, cached_file(repo, weight_names(filename)))
+    weights = cached_file(repo, weight_names(filename))
+    return Source(model_cfg, weights, *(tuple(tag.get(key, default)) for key, default in NORMALISATION))
 
 
 def weight_names(filename: str) -> tuple[str, ...]:
@@ -127,14 +140,18 @@ def cached_file(repo: str, names: tuple[str, ...]) -> Path:
     )
 
 
-def read_model_cfg(path: Path) -> dict:
+def read_config(path: Path, weights: Path) -> Source:
+    """The model and the image normalisation of an ``open_clip_config.json``, with ``weights``."""
     try:
-        model_cfg = json.loads(path.read_text()).get("model_cfg")
+        config = json.loads(path.read_text())
+        model_cfg, preprocess = config.get("model_cfg"), config.get("preprocess_cfg") or {}
     except (OSError, ValueError, AttributeError) as err:
         raise ModelLoadError(f"{path}: not an open_clip config: {err}") from None
     if not isinstance(model_cfg, dict) or not {"vision_cfg", "text_cfg"} <= model_cfg.keys():
         raise ModelLoadError(f"{path}: not an open_clip config (no model_cfg with vision_cfg and text_cfg)")
-    return model_cfg
+    return Source(
+        model_cfg, weights, *(tuple(preprocess.get(key, default)) for key, default in NORMALISATION)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,10 +163,11 @@ Convert = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Rule:
-    """An open_clip key (``pattern``, matched whole) and its clip_train name (a ``re`` template)."""
+    """An open_clip key (``pattern``, matched whole) and its clip_train name (a ``re`` template), or
+    several names that split the tensor into equal parts along its first dimension."""
 
     pattern: str
-    target: str
+    target: str | tuple[str, ...]
     convert: Convert | None = None  # for tensors whose layout differs, not only their name
 
 
@@ -189,6 +207,16 @@ VIT_IMAGE = (  # open_clip's VisionTransformer into a timm VisionTransformer tru
 )
 
 
+def clip_text_rules(layers: int) -> tuple[Rule, ...]:
+    """open_clip's CLIP text transformer into a ``CLIPTextModel``: its names at the top of a ``CLIP``,
+    under ``text.`` in a ``CustomTextCLIP``."""
+    rules = [
+        Rule(r"(?:text\.)?" + re.escape(theirs), tuple(f"text.encoder.{name}" for name in ours))
+        for theirs, ours in encoder_names(layers).items()
+    ]
+    return (*rules, Rule(r"(?:text\.)?" + PROJECTION, "text.proj.weight", lambda t: t.t()))
+
+
 def image_map(model_cfg: dict) -> TowerMap:
     vision = CLIPVisionCfg(**model_cfg["vision_cfg"])
     if vision.timm_model_name:
@@ -215,11 +243,46 @@ def text_map(model_cfg: dict) -> TowerMap:
             "parts other than the encoder and a linear projection",
             lambda model, cfg: pooling_problem(text, model),
         )
+    if unmapped := text_transformer_differences(text):
+        return TowerMap(
+            (),
+            f"open_clip's text transformer here has {', '.join(unmapped)}; clip_train maps the CLIP text "
+            "transformer: causal, pooled at the end token (argmax), a bias-free projection, open_clip's BPE",
+        )
+    quick_gelu = model_cfg.get("quick_gelu", False)
     return TowerMap(
-        (),
-        "open_clip's own text transformer pools at the end token; clip_train's text tower is a "
-        "transformers encoder with cls or mean pooling",
+        clip_text_rules(text.layers),
+        "parts with no CLIPTextModel counterpart",
+        lambda model, cfg: clip_text_problem(text, quick_gelu, model, cfg),
     )
+
+
+def text_transformer_differences(text: CLIPTextCfg) -> list[str]:
+    """What sets open_clip's text transformer apart from the CLIP one that ``CLIPTextModel`` computes."""
+    custom_block = text.block_type == "custom" or any(
+        getattr(text, flag)
+        for flag in (
+            "qk_norm",
+            "scaled_cosine_attn",
+            "scale_heads",
+            "scale_attn_inner",
+            "scale_attn",
+            "scale_fc",
+        )
+    )
+    differences = {
+        f"pool_type={text.pool_type!r}": text.pool_type != "argmax",
+        "no causal mask": text.no_causal_mask,
+        "a projection bias": text.proj_bias,
+        f"proj_type={text.proj_type!r}": text.proj_type != "linear",
+        "a class token": text.embed_cls,
+        "layer scale": text.ls_init_value is not None,
+        "the final LayerNorm after pooling": text.final_ln_after_pool,
+        f"activation arguments {text.act_kwargs}": bool(text.act_kwargs),
+        "custom attention blocks": custom_block,
+        f"its own tokenizer {text.hf_tokenizer_name}": bool(text.hf_tokenizer_name),
+    }
+    return [what for what, differs in differences.items() if differs]
 
 
 def tower_of(key: str) -> str:
@@ -237,7 +300,7 @@ def to_clip_train(
     for key, tensor in state.items():
         tower = tower_of(key)
         if found := renamed(key, tensor, maps[tower].rules):
-            out[found[0]] = (key, found[1])
+            out |= {name: (key, part) for name, part in found}
         else:
             leftovers.setdefault(tower, []).append(key)
     if leftovers:
@@ -249,12 +312,15 @@ def to_clip_train(
     return out
 
 
-def renamed(key: str, tensor: torch.Tensor, rules: tuple[Rule, ...]) -> tuple[str, torch.Tensor] | None:
-    """The first rule that matches ``key`` applied to it, or None."""
+def renamed(key: str, tensor: torch.Tensor, rules: tuple[Rule, ...]) -> list[tuple[str, torch.Tensor]]:
+    """The first rule that matches ``key`` applied to it (a name and tensor per target), or []."""
     for rule in rules:
         if match := re.fullmatch(rule.pattern, key):
-            return match.expand(rule.target), rule.convert(tensor) if rule.convert else tensor
-    return None
+            tensor = rule.convert(tensor) if rule.convert else tensor
+            targets = (rule.target,) if isinstance(rule.target, str) else rule.target
+            parts = tensor.chunk(len(targets)) if len(targets) > 1 else (tensor,)
+            return [(match.expand(target), part) for target, part in zip(targets, parts, strict=True)]
+    return []
 
 
 def listed(keys: list[str], shown: int = 3) -> str:
@@ -270,7 +336,7 @@ def listed(keys: list[str], shown: int = 3) -> str:
 def pooling_problem(text: CLIPTextCfg, model: CLIP) -> str | None:
     """open_clip pools with ``hf_pooler_type``, else the default for the encoder's architecture."""
     pooler = text.hf_pooler_type or arch_dict.get(model.text.encoder.config.model_type, {}).get("pooler")
-    if pooler == POOLERS[model.text.pooling]:
+    if pooler == POOLERS.get(model.text.pooling):
         return None
     ours = {theirs: name for name, theirs in POOLERS.items()}
     fix = (
@@ -279,6 +345,53 @@ def pooling_problem(text: CLIPTextCfg, model: CLIP) -> str | None:
         else "clip_train has only " + ", ".join(f"{name} ({theirs})" for name, theirs in POOLERS.items())
     )
     return f"open_clip's text tower pools with {pooler}, the run's with {model.text.pooling}: {fix}"
+
+
+def clip_text_problem(text: CLIPTextCfg, quick_gelu: bool, model: CLIP, cfg: ModelConfig) -> str | None:
+    """Encoder type, pooling, heads, activation and norm epsilon of open_clip's CLIP text transformer
+    against the run's text tower; depth, widths, vocabulary and context show in the shapes."""
+    if not model.text.causal:
+        return (
+            f"open_clip's text tower is its CLIP text transformer but the run's is a "
+            f"{type(model.text.encoder).__name__}: set model.text.hf_config.model_type=clip_text_model "
+            "and model.text.pooling=eot (see configs/model/ViT-B-32.yaml)"
+        )
+    config = model.text.encoder.config
+    theirs = {
+        "pooling": "eot",
+        "heads": text.heads,
+        "activation": "quick_gelu" if quick_gelu else "gelu",
+        "norm eps": (text.norm_kwargs or {}).get("eps", 1e-5),  # torch's LayerNorm default
+    }
+    ours = {
+        "pooling": model.text.pooling,
+        "heads": config.num_attention_heads,
+        "activation": config.hidden_act,
+        "norm eps": config.layer_norm_eps,
+    }
+    differ = [f"{what} {theirs[what]} vs {ours[what]}" for what in theirs if theirs[what] != ours[what]]
+    if not differ:
+        return None
+    return (
+        f"open_clip's text transformer and model.text differ (open_clip's vs the run's {', '.join(differ)}): "
+        "set model.text.pooling=eot and model.text.hf_config (num_attention_heads, hidden_act: gelu or "
+        "quick_gelu, layer_norm_eps) to match, e.g. include model/ViT-B-32-quickgelu.yaml for QuickGELU"
+    )
+
+
+def normalisation_problem(source: Source, model: CLIP) -> str | None:
+    """The image mean and std come from the run's timm name, not from the weights: they must agree."""
+    theirs, ours = (*source.mean, *source.std), (*model.image_mean, *model.image_std)
+    if len(theirs) == len(ours) and torch.allclose(
+        torch.tensor(theirs), torch.tensor(ours), rtol=0, atol=1e-6
+    ):
+        return None
+    return (
+        f"open_clip's model normalises images with mean {source.mean} and std {source.std}, the run's "
+        f"model.image.timm with {model.image_mean} and {model.image_std}: pick a timm tag trained with them "
+        "(e.g. vit_large_patch14_clip_224.laion2b for mean = std = 0.5) or set "
+        "model.image.timm_kwargs.pretrained_cfg_overlay={mean: [...], std: [...]}"
+    )
 
 
 def timm_pool_problem(vision: CLIPVisionCfg, cfg: ModelConfig) -> str | None:
@@ -394,4 +507,6 @@ def load_open_clip(spec: str, model: CLIP, cfg: ModelConfig) -> None:
     for tower in maps.values():
         if tower.problem and (problem := tower.problem(model, cfg)):
             raise ModelLoadError(problem)
+    if problem := normalisation_problem(source, model):
+        raise ModelLoadError(problem)
     model.load_state_dict(fitted(weights, model), strict=False)  # strict=False: the kept logit_bias

@@ -1,12 +1,18 @@
-"""Text tower: a transformers encoder (BERT family first), CLS or mean pooling, linear projection."""
+"""Text tower: a transformers encoder, CLS, mean or end-token pooling, linear projection.
+
+Two encoder layouts: BERT-style (``embeddings`` + ``encoder.layer``, bidirectional) and CLIP's text
+transformer (transformers' ``CLIPTextModel``: ``embeddings`` + ``encoder.layers`` + ``final_layer_norm``,
+causal), which is open_clip's own text tower and is pooled at the end token as open_clip pools it.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
-from transformers.masking_utils import create_bidirectional_mask
+from transformers import AutoConfig, AutoModel, CLIPTextModel, PreTrainedConfig, PreTrainedModel
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
 from clip_train.config import ConfigError, TextTowerConfig
 from clip_train.model.freezing import LockableTower, init_projection
@@ -19,8 +25,8 @@ class TextTower(LockableTower):
     """HF encoder → pooling → projection → L2 norm.
 
     ``encode_frozen`` returns ids and mask on the device when unlocked, the pooled features when locked,
-    and the hidden states after the first L−N layers plus the mask when locked with
-    ``unlocked_layers=N`` (BERT-style encoders: ``embeddings`` + ``encoder.layer``).
+    and the hidden states after the first L−N layers plus ids and mask when locked with
+    ``unlocked_layers=N``.
     """
 
     def __init__(self, encoder: PreTrainedModel, embed_dim: int, cfg: TextTowerConfig) -> None:
@@ -28,42 +34,64 @@ class TextTower(LockableTower):
         if getattr(encoder, "pooler", None) is not None:
             encoder.pooler = None  # BERT's NSP pooler is unused here; DDP rejects unused parameters
         self.encoder = encoder
+        self.causal = isinstance(encoder, CLIPTextModel)  # open_clip's CLIP text transformer
         self.pooling = cfg.pooling
         self.proj = init_projection(encoder.config.hidden_size, embed_dim)
         self.lock(cfg, "model.text")
 
     @property
     def layers(self) -> nn.ModuleList:
-        return self.encoder.encoder.layer
+        return self.encoder.encoder.layers if self.causal else self.encoder.encoder.layer
+
+    def _after_layers(self) -> list[nn.Module]:
+        """What runs between the last layer and the pooling: CLIP's final LayerNorm."""
+        return [self.encoder.final_layer_norm] if self.causal else []
 
     def _unlocked_modules(self) -> list[nn.Module]:
         stack = getattr(self.encoder, "encoder", None)
-        if not (hasattr(self.encoder, "embeddings") and hasattr(stack, "layer")):
+        if not (self.causal or (hasattr(self.encoder, "embeddings") and hasattr(stack, "layer"))):
             raise ConfigError(
                 f"model.text.unlocked_layers={self.unlocked_layers} needs a BERT-style encoder "
-                f"(embeddings + encoder.layer), got {type(self.encoder).__name__}; use unlocked_layers=0"
+                f"(embeddings + encoder.layer) or CLIP's text transformer, got "
+                f"{type(self.encoder).__name__}; use unlocked_layers=0"
             )
         depth = len(self.layers)
         if self.unlocked_layers > depth:
             raise ConfigError(
                 f"model.text.unlocked_layers={self.unlocked_layers} exceeds the encoder's {depth} layers"
             )
-        return list(self.layers[depth - self.unlocked_layers :])
+        return [*self.layers[depth - self.unlocked_layers :], *self._after_layers()]
 
-    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def pool(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         if self.pooling == "cls":
             return hidden[:, 0]
+        if self.pooling == "eot":  # open_clip's: the end token is the largest id of its BPE
+            return hidden[torch.arange(hidden.shape[0], device=hidden.device), input_ids.argmax(dim=-1)]
         weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+    def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The encoder's last hidden states. A causal encoder gets no padding mask, as in open_clip:
+        no token up to the end token can see the padding after it."""
+        mask = None if self.causal else attention_mask
+        return self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
     def _run_layers(
         self, hidden: torch.Tensor, attention_mask: torch.Tensor, layers: nn.ModuleList
     ) -> torch.Tensor:
-        mask = create_bidirectional_mask(
-            config=self.encoder.config, inputs_embeds=hidden, attention_mask=attention_mask
-        )
+        config = self.encoder.config
+        if self.causal:
+            mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, cache=None)
+            options = {"is_causal": True}
+        else:
+            mask = create_bidirectional_mask(
+                config=config, inputs_embeds=hidden, attention_mask=attention_mask
+            )
+            options = {}
         for layer in layers:
-            out = layer(hidden, mask)
+            out = layer(hidden, mask, **options)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
@@ -76,23 +104,24 @@ class TextTower(LockableTower):
         if not self.locked:
             return input_ids, attention_mask
         if not self.unlocked_layers:
-            hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            return (self.pool(hidden, attention_mask),)
+            return (self.pool(self._encode(input_ids, attention_mask), input_ids, attention_mask),)
         hidden = self.encoder.embeddings(input_ids=input_ids)
         frozen = self.layers[: len(self.layers) - self.unlocked_layers]
-        return self._run_layers(hidden, attention_mask, frozen), attention_mask
+        return self._run_layers(hidden, attention_mask, frozen), input_ids, attention_mask
 
     def encode_trainable(self, *hidden: torch.Tensor) -> torch.Tensor:
         if not self.locked:
             input_ids, attention_mask = hidden
-            states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            pooled = self.pool(states, attention_mask)
+            pooled = self.pool(self._encode(input_ids, attention_mask), input_ids, attention_mask)
         elif not self.unlocked_layers:
             (pooled,) = hidden
         else:
-            states, attention_mask = hidden
+            states, input_ids, attention_mask = hidden
             unlocked = self.layers[len(self.layers) - self.unlocked_layers :]
-            pooled = self.pool(self._run_layers(states, attention_mask, unlocked), attention_mask)
+            states = self._run_layers(states, attention_mask, unlocked)
+            for module in self._after_layers():
+                states = module(states)
+            pooled = self.pool(states, input_ids, attention_mask)
         return F.normalize(self.proj(pooled), dim=-1)
 
 
@@ -132,7 +161,10 @@ def _config_from_keys(hf_config: dict, vocab_size: int | None) -> PreTrainedConf
         raise ConfigError(f"model.text.hf_config: unknown {model_type} config key(s) {', '.join(unknown)}")
     if vocab_size is not None:
         kwargs.setdefault("vocab_size", vocab_size)
-    return AutoConfig.for_model(model_type, **kwargs)
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except StrictDataclassError as err:  # a value of the wrong type, e.g. YAML's string "1e-6" (write 1.0e-6)
+        raise ConfigError(f"model.text.hf_config: {' '.join(str(err).split())}") from None
 
 
 def build_text_tower(
