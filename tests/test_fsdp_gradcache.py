@@ -192,6 +192,38 @@ def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_st
         assert_close_overall(result["grads"][0], want, rtol=0.05)  # as without FSDP (seen: 0.016)
 
 
+def trunk_inputs_in_bf16_steps(rank: int, world: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """One bf16 step over sharded towers, images in 1-row chunks, with and without resharding after
+    forward: what the image trunk gets in stage 1 (no grad) and in replay (grad), chunk by chunk."""
+    steps = []
+    for reshard_after_forward in (True, False):
+        model = make_model(*DROPOUT, dtype=torch.float32)
+        shard_towers(
+            model, FsdpConfig(reshard_after_forward=reshard_after_forward), "bf16", torch.device("cpu")
+        )
+        engine = GradCache(model, image_chunk=1, text_chunk=2, precision="bf16")
+        seen: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        model.visual.trunk.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen[torch.is_grad_enabled()].append(args[0].detach().clone())
+        )
+        torch.manual_seed(SEED + rank)
+        engine.step(*rank_batch(rank, world))
+        steps.append((seen[False], seen[True]))
+    return steps
+
+
+def test_bf16_replay_gets_the_inputs_stage_one_encoded():
+    """Gradient Cache is exact only if a replayed chunk is the chunk that was encoded. A sharded
+    tower root's weights are fp32 shards or, gathered (kept so with reshard_after_forward=false),
+    bf16 copies: inputs prepared in the weights' dtype would differ between stage 1 and replay."""
+    for steps in run_distributed(trunk_inputs_in_bf16_steps, 2, timeout_s=300):
+        for encoded, replayed in steps:
+            assert len(encoded) == len(replayed) == ROWS_PER_RANK
+            for stage_one, replay in zip(encoded, replayed, strict=True):
+                assert stage_one.dtype == replay.dtype == torch.bfloat16
+                assert torch.equal(stage_one, replay)
+
+
 def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk():
     plain, lit, every_chunk = (TWO_RANK_CASES[i] for i in (1, 4, 7))
     results = run_distributed(fsdp_rank, 2, [plain, lit, every_chunk], timeout_s=300)[0]
