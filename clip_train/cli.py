@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clip_train.errors import UserError
+from clip_train.launcher import torchrun_env_from_slurm
 from clip_train.logs import get_logger
 from clip_train.preemption import stop_worker_processes
 
@@ -83,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     try:
+        os.environ.update(torchrun_env_from_slurm(os.environ))
         return args.run(args)
     except UserError as err:
         get_logger().error(f"error: {err}")

@@ -37,14 +37,34 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def local_gpu(local_rank: int, visible: int) -> torch.device:
+    """This rank's GPU, ``cuda:LOCAL_RANK``; one line, not "invalid device ordinal", when the node
+    started more ranks than CUDA_VISIBLE_DEVICES leaves GPUs."""
+    if local_rank >= visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise UserError(
+            f"local rank {local_rank} has no GPU: {visible} visible (CUDA_VISIBLE_DEVICES={shown}); "
+            "start one process per visible GPU"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on the CPU; on CUDA, NCCL for device tensors and gloo for host ones. NCCL has no host
+    collectives, and some run on host tensors: with ``fsdp.cpu_offload`` the gradient norm of the
+    offloaded shards, for one. Both backends are created at start-up, as torch does by default."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistEnv:
-    """Join the torchrun group (NCCL on CUDA, gloo on CPU) if there is one, else run as one process.
+    """Join the torchrun group (``process_group_backend``) if there is one, else run as one process;
+    ranks that srun started have torchrun's variables from ``clip_train.launcher``.
     The timeout bounds every collective, so a rank that dies cannot leave the others waiting forever."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = resolve_device(device).type == "cuda"
-    torch_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    torch_device = local_gpu(local_rank, torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(torch_device)
     if world_size > 1 and not dist.is_initialized():
@@ -54,7 +74,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 600) -> DistEnv:
         # per attempt keeps the new group from connecting to them.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
+            process_group_backend(torch_device),
             store=dist.PrefixStore(f"clip_train/attempt_{attempt}", store),
             rank=rank,
             world_size=world_size,

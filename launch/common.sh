@@ -1,12 +1,28 @@
 # shellcheck shell=bash
 # Shared by launch/train.sh and launch/multinode.sh (sourced, not run).
 
-# Processes per node: $NPROC_PER_NODE, else one per visible GPU, else 1 (CPU).
-procs_per_node() {
-  local gpus=0
+# GPUs this process may use: nvidia-smi's, narrowed to CUDA_VISIBLE_DEVICES when it is set (each
+# rank takes cuda:LOCAL_RANK among those). CUDA stops reading the list at an empty or negative entry.
+visible_gpus() {
+  local gpus=0 listed=0 entry entries
   if command -v nvidia-smi >/dev/null 2>&1; then
     gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
   fi
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    IFS=, read -ra entries <<<"$CUDA_VISIBLE_DEVICES"
+    for entry in "${entries[@]}"; do
+      if [ -z "$entry" ] || [[ $entry == -* ]]; then break; fi
+      listed=$((listed + 1))
+    done
+    gpus=$((listed < gpus ? listed : gpus))
+  fi
+  echo "$gpus"
+}
+
+# Processes per node: $NPROC_PER_NODE, else one per visible GPU, else 1 (CPU).
+procs_per_node() {
+  local gpus
+  gpus=$(visible_gpus)
   echo "${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}"
 }
 

@@ -29,6 +29,18 @@ CONSTRAINTS = ROOT / "docker/constraints.txt"
 PREINSTALLED = ("torch", "torchvision")
 NOT_NEEDED = {"wandb"}
 TEST_TOOLS = {"pytest", "pytest-timeout"}
+MANYLINUX_GLIBC_MINORS = range(17, 40)  # glibc 2.17 (manylinux2014) to 2.39 (Ubuntu 24.04)
+
+
+def foreign_python_args(python_version: str) -> list[str]:
+    """pip's options for wheels for another Python on an x86-64 Linux box. pip takes a ``--platform``
+    literally (no older glibc implied), and wheels name the oldest glibc they need, anywhere from
+    2.17 (nvidia-nccl-cu13: manylinux_2_18 only) to current: every manylinux tag is passed."""
+    platforms = [f"manylinux_2_{minor}_x86_64" for minor in MANYLINUX_GLIBC_MINORS] + ["manylinux2014_x86_64"]
+    args = ["--only-binary=:all:", "--python-version", python_version]
+    for platform in platforms:
+        args += ["--platform", platform]
+    return args
 
 
 def check_requirements() -> list[str]:
@@ -77,8 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     platform_args = []
     if args.python_version != "{}.{}".format(*sys.version_info[:2]):
-        platform_args = ["--only-binary=:all:", "--python-version", args.python_version]
-        platform_args += ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64"]
+        platform_args = foreign_python_args(args.python_version)
 
     needed = check_requirements()
     resolved = resolve([*PREINSTALLED, *needed], platform_args)

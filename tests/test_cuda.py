@@ -3,13 +3,15 @@
 What the CPU suite cannot reach: the loss's tiles on cuBLAS with their compiled elementwise work
 (every dtype and embedding width, both losses, 16k rows) and their host syncs, Gradient Cache's
 GPU-only paths (pinned host batch, side-stream prefetch, dropout replayed on the CUDA generator),
-the CUDA generator in a checkpoint's RNG state, and training runs in bf16 and in fp16 with its
-GradScaler, each against a reference.
+the CUDA generator in a checkpoint's RNG state, training runs in bf16 and in fp16 with its
+GradScaler, each against a reference, and a resumed run against an uninterrupted one (on one GPU,
+and over NCCL where there are two).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import warnings
 
@@ -29,6 +31,8 @@ from test_gradcache import (
 )
 from test_loss import clip_loss_formula
 from test_loss_sigmoid import _reference as sigmoid_loss_formula
+from test_trainer import EVERY, STEPS, finish, torchrun, weights
+from test_trainer import overrides as fp64_run_overrides
 
 from clip_train.checkpoint import complete_checkpoints
 from clip_train.engine import GradCache
@@ -241,3 +245,32 @@ def test_training_run_on_gpu_learns(digits, tmp_path, precision) -> None:
     assert len(losses) == 60 and torch.isfinite(losses).all()
     assert losses[-10:].mean() < losses[:10].mean() - 0.1, losses.tolist()
     assert records[-1]["train/skipped_steps"] <= 5  # fp16: only the scaler's first overflows
+
+
+def resumed_against_uninterrupted(digits, tmp_path, device: str, processes: int) -> dict[str, float]:
+    """The largest difference per tensor between the final weights of an fp64 run and of a fresh
+    run resumed from its mid-run checkpoint, both under torchrun with ``processes`` ranks."""
+    reference = tmp_path / "reference"
+    finish(torchrun(*fp64_run_overrides(digits, reference, f"train.device={device}"), nproc=processes))
+    halfway = reference / "checkpoints" / f"step_{STEPS // 2 - STEPS // 2 % EVERY:08d}"
+    copy = tmp_path / "from" / halfway.name
+    shutil.copytree(halfway, copy)
+    resumed = tmp_path / "resumed"
+    args = fp64_run_overrides(digits, resumed, f"train.device={device}", f"checkpoint.resume={copy}")
+    assert f"resumed from {copy}" in finish(torchrun(*args, nproc=processes))
+    want, got = weights(reference), weights(resumed)
+    assert got.keys() == want.keys()
+    return {name: (got[name] - want[name]).abs().max().item() for name in want}
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_resumed_run_on_gpus_ends_where_the_uninterrupted_one_does(digits, tmp_path, gpus) -> None:
+    """Within fp64 rounding, not bit for bit as on the CPU with gloo (tests/test_trainer.py): NCCL
+    chooses its reduction algorithm and channels per run, and cuDNN's weight gradients may sum
+    through atomics, so the order of a sum is not promised to repeat. A resume that lost the data
+    position, an RNG stream or an optimizer state differs by orders of magnitude more."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, {torch.cuda.device_count()} visible")
+    differences = resumed_against_uninterrupted(digits, tmp_path, "cuda", gpus)
+    worst = max(differences, key=differences.get)
+    assert differences[worst] <= 1e-9, (worst, differences[worst])

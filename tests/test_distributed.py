@@ -1,13 +1,21 @@
-"""The process-group helpers (on real gloo ranks: where a rank sits, counters summed over ranks) and the
-device choice."""
+"""The process-group helpers (on real gloo ranks: where a rank sits, counters summed over ranks), the
+device choice and the backends a CUDA run's group maps each device to."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import run_distributed
+from torch.testing._internal.distributed.fake_pg import _create_fake_pg
 
-from clip_train.distributed import rank_and_world, resolve_device, sum_counts_over_ranks
+from clip_train.distributed import (
+    local_gpu,
+    process_group_backend,
+    rank_and_world,
+    resolve_device,
+    sum_counts_over_ranks,
+)
 from clip_train.errors import UserError
 
 KEYS = ("bad_image", "bad_json", "truncated_tar")
@@ -42,3 +50,38 @@ def test_auto_device_is_the_gpu_when_there_is_one_and_a_missing_gpu_is_a_user_er
     if not has_gpu:
         with pytest.raises(UserError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_a_gpu_per_local_rank_or_one_line_naming_the_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert local_gpu(1, visible=2) == torch.device("cuda", 1)
+    with pytest.raises(UserError, match=r"local rank 2 has no GPU: 2 visible \(CUDA_VISIBLE_DEVICES=2,3\)"):
+        local_gpu(2, visible=2)
+
+
+NCCL_STAND_IN = "nccl_stand_in"  # a backend for CUDA tensors only, as NCCL is; no GPU here to run NCCL
+
+
+def host_all_reduce(rank: int, world_size: int, backend: str) -> float | str:
+    """A CPU tensor all-reduced in a group made with ``backend``'s device map, NCCL's part played by a
+    stand-in (torch's fake group) that, like NCCL, takes CUDA tensors only; the sum or the error."""
+    if NCCL_STAND_IN not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NCCL_STAND_IN, _create_fake_pg, extended_api=True, devices=["cuda"])
+    group = dist.new_group(backend=backend.replace("nccl", NCCL_STAND_IN))
+    host = torch.tensor([rank + 1.0])
+    try:
+        dist.all_reduce(host, group=group)
+    except RuntimeError as err:
+        return str(err)
+    return host.item()
+
+
+def test_a_cuda_runs_group_reduces_host_tensors_on_gloo():
+    """fsdp.cpu_offload computes the gradient norm of host shards: an NCCL-only group has no backend
+    for CPU tensors (pytorch/pytorch#148532), the group a CUDA run makes hands them to gloo."""
+    assert process_group_backend(torch.device("cpu")) == "gloo"
+    cuda_run = process_group_backend(torch.device("cuda", 0))
+    assert cuda_run == "cuda:nccl,cpu:gloo"
+    assert run_distributed(host_all_reduce, 2, cuda_run, timeout_s=60) == [3.0, 3.0]
+    for outcome in run_distributed(host_all_reduce, 2, "nccl", timeout_s=60):  # the group it replaces
+        assert "No backend type associated with device type cpu" in outcome

@@ -192,6 +192,51 @@ def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_st
         assert_close_overall(result["grads"][0], want, rtol=0.05)  # as without FSDP (seen: 0.016)
 
 
+BF16_INPUT_CASES = [
+    Case((1, 2), precision="bf16"),
+    Case((1, 2), fsdp=FsdpConfig(reshard_after_forward=False), precision="bf16"),
+    # bf16 weights without autocast: a frozen trunk's first layer must get bf16 inputs
+    Case((1, 2), LIT, FsdpConfig(param_dtype="bf16"), precision="fp32"),
+]
+
+
+def trunk_inputs_in_bf16_steps(rank: int, world: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """One step over sharded towers per case of ``BF16_INPUT_CASES``: what the image trunk gets in
+    stage 1 (no grad) and in replay (grad), chunk by chunk."""
+    steps = []
+    for case in BF16_INPUT_CASES:
+        model = make_model(*DROPOUT, *case.extra, dtype=torch.float32)
+        shard_towers(model, case.fsdp, case.precision, torch.device("cpu"))
+        engine = GradCache(
+            model, image_chunk=case.chunks[0], text_chunk=case.chunks[1], precision=case.precision
+        )
+        seen: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        model.visual.trunk.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen[torch.is_grad_enabled()].append(args[0].detach().clone())
+        )
+        torch.manual_seed(SEED + rank)
+        engine.step(*rank_batch(rank, world))
+        steps.append((seen[False], seen[True]))
+    return steps
+
+
+def test_bf16_replay_gets_the_inputs_stage_one_encoded():
+    """Gradient Cache is exact only if a replayed chunk is the chunk that was encoded. A sharded
+    tower root's weights are fp32 shards or, gathered (kept so with reshard_after_forward=false),
+    bf16 copies: inputs prepared in the weights' dtype would differ between stage 1 and replay.
+    They are prepared in fp32 and handed on in the gathered weights' dtype, also to a frozen trunk
+    (encoded once, never replayed)."""
+    for steps in run_distributed(trunk_inputs_in_bf16_steps, 2, timeout_s=300):
+        (encoded, replayed), (encoded_kept, replayed_kept), (encoded_lit, replayed_lit) = steps
+        for stage_one, replay in zip([*encoded, *encoded_kept], [*replayed, *replayed_kept], strict=True):
+            assert stage_one.dtype == replay.dtype == torch.bfloat16
+            assert torch.equal(stage_one, replay)
+        assert len(encoded) == len(encoded_kept) == len(encoded_lit) == ROWS_PER_RANK and not replayed_lit
+        assert all(x.dtype == torch.bfloat16 for x in encoded_lit)
+        # the same images, prepared the same way in each case
+        assert all(torch.equal(a, b) for a, b in zip(encoded, encoded_lit, strict=True))
+
+
 def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk():
     plain, lit, every_chunk = (TWO_RANK_CASES[i] for i in (1, 4, 7))
     results = run_distributed(fsdp_rank, 2, [plain, lit, every_chunk], timeout_s=300)[0]

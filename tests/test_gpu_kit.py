@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 from processes import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,3 +81,21 @@ def test_kit_installs_offline_over_a_torch_only_python_and_collects_the_cuda_tes
     optional = ("wandb", "clip_benchmark", "sklearn")
     absent = f"import importlib.util as u; print([m for m in {optional} if u.find_spec(m)])"
     assert _run_in(out / "venv/bin/python", absent) == "[]"
+
+
+@pytest.mark.slow
+def test_kit_resolves_for_another_python_whose_wheels_name_any_glibc():
+    """``make gpu-wheels GPU_PYTHON=3.12`` from this machine's Python: pip resolves the box's whole
+    stack from wheels alone, nvidia-nccl-cu13 included, which is published for manylinux_2_18 only.
+    (A dry run: the metadata is fetched, not the wheels.)"""
+    gpu_wheels = _gpu_wheels_module()
+    resolved = gpu_wheels.resolve(
+        [*gpu_wheels.PREINSTALLED, *gpu_wheels.check_requirements()], gpu_wheels.foreign_python_args("3.12")
+    )
+    wheels = {name: entry["download_info"]["url"].rsplit("/", 1)[1] for name, entry in resolved.items()}
+    assert {"torch", "nvidia-nccl-cu13", "timm", "transformers", "pytest"} <= wheels.keys()
+    assert "manylinux_2_18_x86_64" in wheels["nvidia-nccl-cu13"]
+    for wheel in wheels.values():  # each installs on CPython 3.12, x86-64 Linux
+        tags = parse_wheel_filename(wheel)[3]
+        assert any(tag.interpreter in ("cp312", "py3") or tag.abi == "abi3" for tag in tags), wheel
+        assert any(tag.platform == "any" or tag.platform.endswith("x86_64") for tag in tags), wheel

@@ -1,6 +1,7 @@
 """The launch scripts, run for real: two torchrun "nodes" on localhost, the SLURM batch script under
 a simulated two-node allocation, and, where a Slurm cluster answers, under real sbatch/srun with a
-requeue in the middle of the run."""
+requeue in the middle of the run; ranks started by srun without torchrun; the processes per node
+the scripts start for the GPUs that CUDA_VISIBLE_DEVICES leaves, with a fake nvidia-smi."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from processes import FilesGrowing, Watched, run_to_end
 from small_runs import DEMO_CONFIG, ROOT, free_port, run_overrides
 
 from clip_train.checkpoint import STATE_FILE, checkpoint_step, complete_checkpoints
+from clip_train.errors import UserError
+from clip_train.launcher import torchrun_env_from_slurm
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -92,6 +95,156 @@ def test_sbatch_script_under_simulated_two_node_allocation(digits, tmp_path):
         "\\", ""
     )
     assert_trained(out, steps=2, world_size=2)
+
+
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+# nvidia-smi --list-gpus on a 4-GPU node: all of them, whatever CUDA_VISIBLE_DEVICES says, as the real one
+[ "$1" = --list-gpus ] && for gpu in 0 1 2 3; do echo "GPU $gpu: NVIDIA H100 80GB HBM3 (UUID: GPU-$gpu)"; done
+"""
+FAKE_TORCHRUN_PYTHON = """#!/usr/bin/env bash
+# PYTHON for the launch scripts: prints the torchrun command line instead of running it
+echo "$@"
+"""
+RECORDING_SRUN = """#!/usr/bin/env bash
+# srun that starts nothing
+exit 0
+"""
+
+
+def fake_bin(tmp_path: Path, **scripts: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def gpu_node_env(tmp_path: Path, cuda_visible_devices: str | None, **extra: str) -> dict[str, str]:
+    """A 4-GPU node (fake nvidia-smi on PATH) with ``cuda_visible_devices`` (None: unset)."""
+    bin_dir = fake_bin(tmp_path, **{"nvidia-smi": FAKE_NVIDIA_SMI, "python": FAKE_TORCHRUN_PYTHON})
+    env = launch_env(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"))
+    for name in ("CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        env.pop(name, None)
+    env |= extra
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+@pytest.mark.parametrize(
+    ("cuda_visible_devices", "processes"),
+    [
+        (None, 4),
+        ("1,3", 2),
+        ("GPU-1,GPU-3,MIG-0", 3),
+        ("0,1,2,3,4,5", 4),  # more entries than GPUs: CUDA sees at most the node's
+        ("2,-1,3", 1),  # CUDA stops at the first negative entry
+        ("", 1),  # no GPU visible: one CPU process
+    ],
+)
+def test_scripts_start_one_process_per_gpu_that_cuda_visible_devices_leaves(
+    tmp_path, cuda_visible_devices, processes
+):
+    env = gpu_node_env(tmp_path, cuda_visible_devices)
+    command = ["bash", str(ROOT / "launch/train.sh"), str(DEMO_CONFIG), "train.max_steps=1"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    assert f"--nproc_per_node {processes} " in result.stdout, result.stdout
+    env |= {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "localhost"}
+    command[1] = str(ROOT / "launch/multinode.sh")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    assert f"--nproc_per_node {processes} " in result.stdout, result.stdout
+
+
+def test_nproc_per_node_overrides_the_count(tmp_path):
+    env = gpu_node_env(tmp_path, "0,1", NPROC_PER_NODE="3")
+    command = ["bash", str(ROOT / "launch/train.sh"), str(DEMO_CONFIG)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    assert "--nproc_per_node 3 " in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("cuda_visible_devices", "gpus_on_node", "processes"),
+    [("0,1", "8", 2), (None, "4", 4), (None, None, 8), ("", "8", 1)],
+)
+def test_sbatch_script_starts_one_process_per_gpu_slurm_left_visible(
+    tmp_path, cuda_visible_devices, gpus_on_node, processes
+):
+    env = gpu_node_env(tmp_path, cuda_visible_devices)
+    fake_bin(tmp_path, scontrol=FAKE_SCONTROL, srun=RECORDING_SRUN)
+    env |= {
+        "FAKE_SLURM_HOSTS": "node1",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_ID": "7",
+        "SLURM_NNODES": "1",
+    }
+    if gpus_on_node is not None:
+        env["SLURM_GPUS_ON_NODE"] = gpus_on_node
+    command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    assert f"job 7: 1 node(s) x {processes} process(es)" in result.stdout
+
+
+SLURM_TASK = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"}
+RENDEZVOUS = {"MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+
+
+def test_a_task_srun_started_without_torchrun_gets_torchruns_variables_from_slurms():
+    assert torchrun_env_from_slurm(SLURM_TASK | RENDEZVOUS) == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    # torchrun's own variables win; a one-task step or no Slurm at all is one process
+    assert torchrun_env_from_slurm(SLURM_TASK | RENDEZVOUS | {"RANK": "0"}) == {}
+    assert torchrun_env_from_slurm(SLURM_TASK | {"SLURM_NTASKS": "1"}) == {}
+    assert torchrun_env_from_slurm({}) == {}
+    with pytest.raises(
+        UserError, match=r"srun without torchrun \(2 tasks\), but MASTER_ADDR and MASTER_PORT not set"
+    ):
+        torchrun_env_from_slurm(SLURM_TASK)
+    no_local_id = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_LOCALID"}
+    with pytest.raises(UserError, match="SLURM_LOCALID not set"):
+        torchrun_env_from_slurm(no_local_id | RENDEZVOUS)
+
+
+def srun_task_env(task: int, **extra: str) -> dict[str, str]:
+    """A task of a 2-task Slurm step on one node that srun started directly: Slurm's variables only."""
+    env = launch_env(SLURM_NTASKS="2", SLURM_PROCID=str(task), SLURM_LOCALID=str(task))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env | extra
+
+
+def test_ranks_that_srun_starts_without_torchrun_train_together(digits, tmp_path):
+    port = str(free_port())
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG)]
+    command += run_overrides(digits, tmp_path, 2, "checkpoint.every_steps=2")
+    tasks = [
+        Watched.start(
+            command, env=srun_task_env(task, MASTER_ADDR="127.0.0.1", MASTER_PORT=port), merge_stderr=True
+        )
+        for task in (0, 1)
+    ]
+    results = [task.wait() for task in tasks]
+    assert [r.returncode for r in results] == [0, 0], results[0].stdout[-3000:] + results[1].stdout[-3000:]
+    assert_trained(tmp_path, steps=2, world_size=2)
+
+
+def test_srun_without_torchrun_or_a_rendezvous_address_is_refused_in_one_line(digits, tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "clip_train",
+        "train",
+        str(DEMO_CONFIG),
+        *run_overrides(digits, tmp_path, 2),
+    ]
+    result = run_to_end(command, env=srun_task_env(0))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "started by srun without torchrun (2 tasks), but MASTER_ADDR and MASTER_PORT not set" in line
 
 
 def slurm_available() -> bool:

@@ -233,6 +233,24 @@ def test_wrong_image_input_is_a_clear_error():
         model.encode_image(torch.zeros(2, 3, 32, 32, dtype=torch.int32))
 
 
+def test_inputs_follow_the_buffers_not_the_projection_which_sharding_moves():
+    """FSDP may keep a sharded root's projection on the host (cpu_offload) or as a bf16 copy while
+    gathered; the prepared inputs stay on the buffers' device, in their dtype (the master weights')."""
+    model = tiny().double()
+    images = uint8_images(2)
+    tokens = model.tokenizer(TEXTS[:2])
+    model.visual.proj.to("meta", torch.bfloat16)
+    model.text.proj.to("meta")
+    pixels = model.visual.prepare(images)
+    mean = torch.tensor(model.image_mean, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(model.image_std, dtype=torch.float64).view(1, 3, 1, 1)
+    assert (pixels.device, pixels.dtype) == (torch.device("cpu"), torch.float64)
+    torch.testing.assert_close(pixels, (images.double() / 255 - mean) / std, rtol=0, atol=1e-12)
+    ids, mask = model.text.encode_frozen(tokens["input_ids"], tokens["attention_mask"])
+    assert ids.device == mask.device == torch.device("cpu")
+    assert torch.equal(ids, tokens["input_ids"]) and torch.equal(mask, tokens["attention_mask"])
+
+
 @pytest.mark.parametrize("mode", ["unlocked", "locked-last-2"])
 def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(mode):
     settings = ["model.image.timm_kwargs.drop_path_rate=0", "model.text.hf_config.hidden_dropout_prob=0"]

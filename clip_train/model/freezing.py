@@ -26,6 +26,9 @@ class LockableTower(nn.Module):
         super().__init__()
         self.locked = False
         self.unlocked_layers = 0  # > 0 only when locked: the frozen and trainable halves split the blocks
+        # The dtype prepared float inputs are handed on in: the weights' master dtype (None), or the
+        # dtype FSDP gathers them in (fsdp.param_dtype), which ``shard_towers`` sets.
+        self.input_dtype: torch.dtype | None = None
         self._frozen_module_names: list[str] = []
 
     def encode_frozen(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -44,18 +44,22 @@ class ImageTower(LockableTower):
         self.lock(cfg, "model.image")
 
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 NCHW → normalised float in the model's dtype; float input is taken as normalised."""
-        channels = self.pixel_mean.shape[1]
-        if images.ndim != 4 or images.shape[1] != channels:
-            raise ValueError(f"images must be NCHW with {channels} channels, got shape {tuple(images.shape)}")
-        weight = self.proj.weight
-        images = images.to(weight.device, non_blocking=True)
+        """uint8 NCHW → float normalised on the pixel statistics' device, in their dtype (the weights'
+        master dtype), then handed on in ``input_dtype``; float input is taken as normalised. Not
+        from the weights themselves: FSDP moves a sharded root's weights to the host
+        (``cpu_offload``) and swaps them for bf16 copies while gathered, which would make a chunk's
+        inputs depend on when it was prepared (Gradient Cache replays them)."""
+        mean, std = self.pixel_mean, self.pixel_std
+        if images.ndim != 4 or images.shape[1] != mean.shape[1]:
+            raise ValueError(
+                f"images must be NCHW with {mean.shape[1]} channels, got shape {tuple(images.shape)}"
+            )
+        images = images.to(mean.device, non_blocking=True)
         if images.dtype == torch.uint8:
-            mean, std = self.pixel_mean.to(weight.dtype), self.pixel_std.to(weight.dtype)
-            return (images.to(weight.dtype) / 255 - mean) / std
-        if not images.is_floating_point():
+            images = (images.to(mean.dtype) / 255 - mean) / std
+        elif not images.is_floating_point():
             raise ValueError(f"images must be uint8 or already normalised floats, got {images.dtype}")
-        return images.to(weight.dtype)
+        return images.to(self.input_dtype or mean.dtype)
 
     def encode_frozen(self, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = self.prepare(images)

@@ -37,6 +37,9 @@ class TextTower(LockableTower):
         self.causal = isinstance(encoder, CLIPTextModel)  # open_clip's CLIP text transformer
         self.pooling = cfg.pooling
         self.proj = init_projection(encoder.config.hidden_size, embed_dim)
+        # Where the ids go: FSDP keeps buffers on the compute device, while a sharded root's weights
+        # may live on the host (fsdp.cpu_offload).
+        self.register_buffer("device_anchor", torch.zeros(()), persistent=False)
         self.lock(cfg, "model.text")
 
     @property
@@ -98,7 +101,7 @@ class TextTower(LockableTower):
     def encode_frozen(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        device = self.proj.weight.device
+        device = self.device_anchor.device
         input_ids = input_ids.to(device, non_blocking=True)
         attention_mask = attention_mask.to(device, non_blocking=True)
         if not self.locked:

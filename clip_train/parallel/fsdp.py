@@ -81,9 +81,10 @@ def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision, device
     weights = model.logit_scale.dtype
     from_main = not cfg.cpu_offload  # the same on every rank
     whole = model.state_dict() if from_main and dist.get_rank() == 0 else {}
+    policy = mixed_precision(cfg, precision, weights)
     options = {
         "reshard_after_forward": cfg.reshard_after_forward,
-        "mp_policy": mixed_precision(cfg, precision, weights),
+        "mp_policy": policy,
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         if cfg.cpu_offload
         else OffloadPolicy(),
@@ -92,6 +93,7 @@ def shard_towers(model: nn.Module, cfg: FsdpConfig, precision: Precision, device
         for block in tower_blocks(tower):
             fully_shard(block, **options)
         fully_shard(tower, **options)
+        tower.input_dtype = policy.param_dtype  # what a frozen trunk's first layer computes in
         register_fsdp_forward_method(tower, "encode_trainable")
         if tower.has_frozen_trunk:  # an unlocked tower's encode_frozen only moves its inputs
             register_fsdp_forward_method(tower, "encode_frozen")
