@@ -268,7 +268,7 @@ class Trainer:
         stats = result.stats
         samples_per_s = self.cfg.batch.global_size / step_s
         scale = float(self.model.logit_scale.detach().exp())
-        lr = self.update.optimizer.param_groups[0]["lr"]
+        lr = self.update.lr
         peak = stats.peak_mem or peak_bytes(self.env.device)
         parts = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
         optimizer_s = step_s - data_s - sum(parts.values())
