@@ -42,8 +42,8 @@ FSDP = [*RATES, "train.parallel=fsdp", "train.ema_decay=0.9", "train.ema_warmup_
 
 
 def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
-    every_step = ["train.precision=fp64", "checkpoint.every_steps=1", "checkpoint.keep=10"]
-    return run_overrides(digits, out_dir, STEPS, *every_step, *extra)
+    every_step = ["checkpoint.every_steps=1", "checkpoint.keep=10", "log.every_steps=1"]
+    return run_overrides(digits, out_dir, STEPS, "train.precision=fp64", *every_step, *extra)
 
 
 def step_dir(out_dir: Path, step: int) -> Path:
@@ -115,6 +115,10 @@ def test_a_resumed_run_ends_bit_identical_in_weights_ema_and_learning_rates(runs
     for group in groups[0]:
         assert group["lr"] == group["initial_lr"] * lr_factor(STEPS, optim, STEPS)
     peaks = {group["initial_lr"] for group in groups[0]}
+    logged = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    for record in logged:  # optim.lr as scheduled for the next step, whatever the groups' own rates
+        assert record["train/lr"] == LR * lr_factor(record["step"], optim, STEPS)
     names = param_groups(reference)[1]
     if names is not None:  # FSDP: the shards name each group's parameters
         for group in groups[0]:
@@ -206,3 +210,28 @@ def test_fsdp_ema_shards_like_the_weights_and_evaluation_uses_it(digits, tmp_pat
             # identical captions encoded in other batches differ in the last bits (see test_fsdp_trainer)
             slack = 1 / alone["retrieval/n"] if name.startswith("retrieval/") else 1e-12
             assert got[name] == pytest.approx(value, rel=1e-9, abs=slack), name
+
+
+def test_a_skipped_step_leaves_the_ema_as_it_was(digits, tmp_path):
+    """A non-finite loss at step 2 skips the optimizer step, and the EMA update with it (which would
+    move the average toward the unchanged weights)."""
+    trainer = make_trainer(0, 1, overrides(digits, tmp_path, *DDP, "train.max_steps=3"))
+    real_step, after_steps = trainer.engine.step, []
+
+    def poisoned_second_step(*args, **kwargs):
+        stats = real_step(*args, **kwargs)
+        if len(after_steps) == 1:
+            stats.loss = float("nan")
+        return stats
+
+    def train_step(batch):
+        result = Trainer.train_step(trainer, batch)
+        after_steps.append({name: average.clone() for name, average in trainer.ema.averages.items()})
+        return result
+
+    trainer.engine.step, trainer.train_step = poisoned_second_step, train_step
+    trainer.run()
+    assert trainer.update.bad_total == 1 and len(after_steps) == 3
+    assert_bit_identical(after_steps[1], after_steps[0])
+    moved = [name for name in after_steps[1] if not torch.equal(after_steps[2][name], after_steps[1][name])]
+    assert "visual.proj.weight" in moved
