@@ -1,13 +1,14 @@
 """Step checkpoints: ``{out_dir}/checkpoints/step_{N:08d}/``, written to a hidden directory and renamed,
 so a ``step_*`` directory is never half-written.
 
-It holds ``model.safetensors`` (readable without this project), ``train_state.pt`` (every component's
-state; ``torch.load(weights_only=True)``), what rebuilds the model offline: ``model.yaml`` (the
-model config) and ``text/`` (the text encoder's transformers config and tokenizer files), and, written
-last, ``manifest.json``: every other file's size and SHA-256. Listing a run's checkpoints compares the
-sizes; resuming, evaluating, loading and exporting compare the checksums too, so a file damaged after
-the save (a truncated copy, a failing disk) is never used. Checkpoints from before manifests load
-unverified.
+It holds ``model.safetensors`` (readable without this project), ``train_state.pt`` (every
+component's state; ``torch.load(weights_only=True)``), with ``train.ema_decay`` ``ema.safetensors``
+(the moving average of the trainable parameters, ``clip_train/ema.py``), what rebuilds the model
+offline: ``model.yaml`` (the model config) and ``text/`` (the text encoder's transformers config and
+tokenizer files), and, written last, ``manifest.json``: every other file's size and SHA-256. Listing
+a run's checkpoints compares the sizes; resuming, evaluating, loading and exporting compare the
+checksums too, so a file damaged after the save (a truncated copy, a failing disk) is never used.
+Checkpoints from before manifests load unverified.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import yaml
@@ -36,8 +37,12 @@ from clip_train.memory import format_bytes
 from clip_train.model import CLIP
 from clip_train.model.tokenizer import OPEN_CLIP
 
+if TYPE_CHECKING:
+    from clip_train.ema import WeightsEMA
+
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
+EMA_FILE = "ema.safetensors"
 MODEL_CONFIG_FILE = "model.yaml"
 TEXT_DIR = "text"
 MANIFEST_FILE = "manifest.json"
@@ -66,6 +71,7 @@ def save_checkpoint(
     keep_every: int = 0,
     *,
     check_space: bool = True,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write one checkpoint atomically and prune all but the newest ``keep``, and the milestones
     (steps divisible by ``keep_every``, when it is not 0). Call on one rank.
@@ -73,13 +79,13 @@ def save_checkpoint(
     A write that fails (a full disk, a quota, an I/O error) removes its temporary folder and raises a
     one-line ``UserError`` with the space the save needs and the space free; with ``check_space`` a
     disk that has less free space than the tensors is refused before anything is written. Older
-    checkpoints are pruned only once the new one is in place.
+    checkpoints are pruned only once the new one is in place. ``ema``: the weights' moving average.
     """
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    needed = tensor_bytes(weights) + tensor_bytes(train_state)
+    needed = tensor_bytes(weights) + tensor_bytes(train_state) + tensor_bytes(ema or {})
     tmp = fresh_temp_dir(out_dir, step, needed, check_space=check_space)
     try:
-        write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg)
+        write_checkpoint_files(tmp, step, weights, train_state, model, model_cfg, ema)
     except WRITE_ERRORS as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(cannot_save(checkpoint_dir(out_dir, step), needed, write_failure(err))) from None
@@ -132,10 +138,13 @@ def write_checkpoint_files(
     train_state: dict,
     model: CLIP,
     model_cfg: ModelConfig,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """The weights, the train state, what rebuilds the model offline, and the manifest of every file
-    in ``tmp`` (a sharded checkpoint's shards included), last."""
+    """The weights (and their ``ema``), the train state, what rebuilds the model offline, and the
+    manifest of every file in ``tmp`` (a sharded checkpoint's shards included), last."""
     save_weights(weights, tmp / MODEL_FILE, metadata={"step": str(step)})
+    if ema is not None:
+        save_weights(ema, tmp / EMA_FILE, metadata={"step": str(step)})
     with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch's error then carries the OSError
         torch.save(train_state, f)
     section = {"model": dataclasses.asdict(model_cfg)}
@@ -439,6 +448,7 @@ class Checkpointer:
     _: dataclasses.KW_ONLY
     shared: dict[str, Stateful]
     per_rank: dict[str, Stateful]
+    ema: WeightsEMA | None = None  # saved beside the weights, in ema.safetensors
 
     def save(self, step: int) -> None:
         """Every rank contributes its own state; rank 0 writes. A collective: a save that fails raises
@@ -457,6 +467,7 @@ class Checkpointer:
                 self.cfg.keep,
                 self.cfg.keep_every,
                 check_space=self.cfg.check_free_space,
+                ema=self.ema.full_weights(keep=True) if self.ema else None,
             )
 
         decided_by_main(write)
@@ -472,8 +483,22 @@ class Checkpointer:
                 f"train.parallel=fsdp, or start a new run from its weights with model.init_from={path}"
             )
         load_weights_file(path / MODEL_FILE, self.model)
+        if self._resumes_ema(path):
+            self.ema.load_full_weights(load_file(path / EMA_FILE))
         self._load_components(load_train_state(path))
         return path
+
+    def _resumes_ema(self, path: Path) -> bool:
+        """Whether the EMA this run keeps is in the checkpoint. One saved without (``train.ema_decay``
+        turned on at a resume) starts the EMA from its weights, which must be loaded first."""
+        if self.ema is None:
+            return False
+        if (path / EMA_FILE).is_file():
+            return True
+        if rank_and_world()[0] == 0:
+            get_logger().warning(f"checkpoint {path} has no {EMA_FILE}: the EMA starts from its weights")
+        self.ema.restart()
+        return False
 
     def _load_components(self, state: dict[str, Any]) -> None:
         """Every component's state; the per-rank ones only at the world size they were saved at."""

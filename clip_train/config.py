@@ -131,6 +131,9 @@ class BatchConfig:
 class OptimConfig:
     name: Literal["adamw", "adafactor"] = "adamw"  # adafactor is torch.optim.Adafactor
     lr: float = 5e-4  # peak learning rate, after warmup
+    image_lr: float | None = None  # the image tower's peak rate; None: optim.lr (docs/fine-tune-optim.md)
+    text_lr: float | None = None  # the text tower's peak rate; None: optim.lr
+    layer_decay: float = 1.0  # block k of L at its tower's rate x decay^(L-k), embeddings decay^L; 1: off
     min_lr: float = 0.0  # where the cosine schedule ends
     weight_decay: float = 0.2  # on weight matrices only (not norms, biases, embeddings, scale)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW only
@@ -153,6 +156,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     compile: bool = False  # torch.compile both towers (random ops keep eager semantics: exact replay)
     parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
+    ema_decay: float = 0.0  # EMA of the trainable weights, ema = d*ema + (1-d)*w after each step; 0: off
+    ema_warmup_power: float = 0.0  # > 0: the decay at step t is min(ema_decay, 1 - (1+t)^-power) (timm's)
 
 
 @dataclass
@@ -197,6 +202,7 @@ class EvalConfig:
     zeroshot_data: str = ""  # labelled shards or an ImageFolder directory; "" means data.val
     retrieval: bool = True  # image<->text recall@k on data.val
     batch_size: int = 256  # eval batch per rank
+    use_ema: bool = False  # evaluate the EMA weights (train.ema_decay > 0, or a checkpoint's ema.safetensors)
 
 
 @dataclass
@@ -243,6 +249,8 @@ class Config:
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
         _check_schedule(self.optim, self.train.max_steps)
+        _check_rates(self.optim)
+        _check_ema(self.train, self.eval)
         if len(self.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.optim.betas):
             raise ConfigError(f"optim.betas={self.optim.betas} must be two numbers in [0, 1)")
         for key in ("rrc_scale", "rrc_ratio"):  # torchvision would take the first two and ignore the rest
@@ -347,6 +355,26 @@ def _check_schedule(optim: OptimConfig, max_steps: int) -> None:
         )
     if optim.cooldown_power <= 0:
         raise ConfigError(f"optim.cooldown_power={optim.cooldown_power} must be > 0")
+
+
+def _check_rates(optim: OptimConfig) -> None:
+    """Per-tower rates, when set, are positive; layer decay shrinks the rate toward the input."""
+    for key in ("image_lr", "text_lr"):
+        if (rate := getattr(optim, key)) is not None and rate <= 0:
+            raise ConfigError(f"optim.{key}={rate} must be > 0 (or null for optim.lr)")
+    if not 0.0 < optim.layer_decay <= 1.0:
+        raise ConfigError(f"optim.layer_decay={optim.layer_decay} must lie in (0, 1] (1: no layer decay)")
+
+
+def _check_ema(train: TrainConfig, evaluation: EvalConfig) -> None:
+    if not 0.0 <= train.ema_decay < 1.0:
+        raise ConfigError(f"train.ema_decay={train.ema_decay} must lie in [0, 1) (0: no EMA)")
+    if train.ema_warmup_power < 0 or (train.ema_warmup_power and not train.ema_decay):
+        raise ConfigError(
+            f"train.ema_warmup_power={train.ema_warmup_power} must be >= 0, and needs train.ema_decay > 0"
+        )
+    if evaluation.use_ema and not train.ema_decay:
+        raise ConfigError("eval.use_ema=true needs train.ema_decay > 0: without an EMA there is none")
 
 
 def _check_fsdp(train: TrainConfig) -> None:

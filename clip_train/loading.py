@@ -10,6 +10,7 @@ import torch
 
 from clip_train.checkpoint import checkpoint_model_config, find_weights, load_weights_file
 from clip_train.data.transforms import ImageTransform, eval_transform
+from clip_train.ema import load_ema_weights
 from clip_train.model import CLIP, build_model
 from clip_train.model.tokenizer import IdsTokenizer
 
@@ -48,10 +49,11 @@ class LoadedCLIP(CLIP):
 
 
 def load(
-    path: str | os.PathLike, *, device: str | torch.device = "cpu"
+    path: str | os.PathLike, *, device: str | torch.device = "cpu", ema: bool = False
 ) -> tuple[LoadedCLIP, ImageTransform, IdsTokenizer]:
     """``(model, preprocess, tokenizer)`` from a checkpoint, a run directory (its newest complete
     checkpoint) or a checkpoint's ``model.safetensors``; the model is in eval mode on ``device``.
+    ``ema=True``: the checkpoint's moving average of the weights (``train.ema_decay``) instead.
 
     ``preprocess`` turns a PIL image into a uint8 (3, H, W) tensor, which the model normalises
     itself; ``tokenizer`` returns ids as open_clip's does, and ``encode_text`` derives their mask::
@@ -63,6 +65,8 @@ def load(
     weights = find_weights(path, verify=True)
     model = _open_clip_shaped(build_model(checkpoint_model_config(weights.parent), load_pretrained=False))
     load_weights_file(weights, model)
+    if ema:
+        load_ema_weights(weights.parent, model)
     return model.to(device).eval(), eval_transform(model.image_size), IdsTokenizer(model.tokenizer)
 
 

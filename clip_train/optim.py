@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from clip_train.checkpoint import latest_checkpoint
-from clip_train.config import Config, OptimConfig
+from clip_train.config import Config, ConfigError, OptimConfig
 from clip_train.distributed import all_ranks_true, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
@@ -20,20 +21,76 @@ MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosi
 # Only the weight matrices of these layers decay. Norms, biases, embeddings, position and class
 # tokens and the logit scale do not: shrinking them toward zero only hurts (as in CLIP/OpenCLIP).
 _DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# The towers' parameter prefixes and their names in the config (model.image, optim.image_lr, ...).
+_TOWERS = {"visual.": "image", "text.": "text"}
+# A transformer block's parameter: timm ViTs' ``blocks.N.``, BERT's ``encoder.layer.N.``, CLIP's
+# text transformer's ``encoder.layers.N.``.
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|encoder\.layers?)\.(\d+)\.")
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split the trainable parameters into a decayed and a non-decayed group; frozen ones are left out."""
+def block_index(name: str) -> tuple[str, int] | None:
+    """The list of blocks a parameter ``name`` lies in (its name up to the index) and the block's
+    0-based index there; None for a parameter outside the blocks."""
+    found = _BLOCK.search(name)
+    return (name[: found.start(1)], int(found.group(1))) if found else None
+
+
+def tower_rates(names: list[str], lr: float, decay: float, tower: str) -> dict[str, float]:
+    """Each parameter's peak rate in one tower (``names`` in the tower's registration order), with
+    layer-wise decay: block k of L (1-based) gets ``lr * decay ** (L - k)``, what comes before the
+    first block (patch, token and position embeddings, class token, pre-norm) ``lr * decay ** L``,
+    and what comes after the last (final norm, pooling head, projection) ``lr``."""
+    if decay == 1.0:
+        return dict.fromkeys(names, lr)
+    blocks = {name: found for name in names if (found := block_index(name))}
+    lists = sorted({holder for holder, _ in blocks.values()})
+    if len(lists) != 1:
+        found = f"blocks in several lists ({', '.join(lists)})" if lists else "no transformer blocks"
+        raise ConfigError(
+            f"optim.layer_decay={decay} needs one list of transformer blocks (blocks.N, encoder.layer.N "
+            f"or encoder.layers.N) in model.{tower}, which has {found}; set optim.layer_decay=1"
+        )
+    depth = 1 + max(index for _, index in blocks.values())
+    first = next(i for i, name in enumerate(names) if name in blocks)
+    rates = {}
+    for position, name in enumerate(names):
+        if name in blocks:
+            rates[name] = lr * decay ** (depth - (blocks[name][1] + 1))
+        else:
+            rates[name] = lr * decay**depth if position < first else lr
+    return rates
+
+
+def parameter_rates(model: nn.Module, cfg: OptimConfig) -> dict[str, float]:
+    """Every parameter's peak rate: ``optim.image_lr`` / ``text_lr`` (default ``optim.lr``) for the
+    towers, with ``optim.layer_decay``; ``optim.lr`` for the rest (the logit scale and bias)."""
+    names = [name for name, _ in model.named_parameters()]
+    rates = dict.fromkeys(names, cfg.lr)
+    for prefix, tower in _TOWERS.items():
+        in_tower = [name for name in names if name.startswith(prefix)]
+        lr = getattr(cfg, f"{tower}_lr") or cfg.lr
+        rates |= tower_rates(in_tower, lr, cfg.layer_decay, tower) if in_tower else {}
+    return rates
+
+
+def parameter_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """The trainable parameters grouped by weight decay and peak rate (``parameter_rates``), each
+    group's ``lr`` its own; frozen ones are left out. The decayed groups come first: with one rate
+    for all, the two groups of a run without per-tower rates or layer decay."""
     decayed = {id(m.weight) for m in model.modules() if isinstance(m, _DECAYED_LAYERS)}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in trainable if id(p) in decayed], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if id(p) not in decayed], "weight_decay": 0.0},
-    ]
+    rates = parameter_rates(model, cfg)
+    groups: dict[tuple[float, float], dict] = {}
+    for decays in (True, False):
+        weight_decay = cfg.weight_decay if decays else 0.0
+        for name, p in model.named_parameters():
+            if p.requires_grad and (id(p) in decayed) == decays:
+                group = {"params": [], "lr": rates[name], "weight_decay": weight_decay}
+                groups.setdefault((rates[name], weight_decay), group)["params"].append(p)
+    return list(groups.values())
 
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, cfg.weight_decay)
+    groups = parameter_groups(model, cfg)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     # torch's Adafactor has no momentum and no constant beta2: its beta2 follows 1 - t^-0.8.
@@ -41,9 +98,11 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warmup over ``warmup_steps``, then ``cfg.schedule``: cosine from ``lr`` down to
-    ``min_lr`` at ``max_steps``; const; or const until the last ``cooldown_steps``, which decay to
-    ``min_lr`` as ``(1 - progress) ** cooldown_power`` (OpenCLIP's const-cooldown)."""
+    """The multiple of each group's peak rate at ``step``: linear warmup over ``warmup_steps``, then
+    ``cfg.schedule``: cosine from ``lr`` down to ``min_lr`` at ``max_steps``; const; or const until
+    the last ``cooldown_steps``, which decay to ``min_lr`` as ``(1 - progress) ** cooldown_power``
+    (OpenCLIP's const-cooldown). A group with its own rate ends at the same fraction ``min_lr / lr``
+    of it."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     floor = cfg.min_lr / cfg.lr
@@ -82,6 +141,13 @@ class Update:
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.max_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
         self.bad_in_a_row = self.bad_total = 0
+        self.base_lr = cfg.optim.lr
+
+    @property
+    def lr(self) -> float:
+        """``optim.lr`` as scheduled for the next step (``train/lr``); each group's rate is its own
+        multiple of it."""
+        return self.base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
     def __call__(self, loss: float, step: int) -> float:
         """Unscale, clip and step (or skip); returns the gradient norm."""

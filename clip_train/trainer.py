@@ -17,6 +17,7 @@ from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoi
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import DistEnv, all_ranks_true, decided_by_main, sum_counts_over_ranks
+from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
@@ -70,6 +71,7 @@ class Trainer:
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
             shard_towers(self.model, cfg.fsdp, cfg.train.precision, env.device)
         self.update = Update(self.model, cfg, env.device)
+        self.ema = WeightsEMA.from_config(self.model, cfg.train)  # of the weights as loaded and sharded
         self.loader = build_train_loader(
             cfg.data,
             global_batch=cfg.batch.global_size,
@@ -91,12 +93,19 @@ class Trainer:
                 cfg.model,
                 shared=shared,
                 per_rank=per_rank,
+                ema=self.ema,
                 optimizer=optimizer,
             )
         else:
             shared = {"trainer": self, "update": self.update}
             self.checkpointer = Checkpointer(
-                self.run_dir, cfg.checkpoint, self.model, cfg.model, shared=shared, per_rank=per_rank
+                self.run_dir,
+                cfg.checkpoint,
+                self.model,
+                cfg.model,
+                shared=shared,
+                per_rank=per_rank,
+                ema=self.ema,
             )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         self.resumed_from = self.checkpointer.restore()
@@ -170,6 +179,8 @@ class Trainer:
         )
         grad_norm = self.update(stats.loss, self.step)
         self.step += 1
+        if self.ema is not None and not self.update.bad_in_a_row:  # a skipped step leaves it as it is
+            self.ema.update(self.step)
         return StepResult(stats, grad_norm)
 
     def run(self) -> dict[str, float]:
@@ -271,7 +282,7 @@ class Trainer:
         stats = result.stats
         samples_per_s = self.cfg.batch.global_size / step_s
         scale = float(self.model.logit_scale.detach().exp())
-        lr = self.update.optimizer.param_groups[0]["lr"]
+        lr = self.update.lr
         peak = stats.peak_mem or peak_bytes(self.env.device)
         parts = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
         optimizer_s = step_s - data_s - sum(parts.values())
@@ -318,11 +329,12 @@ class Trainer:
     def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:
         if not (self.cfg.data.val or self.cfg.eval.zeroshot):
             return {}
+        averaged = self.ema.swapped_in() if self.cfg.eval.use_ema else contextlib.nullcontext()
         whole = contextlib.nullcontext()
         if self.sharded:  # every rank gathers the full weights: eval's ranks see uneven batches
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
-        with preserved_rng(self.env.device), whole, timed(f"step {self.step}: evaluating"):
+        with preserved_rng(self.env.device), averaged, whole, timed(f"step {self.step}: evaluating"):
             metrics = evaluate(
                 self.model,
                 self.cfg.eval,

@@ -1,12 +1,15 @@
 import itertools
 import math
+import re
 
 import pytest
 import torch
+from small_runs import TINY_MODEL_CONFIG
 from torch import nn
 
 from clip_train.config import ConfigError, OptimConfig, load_config
-from clip_train.optim import build_optimizer, build_scheduler, lr_factor, parameter_groups
+from clip_train.model import build_model
+from clip_train.optim import block_index, build_optimizer, build_scheduler, lr_factor, parameter_groups
 
 
 class Toy(nn.Module):
@@ -23,7 +26,7 @@ class Toy(nn.Module):
 
 def test_only_layer_weights_decay_and_frozen_are_left_out():
     model = Toy()
-    decayed, plain = parameter_groups(model, weight_decay=0.1)
+    decayed, plain = parameter_groups(model, OptimConfig(weight_decay=0.1))
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert {id(p) for p in decayed["params"]} == {id(model.proj.weight)}
     expected_plain = [model.embed.weight, model.pos, model.proj.bias, model.norm.weight, model.norm.bias]
@@ -107,3 +110,128 @@ def test_const_and_const_cooldown_schedules():
 def test_bad_schedules_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides).validate(world_size=1)
+
+
+# -- per-tower rates and layer-wise decay ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "found"),
+    [
+        ("visual.trunk.blocks.3.attn.qkv.weight", ("visual.trunk.blocks.", 3)),  # timm ViT
+        ("text.encoder.encoder.layer.11.output.dense.bias", ("text.encoder.encoder.layer.", 11)),  # BERT
+        (  # transformers' CLIPTextModel (open_clip's text transformer)
+            "text.encoder.text_model.encoder.layers.0.mlp.fc1.weight",
+            ("text.encoder.text_model.encoder.layers.", 0),
+        ),
+        ("visual.trunk.pos_embed", None),
+        ("visual.trunk.norm.weight", None),
+        ("text.encoder.embeddings.word_embeddings.weight", None),
+        ("text.encoder.text_model.final_layer_norm.weight", None),
+        ("visual.trunk.layers_norm.weight", None),
+    ],
+)
+def test_block_index_finds_the_block_list_of_each_naming(name, found):
+    assert block_index(name) == found
+
+
+VIT_DEPTH, BERT_DEPTH = 4, 2  # configs/model/tiny.yaml
+IMAGE_LR, TEXT_LR, LR, DECAY = 3e-4, 7e-5, 1e-3, 0.65
+
+
+def tiny_model(*overrides: str):
+    torch.manual_seed(0)
+    return build_model(load_config(TINY_MODEL_CONFIG, overrides).model)
+
+
+def expected_rate(name: str) -> float:
+    """The formula: block k of L at rate * decay^(L - k), the embeddings at decay^L, the rest at rate."""
+    if name.startswith("visual."):
+        rate, depth, block = IMAGE_LR, VIT_DEPTH, re.search(r"\.blocks\.(\d+)\.", name)
+        embeddings = ("visual.trunk.cls_token", "visual.trunk.pos_embed", "visual.trunk.patch_embed.")
+    elif name.startswith("text."):
+        rate, depth, block = TEXT_LR, BERT_DEPTH, re.search(r"\.encoder\.layer\.(\d+)\.", name)
+        embeddings = ("text.encoder.embeddings.",)
+    else:
+        return LR  # the logit scale
+    if block:
+        return rate * DECAY ** (depth - (int(block[1]) + 1))
+    return rate * DECAY**depth if name.startswith(embeddings) else rate
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    return name.endswith(".weight") and p.ndim >= 2 and "embeddings." not in name
+
+
+@pytest.mark.parametrize("lit", [False, True])
+def test_vit_and_bert_groups_follow_the_per_tower_layer_decay_formula(lit):
+    lock = ["model.image.lock=true", "model.image.unlocked_layers=1"] if lit else []
+    model = tiny_model(*lock)
+    cfg = OptimConfig(lr=LR, image_lr=IMAGE_LR, text_lr=TEXT_LR, layer_decay=DECAY, weight_decay=0.1)
+    groups = build_optimizer(cfg, model).param_groups
+    names = {id(p): name for name, p in model.named_parameters()}
+    grouped = {names[id(p)]: group for group in groups for p in group["params"]}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert grouped.keys() == trainable and sum(len(g["params"]) for g in groups) == len(trainable)
+    for name, p in model.named_parameters():
+        if name in grouped:
+            assert grouped[name]["lr"] == expected_rate(name), name  # exact, in Python's fp64
+            assert grouped[name]["weight_decay"] == (0.1 if decays(name, p) else 0.0), name
+    full_rate = {name for name in grouped if name.startswith("visual.") and grouped[name]["lr"] == IMAGE_LR}
+    last_block = {n for n in grouped if n.startswith(f"visual.trunk.blocks.{VIT_DEPTH - 1}.")}
+    head = {"visual.trunk.norm.weight", "visual.trunk.norm.bias", "visual.proj.weight"}
+    assert full_rate == head | last_block
+    if lit:  # the locked blocks and embeddings get no group; the unlocked last block its full rate
+        assert not any(n.startswith(("visual.trunk.blocks.0.", "visual.trunk.pos_embed")) for n in grouped)
+    else:
+        assert grouped["visual.trunk.pos_embed"]["lr"] == IMAGE_LR * DECAY**VIT_DEPTH
+        assert grouped["text.encoder.embeddings.word_embeddings.weight"]["lr"] == TEXT_LR * DECAY**BERT_DEPTH
+
+
+def test_one_rate_for_all_keeps_the_two_groups():
+    model = tiny_model()
+    groups = build_optimizer(OptimConfig(lr=LR, weight_decay=0.1), model).param_groups
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(LR, 0.1), (LR, 0.0)]
+
+
+def test_layer_decay_on_a_tower_without_blocks_names_the_key():
+    model = tiny_model("model.image.timm=resnet18", "model.image.timm_kwargs={}")
+    with pytest.raises(ConfigError, match=r"optim.layer_decay=0.7 needs one list .* model.image, which has"):
+        parameter_groups(model, OptimConfig(layer_decay=0.7))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"schedule": "cosine", "warmup_steps": 3, "min_lr": 1e-5},
+        {"schedule": "const-cooldown", "warmup_steps": 2, "cooldown_steps": 4, "min_lr": 1e-4},
+    ],
+)
+def test_the_schedule_scales_each_group_own_rate(schedule):
+    model = tiny_model()
+    cfg = OptimConfig(lr=LR, image_lr=IMAGE_LR, text_lr=TEXT_LR, layer_decay=DECAY, **schedule)
+    optimizer = build_optimizer(cfg, model)
+    peaks = [g["lr"] for g in optimizer.param_groups]
+    assert len(set(peaks)) > 4
+    scheduler = build_scheduler(cfg, optimizer, max_steps=12)
+    for step in range(14):
+        factor = lr_factor(step, cfg, max_steps=12)
+        assert [g["lr"] for g in optimizer.param_groups] == [peak * factor for peak in peaks], step
+        optimizer.step()
+        scheduler.step()
+    # each group ends at the same fraction min_lr / lr of its own rate
+    assert [g["lr"] for g in optimizer.param_groups] == [p * (cfg.min_lr / LR) for p in peaks]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.image_lr=0", r"optim.image_lr=0.0 must be > 0 \(or null for optim.lr\)"),
+        ("optim.text_lr=-1e-4", "optim.text_lr=-0.0001 must be > 0"),
+        ("optim.layer_decay=0", r"optim.layer_decay=0.0 must lie in \(0, 1\]"),
+        ("optim.layer_decay=1.2", "optim.layer_decay=1.2 must lie in"),
+    ],
+)
+def test_bad_rates_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override]).validate(world_size=1)

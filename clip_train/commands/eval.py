@@ -15,6 +15,7 @@ import torch
 
 from clip_train.checkpoint import find_weights, load_weights_file
 from clip_train.distributed import init_distributed, shutdown_distributed
+from clip_train.ema import load_ema_weights
 from clip_train.eval import eval_config, evaluate
 from clip_train.model import build_model
 
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "overrides",
         nargs="*",
         metavar="key=value",
-        help="e.g. eval.zeroshot=imagenet eval.zeroshot_data=/data/imagenet/val train.precision=bf16",
+        help="e.g. eval.zeroshot=imagenet eval.zeroshot_data=/data/imagenet/val train.precision=bf16 "
+        "eval.use_ema=true",
     )
 
 
@@ -50,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         if cfg.train.precision == "fp64":
             model = model.to(torch.float64)
         load_weights_file(file, model)
+        if cfg.eval.use_ema:
+            load_ema_weights(file.parent, model)
         metrics = evaluate(model, cfg.eval, cfg.data, device=env.device, precision=cfg.train.precision)
         if env.is_main:
             for key, value in metrics.items():

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", choices=FORMATS, default="open_clip", help="export format (default open_clip)"
     )
+    parser.add_argument(
+        "--ema", action="store_true", help="export the checkpoint's EMA of the weights (train.ema_decay)"
+    )
     parser.add_argument("--push-to-hub", metavar="REPO", help="also upload to this Hugging Face Hub repo")
     parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
@@ -38,10 +41,11 @@ def run(args: argparse.Namespace) -> int:
     source = find_weights(args.checkpoint)
     log = get_logger()
     with timed(f"export: loading {source}"):
-        model, _, _ = load(source)
+        model, _, _ = load(source, ema=args.ema)
     with timed(f"export: writing {out} and loading it back with open_clip"):
         image, text = export_open_clip(model, out)
-    log.info(f'exported {source} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
+    what = f"the EMA of {source}" if args.ema else source
+    log.info(f'exported {what} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
     log.info(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
     if isinstance(model.tokenizer, OpenCLIPTokenizer):
         log.info(

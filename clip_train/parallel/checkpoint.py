@@ -1,11 +1,12 @@
 """Checkpoints of FSDP runs: every rank writes its own shards of the weights and the optimizer
 (``torch.distributed.checkpoint``, under ``shards/``), rank 0 the rest as for any checkpoint.
 
-Beside the shards, ``model.safetensors`` holds the consolidated weights, gathered one tensor at a
-time into rank 0's host memory, so ``clip_train.load``, ``eval``, ``export`` and ``model.init_from``
-read an FSDP checkpoint like any other. The hidden folder, the rename and the manifest (which
-covers the shards) are those of every checkpoint. Loading reshards: a checkpoint resumes at any
-world size with its weights and optimizer states exact.
+The shards hold the EMA of the weights too (``train.ema_decay``), each rank's own. Beside the
+shards, ``model.safetensors`` (and ``ema.safetensors``) holds the consolidated weights, gathered one
+tensor at a time into rank 0's host memory, so ``clip_train.load``, ``eval``, ``export`` and
+``model.init_from`` read an FSDP checkpoint like any other. The hidden folder, the rename and the
+manifest (which covers the shards) are those of every checkpoint. Loading reshards: a checkpoint
+resumes at any world size with its weights and optimizer states exact.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from clip_train.checkpoint import (
+    EMA_FILE,
     SHARDS_DIR,
     WRITE_ERRORS,
     Checkpointer,
@@ -43,6 +45,7 @@ from clip_train.distributed import all_ranks_true, decided_by_main, gather_to_ma
 from clip_train.errors import UserError
 
 OPTIMIZER_KEY = "optimizer"
+EMA_KEY = "ema"
 
 
 class OptimizerApart:
@@ -79,6 +82,8 @@ class ShardedCheckpointer(Checkpointer):
         failure = ""
         try:
             shards = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
+            if self.ema is not None:
+                shards[EMA_KEY] = self.ema.state_dict()
             dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
@@ -86,6 +91,8 @@ class ShardedCheckpointer(Checkpointer):
         # Gathered one tensor at a time into rank 0's host memory; the other ranks get nothing.
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=full) if written else {}
+        main = rank_and_world()[0] == 0
+        ema = self.ema.full_weights(keep=main) if written and self.ema is not None else None
 
         def finish() -> Path:
             try:
@@ -93,7 +100,7 @@ class ShardedCheckpointer(Checkpointer):
                     raise OSError(failure or "another rank could not write its shards")
                 state = {"world_size": rank_and_world()[1], **gathered}
                 state.update({name: part.state_dict() for name, part in self.shared.items()})
-                write_checkpoint_files(tmp, step, weights, state, self.model, self.model_cfg)
+                write_checkpoint_files(tmp, step, weights, state, self.model, self.model_cfg, ema)
             except WRITE_ERRORS as err:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise UserError(cannot_save(final, needed, write_failure(err))) from None
@@ -102,8 +109,10 @@ class ShardedCheckpointer(Checkpointer):
         decided_by_main(finish)
 
     def _bytes_needed(self) -> int:
-        """The shards (weights and optimizer states) plus the consolidated weights, at full size."""
-        return 2 * tensor_bytes(self.model.state_dict()) + tensor_bytes(list(self.optimizer.state.values()))
+        """The shards (weights, optimizer states, EMA) plus the consolidated weights and EMA, at full size."""
+        ema = self.ema.state_dict() if self.ema is not None else {}
+        weights = 2 * (tensor_bytes(self.model.state_dict()) + tensor_bytes(ema))
+        return weights + tensor_bytes(list(self.optimizer.state.values()))
 
     def restore(self) -> Path | None:
         """Load ``checkpoint.resume`` into the sharded model and optimizer, whatever world size wrote
@@ -119,10 +128,15 @@ class ShardedCheckpointer(Checkpointer):
             )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
+        with_ema = self.ema is not None and (path / EMA_FILE).is_file()
+        if with_ema:  # loaded in place, each rank its shards
+            state[EMA_KEY] = self.ema.state_dict()
         dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[OPTIMIZER_KEY]
         )
+        if not with_ema:
+            self._resumes_ema(path)  # an EMA turned on at this resume starts from the weights
         self._load_components(load_train_state(path))
         return path
 

@@ -1,0 +1,135 @@
+"""An exponential moving average of the trainable weights (``train.ema_decay``): after each optimizer
+step ``ema = d * ema + (1 - d) * w``, which fine-tuned models are often evaluated and shipped with.
+
+The averages are kept in fp32 (fp64 in an fp64 run), whatever the weights are cast to in the forward
+pass. Frozen (LiT-locked) parameters are not kept: their average is themselves, which the model
+holds. Under FSDP each average is a DTensor with its parameter's placements, so a rank keeps only
+its shard and updating it needs no communication. Checkpoints hold the averages in
+``ema.safetensors`` (those parameters only; the model's file supplies the rest), and sharded ones in
+their shards too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from clip_train.checkpoint import EMA_FILE
+from clip_train.config import TrainConfig
+from clip_train.errors import UserError
+
+
+def ema_decay_at(step: int, decay: float, warmup_power: float = 0.0) -> float:
+    """The decay of the update after optimizer step ``step`` (1 for the first): ``decay``, or with a
+    warmup ``min(decay, 1 - (1 + step) ** -warmup_power)`` (timm's EMA warmup), so that the first
+    steps' weights, far from where training goes, fade out of the average quickly."""
+    if not warmup_power:
+        return decay
+    return min(decay, 1.0 - (1.0 + step) ** -warmup_power)
+
+
+class WeightsEMA:
+    """The moving averages of a model's trainable parameters, by parameter name; a checkpoint
+    component (``state_dict`` holds the averages, DTensors under FSDP)."""
+
+    def __init__(self, model: nn.Module, decay: float, warmup_power: float = 0.0) -> None:
+        self.decay, self.warmup_power = decay, warmup_power
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.averages: dict[str, torch.Tensor] = {}
+        self.restart()
+
+    @classmethod
+    def from_config(cls, model: nn.Module, cfg: TrainConfig) -> WeightsEMA | None:
+        """``train.ema_decay``'s average, from ``model`` as it is now (loaded and sharded); None if off."""
+        return cls(model, cfg.ema_decay, cfg.ema_warmup_power) if cfg.ema_decay else None
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Averages equal to the weights: where a run starts, or resumes a checkpoint without an EMA."""
+        self.averages = {
+            name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
+            for name, p in self.params.items()
+        }
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """Fold in the weights after optimizer step ``step``: ``lerp`` computes ``d*ema + (1-d)*w``."""
+        weight = 1.0 - ema_decay_at(step, self.decay, self.warmup_power)
+        for sharded in (True, False):  # DTensors and plain tensors (the logit scale) in separate calls
+            names = [n for n, avg in self.averages.items() if isinstance(avg, DTensor) == sharded]
+            if names:
+                averages = [self.averages[n] for n in names]
+                torch._foreach_lerp_(
+                    averages, [self.params[n].to(self.averages[n].dtype) for n in names], weight
+                )
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The averages in place of the weights while inside (an evaluation), the weights back, bit
+        for bit, on the way out. Each rank swaps its own shards: no communication."""
+        with torch.no_grad():
+            kept = {name: p.detach().clone() for name, p in self.params.items()}
+            for name, p in self.params.items():
+                p.copy_(self.averages[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(kept[name])
+
+    def full_weights(self, keep: bool) -> dict[str, torch.Tensor]:
+        """The whole averages on the host, for ``ema.safetensors``; sharded ones are gathered one
+        tensor at a time (a collective: call on every rank), and only kept where ``keep``."""
+        weights = {}
+        for name, average in self.averages.items():
+            whole = average.full_tensor() if isinstance(average, DTensor) else average
+            if keep:
+                weights[name] = whole.detach().cpu().contiguous()
+        return weights
+
+    @torch.no_grad()
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the averages from whole tensors (``ema.safetensors`` of an unsharded run)."""
+        check_fits(weights, self.averages, "the EMA of the trainable parameters")
+        for name, average in self.averages.items():
+            average.copy_(weights[name])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The averages themselves (DTensors under FSDP), which the sharded checkpoint saves and loads
+        in place."""
+        return self.averages
+
+
+def check_fits(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor], what: str) -> None:
+    """A one-line ``UserError`` unless ``weights`` has every name of ``own`` at its shape."""
+    missing = sorted(own.keys() - weights.keys())
+    shapes = [k for k in sorted(own.keys() & weights.keys()) if weights[k].shape != own[k].shape]
+    if missing or shapes:
+        problem = f"it lacks {missing[:3]}" if missing else f"shapes differ for {shapes[:3]}"
+        raise UserError(f"{EMA_FILE} does not fit {what}: {problem}")
+
+
+@torch.no_grad()
+def load_ema_weights(checkpoint: Path, model: nn.Module) -> None:
+    """Put a checkpoint's EMA (``ema.safetensors``) into ``model``, whose other parameters (frozen
+    during training, so never averaged) keep the checkpoint's weights, loaded first."""
+    file = checkpoint / EMA_FILE
+    if not file.is_file():
+        raise UserError(
+            f"{checkpoint} has no {EMA_FILE}: only runs with train.ema_decay > 0 save an EMA of the weights"
+        )
+    weights = load_file(file)
+    own = dict(model.named_parameters())
+    unknown = sorted(weights.keys() - own.keys())
+    if unknown:
+        raise UserError(f"{file} does not fit the model: unexpected key(s) {unknown[:3]}")
+    check_fits(weights, {k: own[k] for k in weights}, "the model")
+    for name, average in weights.items():
+        own[name].copy_(average)
