@@ -68,7 +68,8 @@ def test_a_run_loads_its_newest_checkpoint_and_reproduces_its_own_eval(demo_run,
 
 
 def test_preprocess_and_tokenizer_are_the_eval_pipelines(demo_run, digits):
-    """The three lines in docs/use-the-model.md see exactly the pixels and tokens the eval loader gives the model."""
+    """The three lines in docs/use-the-model.md see exactly the pixels and tokens the eval loader
+    gives the model."""
     model, preprocess, tokenizer = clip_train.load(demo_run)
     images = val_images(digits, 8)
     loader = build_eval_loader(
