@@ -252,6 +252,17 @@ class GradCache:
             return self.image.replays, self.text.replays
         return self.image is replaying[-1], self.text is replaying[-1]
 
+    def trains_and_replays(self, rows: int) -> tuple[tuple[bool, bool], tuple[float, float]]:
+        """Whether the image and the text tower train, and the share of a ``rows``-sample batch each
+        encodes a second time in replay (all but a kept last chunk): what the model FLOPs count."""
+        keeps = self._graph_keepers(rows)
+        shares = []
+        for tower, keep in zip((self.image, self.text), keeps, strict=True):
+            bounds = chunk_bounds(rows, tower.chunk)
+            kept = bounds[-1][1] - bounds[-1][0] if keep else 0
+            shares.append((rows - kept) / rows if tower.replays else 0.0)
+        return (self.image.replays, self.text.replays), (shares[0], shares[1])
+
     def _encode(self, tower: _Tower, inputs: Sequence[torch.Tensor], rows: int, keep_graph: bool) -> _Encoded:
         """Stage 1: graph-less features, each chunk's RNG state and the frozen-trunk cache for replay.
 
