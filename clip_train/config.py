@@ -244,7 +244,7 @@ class Config:
             if (value := operator.attrgetter(key)(self)) <= 0:
                 raise ConfigError(f"{key}={value} must be > 0")
         if self.log.peak_tflops < 0:
-            raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the device's table entry)")
+            raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the table)")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
         _check_schedule(self.optim, self.train.max_steps)

@@ -37,7 +37,6 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-
 # PyTorch counts the CUDA attention kernels but not the CPU one; the same formulas apply (to shapes).
 def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
     return flop_counter.sdpa_flop_count(query, key, value)
