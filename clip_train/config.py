@@ -137,6 +137,9 @@ class OptimConfig:
     weight_decay: float = 0.2  # on weight matrices only (not norms, biases, embeddings, scale)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW only
     eps: float = 1e-6  # AdamW only
+    fused: bool = (
+        True  # AdamW only: torch's fused kernel where the device has one (CUDA, CPU); false: foreach
+    )
     warmup_steps: int = 0  # linear warmup, then the schedule
     schedule: Schedule = "cosine"  # after warmup, as OpenCLIP's --lr-scheduler
     cooldown_steps: int = 0  # const-cooldown: the last steps, decaying from lr to min_lr
