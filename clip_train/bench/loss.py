@@ -139,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
         ran = [r for r in results if r["batch"] == batch and r["impl"] != "floor" and r["time_s"] is not None]
         if args.world == 1 and len(ran) > 1:
             runs_spec = [{**_spec(args, r["impl"], batch, device, 1), "kernel": r["kernel"]} for r in ran]
-            times = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)["median_s"]
-            paired.append({"batch": batch, "median_s": times})
-            print(f"{'':>7} {'same process':>12}  {_ratios(times)}", flush=True)
+            measured = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)
+            if "median_s" not in measured:  # all of them at once ran out of memory
+                print(f"{'':>7} {'same process':>12}  {measured.get('note', '')}", flush=True)
+                continue
+            paired.append({"batch": batch, "median_s": measured["median_s"]})
+            print(f"{'':>7} {'same process':>12}  {_ratios(measured['median_s'])}", flush=True)
     accuracy = [_accuracy(args, impl, device) for impl in impls] if args.accuracy else []
     for point in accuracy:
         print(f"{args.accuracy:>7} {point['impl']:>12}  {_accuracy_note(point)}", flush=True)
