@@ -97,18 +97,21 @@ def forward_flops(fn, *inputs: torch.Tensor) -> int:
 
 def tower_flops(model: nn.Module) -> tuple[TowerFlops, TowerFlops]:
     """Forward FLOPs of one sample through the image and the text tower of a ``CLIP`` (on its
-    device, with every token of the context attended). Dropout draws nothing from the run's RNG."""
+    device, with every token of the context attended). In eval mode, so that no batch-norm
+    statistics move, and with the RNG restored: the run is the same with or without the count."""
     device = model.logit_scale.device
     size, context = model.image_size, model.tokenizer.context_length
     image = torch.zeros(1, 3, size, size, dtype=torch.uint8, device=device)
     tokens = torch.ones(1, context, dtype=torch.long, device=device)
-    counts = []
+    counts, training = [], model.training
+    model.eval()
     with preserved_rng(device):
         for tower, inputs in ((model.visual, (image,)), (model.text, (tokens, torch.ones_like(tokens)))):
             frozen = forward_flops(tower.encode_frozen, *inputs)
             with torch.no_grad():
                 hidden = tower.encode_frozen(*inputs)
             counts.append(TowerFlops(frozen, forward_flops(tower.encode_trainable, *hidden)))
+    model.train(training)
     return counts[0], counts[1]
 
 

@@ -76,7 +76,9 @@ def test_the_start_up_count_matches_a_counted_step_with_and_without_replay():
 
 def test_a_locked_trunk_counts_its_forward_once():
     model = _tiny_model("model.image.lock=true", "model.image.unlocked_layers=1")
+    modes = [m.training for m in model.modules()]
     image, text = tower_flops(model)
+    assert [m.training for m in model.modules()] == modes and not all(modes)  # the frozen trunk stays eval
     assert image.frozen > 0 and image.trainable > 0  # the trunk and the unlocked block with the head
     one_chunk, counted = _step_flops(model)
     assert counted == image.frozen + 3 * image.trainable + 3 * (text.frozen + text.trainable)
