@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO_DATA ?= data/digits
 
-.PHONY: demo test test-floor gpu-wheels gpu-check gpu-figures lint clean
+.PHONY: demo test test-floor gpu-wheels gpu-check gpu-bench gpu-figures lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,14 @@ gpu-wheels: $(VENV)/.installed-dev+demo
 
 gpu-check:
 	PYTHON=$(PYTHON) WHEELS=$(GPU_WHEELS) launch/gpu-check.sh
+
+# One GPU session's figures in <= 10 minutes on an H100 (docs/gpu-bench.md): the loss, the trainer
+# eager and compiled with MFU, OpenCLIP's trainer beside it and a profiled step, into OUT (default
+# gpu-bench/DATE), with the kit installed offline as gpu-check does. Without the kit it runs on .venv;
+# without a CUDA GPU it is a dry run at toy sizes.
+gpu-bench:
+	PYTHON=$(if $(wildcard $(GPU_WHEELS)/requirements.txt),$(PYTHON),$(PY)) WHEELS=$(GPU_WHEELS) \
+		launch/gpu-bench.sh $(OUT)
 
 # On a CUDA machine with network: the loss and step benchmarks whose JSON and plots the README's
 # GPU figures come from. Elsewhere: one line, exit 0.

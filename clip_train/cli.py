@@ -45,6 +45,7 @@ BENCH_COMMANDS = (
     Command("step", "clip_train.bench.step", "Gradient Cache step time and memory vs batch size"),
     Command("data", "clip_train.bench.data", "data pipeline samples/s vs open_clip's loader"),
     Command("train", "clip_train.bench.train", "whole training steps vs OpenCLIP's own trainer"),
+    Command("gpu", "clip_train.bench.gpu", "one GPU session's figures in one folder (make gpu-bench)"),
 )
 
 
@@ -73,7 +74,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_commands(subparsers, COMMANDS, chosen[0])
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks (loss, step, data, train)",
+        help="benchmarks (loss, step, data, train, gpu)",
         description="Measure time and memory; see README.",
     )
     benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True)

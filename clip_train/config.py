@@ -138,6 +138,7 @@ class OptimConfig:
     weight_decay: float = 0.2  # on weight matrices only (not norms, biases, embeddings, scale)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW only
     eps: float = 1e-6  # AdamW only
+    fused: bool = True  # AdamW: torch's fused kernel where the device has one (CUDA, CPU); false: foreach
     warmup_steps: int = 0  # linear warmup, then the schedule
     schedule: Schedule = "cosine"  # after warmup, as OpenCLIP's --lr-scheduler
     cooldown_steps: int = 0  # const-cooldown: the last steps, decaying from lr to min_lr
@@ -191,6 +192,7 @@ class WandbConfig:
 class LogConfig:
     every_steps: int = 10  # metrics.jsonl and wandb cadence; a plain progress line when not on a terminal
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # status lines on stderr
+    peak_tflops: float = 0.0  # a device's dense peak TFLOP/s for mfu; 0: NVIDIA's table (A100-B200; no CPU)
     all_ranks: bool = False  # every rank's status lines, tagged [rank N]; false: rank 0 (others warn only)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -246,6 +248,8 @@ class Config:
         ):
             if (value := operator.attrgetter(key)(self)) <= 0:
                 raise ConfigError(f"{key}={value} must be > 0")
+        if self.log.peak_tflops < 0:
+            raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the table)")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} must lie in [0, optim.lr={self.optim.lr}]")
         _check_schedule(self.optim, self.train.max_steps)

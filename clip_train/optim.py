@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from clip_train.checkpoint import latest_checkpoint
 from clip_train.config import Config, ConfigError, OptimConfig
@@ -92,9 +94,17 @@ def parameter_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     groups = parameter_groups(model, cfg)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        fused = cfg.fused and _fused_kernels_take(p for group in groups for p in group["params"])
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     # torch's Adafactor has no momentum and no constant beta2: its beta2 follows 1 - t^-0.8.
     return torch.optim.Adafactor(groups, lr=cfg.lr)
+
+
+def _fused_kernels_take(params: Iterable[torch.Tensor]) -> bool:
+    """Whether torch has a fused AdamW kernel for every parameter's device and dtype (CUDA and the
+    CPU have one): one kernel per step instead of a dozen foreach passes over the states."""
+    supported = _get_fused_kernels_supported_devices()
+    return all(p.device.type in supported and p.is_floating_point() for p in params)
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:

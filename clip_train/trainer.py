@@ -22,6 +22,7 @@ from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate
+from clip_train.flops import device_peak_tflops, tower_flops, training_flops_per_sample
 from clip_train.init_from import load_init_from
 from clip_train.logs import timed
 from clip_train.memory import peak_bytes
@@ -64,6 +65,9 @@ class Trainer:
         self.model = model if on_meta else model.to(env.device)
         if fine_tune and not on_meta:
             self._load_init_from()
+        self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)
+        # Counted on the whole towers, before compiling (one-sample shapes) and sharding.
+        towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
         if cfg.train.compile:
             compile_towers(self.model)
         measured = None
@@ -119,6 +123,11 @@ class Trainer:
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
         # Towers sharded with FSDP2 reduce their own gradients.
         self.engine = GradCache.from_config(self.model, cfg, self.chunks)
+        self.flops_per_sample = None
+        if towers_flops is not None:
+            per_rank = cfg.batch.global_size // env.world_size
+            trains, replayed = self.engine.trains_and_replays(per_rank)
+            self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
 
     def _remote_mirror(self) -> RemoteMirror | None:
         """``checkpoint.remote`` on rank 0; on a disk without checkpoints, ``resume=auto`` first
@@ -198,6 +207,11 @@ class Trainer:
             monitor.message(self.summary())
             if self.chunk_note:
                 monitor.message(self.chunk_note)
+            if self.flops_per_sample is not None:
+                monitor.message(
+                    f"model FLOPs {self.flops_per_sample / 1e9:.3g} GFLOP a sample (forward x 3 + replay); "
+                    f"mfu against {self.peak_tflops:g} TFLOP/s a device"
+                )
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         try:
@@ -289,11 +303,13 @@ class Trainer:
         split = {**parts, "opt": optimizer_s}
         if not self.sharded:
             del split["gat"]  # nothing is gathered
+        utilization = self._utilization(samples_per_s)
         monitor.advance(
             self.step,
             {
                 "loss": stats.loss,
                 "samples/s": round(samples_per_s),
+                **({"mfu": f"{utilization['train/mfu']:.1%}"} if utilization else {}),
                 "lr": lr,
                 "scale": scale,
                 f"{'/'.join(split)} s": "/".join(f"{t:.2f}" for t in split.values()),
@@ -311,6 +327,7 @@ class Trainer:
             **({"train/logit_bias": bias.item()} if bias is not None else {}),
             "train/grad_norm": result.grad_norm,
             "train/samples_per_s": samples_per_s,
+            **utilization,
             "time/step_s": step_s,
             "time/data_s": data_s,
             "time/encode_s": stats.encode_s,
@@ -325,6 +342,13 @@ class Trainer:
         metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
         metrics.update({f"data/source/{name}": n for name, n in self.sources.items()})
         monitor.log(self.step, metrics)
+
+    def _utilization(self, samples_per_s: float) -> dict[str, float]:
+        """Model TFLOP/s a device and MFU (their share of the device's peak), when a peak is known."""
+        if self.flops_per_sample is None:
+            return {}
+        tflops = self.flops_per_sample * samples_per_s / self.env.world_size / 1e12
+        return {"train/tflops": tflops, "train/mfu": tflops / self.peak_tflops}
 
     def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:
         if not (self.cfg.data.val or self.cfg.eval.zeroshot):

@@ -16,15 +16,10 @@ OUT=${1:-gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 
-# No pip of its own: a venv's bundled setuptools (Python < 3.12) would hide the newer one that
-# torch requires and that sits beside it. The interpreter's pip installs into the venv.
-venv=$OUT/venv
-"$PYTHON" -m venv --without-pip "$venv"
-py=$venv/bin/python
-torch_site=$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-venv_site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
-echo "import site; site.addsitedir('$torch_site')" >"$venv_site/zz-torch-site.pth"
-"$PYTHON" -m pip --python "$py" install --quiet --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt"
+# shellcheck source=launch/gpu-kit.sh
+source launch/gpu-kit.sh
+kit_venv "$OUT/venv"
+py=$KIT_PYTHON
 "$py" -c 'import torch; print(f"gpu-check: torch {torch.__version__}, CUDA {torch.version.cuda}")'
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 WANDB_MODE=disabled
 

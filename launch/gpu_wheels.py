@@ -4,8 +4,9 @@ and torchvision already installed lacks for `launch/gpu-check.sh`, so the check 
 `pip install --no-index` and needs no network.
 
 What the box has is torch's and torchvision's dependency closure; what the check needs is the
-package's dependencies without wandb (imported only by runs that log to it) plus pytest. One pip dry
-run resolves both at the image's pins (docker/constraints.txt); the difference is downloaded.
+package's dependencies without wandb (imported only by runs that log to it) plus pytest, and pandas
+for OpenCLIP's trainer in `make gpu-bench`. One pip dry run resolves both at the image's pins
+(docker/constraints.txt); the difference is downloaded.
 
 usage: launch/gpu_wheels.py OUT [--python-version 3.12]   (the box's Python; default: this one's)
 """
@@ -29,6 +30,7 @@ CONSTRAINTS = ROOT / "docker/constraints.txt"
 PREINSTALLED = ("torch", "torchvision")
 NOT_NEEDED = {"wandb"}
 TEST_TOOLS = {"pytest", "pytest-timeout"}
+BENCH_TOOLS = {"pandas"}  # open_clip_train imports it: OpenCLIP's trainer beside ours in `make gpu-bench`
 MANYLINUX_GLIBC_MINORS = range(17, 40)  # glibc 2.17 (manylinux2014) to 2.39 (Ubuntu 24.04)
 
 
@@ -44,11 +46,14 @@ def foreign_python_args(python_version: str) -> list[str]:
 
 
 def check_requirements() -> list[str]:
-    """pyproject's dependencies, less the preinstalled and the unneeded, plus the test runner."""
+    """pyproject's dependencies, less the preinstalled and the unneeded, plus the test runner and
+    what `make gpu-bench` runs OpenCLIP's trainer with."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     skip = NOT_NEEDED | set(PREINSTALLED)
     runtime = [d for d in project["dependencies"] if Requirement(d).name not in skip]
-    tools = [d for d in project["optional-dependencies"]["dev"] if Requirement(d).name in TEST_TOOLS]
+    extras = project["optional-dependencies"]
+    tools = [d for d in extras["dev"] if Requirement(d).name in TEST_TOOLS]
+    tools += [d for d in extras["bench"] if Requirement(d).name in BENCH_TOOLS]
     return runtime + tools
 
 

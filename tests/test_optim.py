@@ -235,3 +235,26 @@ def test_the_schedule_scales_each_group_own_rate(schedule):
 def test_bad_rates_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[override]).validate(world_size=1)
+
+
+def test_adamw_is_fused_where_torch_has_the_kernel_and_steps_as_the_foreach_one_to_rounding():
+    """Same weights, same gradients, three steps: the fused kernel and the foreach path agree to
+    fp32 rounding (they order the same arithmetic differently); optim.fused=false keeps foreach."""
+    models = [Toy(), Toy()]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [
+        build_optimizer(OptimConfig(lr=1e-2, weight_decay=0.1, fused=fused), model)
+        for fused, model in zip((True, False), models, strict=True)
+    ]
+    assert optimizers[0].defaults["fused"] and not optimizers[1].defaults["fused"]
+    initial = models[0].proj.weight.detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, 10, (4,), generator=gen)
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model.proj(model.embed(tokens)).pow(2).sum().backward()
+            optimizer.step()
+    for fused, foreach in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(models[0].proj.weight, initial)

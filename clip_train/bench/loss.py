@@ -7,7 +7,12 @@ what is available is reported as OOM without running. The compute floor is one p
 matmul (computed in row chunks, so it needs no b×b output), timed in the same run.
 
 ``--kind sigmoid`` benchmarks the SigLIP loss; impl ``open_clip`` is open_clip's own
-``SigLipLoss`` (its neighbour exchange across ranks), run side by side in the same way.
+``SigLipLoss`` (its neighbour exchange across ranks), run side by side in the same way. For the
+softmax loss ``open_clip`` is its ``ClipLoss`` (``local_loss`` and ``gather_with_grad`` across
+ranks), and ``inf_cl`` is Inf-CL's ``cal_inf_loss`` (both directions; CUDA, when installed).
+
+``--accuracy ROWS`` also compares each implementation's loss and gradients, in ``--dtype``, with the
+same inputs' loss and gradients in fp64 (the materialised formula) at ROWS rows.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
 
 # local is softmax-only; open_clip's SigLipLoss runs beside the sigmoid loss.
 IMPLS = {
-    "softmax": RESOLVED_LOSS_IMPLS,
+    "softmax": (*RESOLVED_LOSS_IMPLS, "open_clip", "inf_cl"),
     "sigmoid": (*(i for i in RESOLVED_LOSS_IMPLS if i != "local"), "open_clip"),
 }
 # Estimated peak extra bytes per rank, per element of the similarity matrix it materialises
 # (logits, log-softmaxes or log-sigmoids, labels and gradients), measured at small sizes with headroom.
-MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8}
+MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8, "inf_cl": 0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--scale", type=float, default=30.0, help="logit scale s")
     parser.add_argument("--bias", type=float, default=-10.0, help="sigmoid: logit bias b")
+    parser.add_argument(
+        "--accuracy", type=int, default=0, metavar="ROWS", help="also: error against fp64 at ROWS rows"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write memory- and time-vs-batch figures here (PNG)")
 
@@ -107,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         for impl in impls:
             spec = _spec(args, impl, batch, device, args.world)
             need, have = _estimate_bytes(spec), _available_bytes(device)
-            if need > 0.85 * have:
+            if device == "cpu" and need > 0.85 * have:  # CUDA tries: its out-of-memory error is caught
                 result = {**_public(spec), "time_s": None, "peak_mib": None, "oom": True}
                 result["note"] = f"OOM: needs ~{format_bytes(need)}, {format_bytes(have)} available; skipped"
             else:
@@ -123,11 +131,18 @@ def run(args: argparse.Namespace) -> int:
         ran = [r for r in results if r["batch"] == batch and r["impl"] != "floor" and r["time_s"] is not None]
         if args.world == 1 and len(ran) > 1:
             runs_spec = [_spec(args, r["impl"], batch, device, 1) for r in ran]
-            times = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)["median_s"]
-            paired.append({"batch": batch, "median_s": times})
-            print(f"{'':>7} {'same process':>12}  {_ratios(times)}", flush=True)
+            measured = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)
+            if "median_s" not in measured:  # all of them at once ran out of memory
+                print(f"{'':>7} {'same process':>12}  {measured.get('note', '')}", flush=True)
+                continue
+            paired.append({"batch": batch, "median_s": measured["median_s"]})
+            print(f"{'':>7} {'same process':>12}  {_ratios(measured['median_s'])}", flush=True)
+    accuracy = [_accuracy(args, impl, device) for impl in impls] if args.accuracy else []
+    for point in accuracy:
+        print(f"{args.accuracy:>7} {point['impl']:>12}  {_accuracy_note(point)}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"points": results, "paired": paired}, indent=2))
+        report = {"points": results, "paired": paired, "accuracy": accuracy}
+        args.json.write_text(json.dumps(report, indent=2))
     if args.plot:
         _plot(results, args.plot)
     return 0
@@ -179,10 +194,65 @@ def _available_bytes(device: str) -> float:
     return float(psutil.virtual_memory().available)
 
 
+def _accuracy(args: argparse.Namespace, impl: str, device: str) -> dict[str, Any]:
+    """``impl``'s loss and gradients at ``--accuracy`` rows in ``--dtype`` against fp64, in this
+    process (no memory is measured); an implementation that fails has its error as its result."""
+    spec = {**_spec(args, impl, args.accuracy, device, world=1), "of": impl}
+    point = {"impl": impl, "rows": args.accuracy, "dtype": args.dtype}
+    try:
+        return {**point, **_errors_against_fp64(spec)}
+    except Exception as err:
+        return {**point, "note": f"failed: {type(err).__name__}: {err}"}
+
+
+def _accuracy_note(point: dict[str, Any]) -> str:
+    if "loss_rel_error" not in point:
+        return point.get("note", "")
+    return (
+        f"vs fp64: loss {point['loss_rel_error']:.1e} relative, "
+        f"gradients {point['grad_rel_error']:.1e} of their largest"
+    )
+
+
+def _errors_against_fp64(spec: dict[str, Any]) -> dict[str, Any]:
+    """Relative error of the loss, and largest gradient error over the largest gradient, of one
+    implementation in the benchmark's dtype against the fp64 formula on the same inputs."""
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    gen = torch.Generator().manual_seed(0)
+    inputs = [F.normalize(torch.randn(spec["batch"], spec["dim"], generator=gen, dtype=torch.float64), dim=1)]
+    inputs.append(F.normalize(inputs[0] + torch.randn(inputs[0].shape, generator=gen, dtype=torch.float64)))
+    inputs += [
+        torch.tensor(spec["scale"], dtype=torch.float64),
+        torch.tensor(spec["bias"], dtype=torch.float64),
+    ]
+    exact = [t.to(device).clone().requires_grad_() for t in inputs]
+    low = [t.to(device, dtype if t.ndim else torch.float32).clone().requires_grad_() for t in inputs]
+    bias = exact[3] if spec["kind"] == "sigmoid" else None
+    reference = contrastive_loss(*exact[:3], logit_bias=bias, kind=spec["kind"], impl="vanilla")
+    reference.backward()
+    loss = _loss_fn({**spec, "impl": spec["of"]}, 0, 1)(*low)
+    loss.backward()
+    grad_error = max(
+        float((b.grad.double() - a.grad).abs().max() / a.grad.abs().max())
+        for a, b in zip(exact[:2], low[:2], strict=True)
+    )
+    return {
+        "loss_rel_error": abs(float(loss.detach()) / float(reference.detach()) - 1),
+        "grad_rel_error": grad_error,
+    }
+
+
 def _measure(spec: dict[str, Any], device: str) -> dict[str, Any]:
-    """One configuration: in-process on CUDA, in a fresh process (and its ranks) on CPU."""
+    """One configuration: in-process on CUDA (an out-of-memory error is its result), in a fresh
+    process (and its ranks) on CPU."""
     if device == "cuda":
-        return {**_public(spec), **_run(spec)}
+        try:
+            return {**_public(spec), **_run(spec)}
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return {**_public(spec), "time_s": None, "peak_mib": None, "oom": True, "note": "OOM"}
+        except Exception as err:  # an optional implementation's own failure, reported as its result
+            return {**_public(spec), "time_s": None, "peak_mib": None, "note": f"failed: {err}"}
     try:
         return {**_public(spec), **in_fresh_process(_run, spec)}
     except ProcessFailed as err:
@@ -288,10 +358,19 @@ def _paired_times(specs: list[dict[str, Any]]) -> dict[str, float]:
 
 def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
     """``(images, texts, scale, bias) -> loss`` for the benchmarked implementation."""
-    if spec["impl"] == "open_clip":
-        from open_clip.loss import SigLipLoss  # here: importing open_clip costs every fresh process ~3 s
+    if spec["impl"] == "open_clip":  # imported here: importing open_clip costs every fresh process ~3 s
+        from open_clip.loss import ClipLoss, SigLipLoss
 
-        return SigLipLoss(rank=rank, world_size=world)
+        if spec["kind"] == "sigmoid":
+            return SigLipLoss(rank=rank, world_size=world)
+        clip_loss = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
+        return lambda images, texts, scale, bias: clip_loss(images, texts, scale)
+    if spec["impl"] == "inf_cl":
+        from inf_cl import cal_inf_loss
+
+        return lambda images, texts, scale, bias: (
+            (cal_inf_loss(images, texts, scale=scale) + cal_inf_loss(texts, images, scale=scale)) / 2
+        )
     options = {"kind": spec["kind"], "impl": spec["impl"], "tile_size": spec["tile"] or None}
 
     def loss(images: Any, texts: Any, scale: Any, bias: Any) -> Any:

@@ -165,7 +165,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = _setup(spec)
     model, step = _model_and_step(spec, spec["mode"], device)
     base = used_bytes(device)
-    batch = _synthetic_batch(model, spec["batch"])
+    batch = synthetic_batch(model, spec["batch"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, cpu_times, stats = [], [], None
@@ -201,7 +201,7 @@ def measure_paired(spec: dict[str, Any]) -> dict[str, Any]:
     those of the separate fresh processes (which the memory figures need)."""
     device = _setup(spec)
     runners = {mode: _model_and_step(spec, mode, device) for mode in spec["modes"]}
-    batch = _synthetic_batch(next(iter(runners.values()))[0], spec["batch"])
+    batch = synthetic_batch(next(iter(runners.values()))[0], spec["batch"])
     times: dict[str, list[float]] = {mode: [] for mode in runners}
     for _ in range(spec["repeats"] + 1):
         for mode in list(runners):
@@ -226,7 +226,7 @@ def _direct_step(model, precision: str, loss_impl: str, device):
     return step
 
 
-def _synthetic_batch(model, rows: int):
+def synthetic_batch(model, rows: int):
     """Random uint8 images and token ids shaped for ``model``, in host memory as a loader delivers them."""
     gen = torch.Generator().manual_seed(rows)
     size, context = model.image_size, model.tokenizer.context_length

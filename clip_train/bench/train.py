@@ -121,7 +121,11 @@ def _clip_train(args: argparse.Namespace, batch: int, nproc: int, out: Path) -> 
     timed = [r for r in records if "time/step_s" in r and r["step"] > args.warmup]
     step_s = statistics.median(r["time/step_s"] for r in timed)
     split = {part: statistics.median(r[f"time/{part}_s"] for r in timed) for part in SPLIT}
-    return {"step_s": step_s, "samples_per_s": batch / step_s, "split_s": split}
+    result = {"step_s": step_s, "samples_per_s": batch / step_s, "split_s": split}
+    for key in ("train/tflops", "train/mfu", "memory/peak_bytes"):  # MFU where a peak is known
+        if key in timed[0]:
+            result[key.split("/")[1]] = statistics.median(r[key] for r in timed)
+    return result
 
 
 def _open_clip(
@@ -136,7 +140,7 @@ def _open_clip(
         "--batch-size", str(batch // nproc), "--workers", str(cfg.data.workers), "--lr", str(optim.lr),
         "--wd", str(optim.weight_decay), "--warmup", str(optim.warmup_steps), "--beta1", str(optim.betas[0]),
         "--beta2", str(optim.betas[1]), "--eps", str(optim.eps), "--grad-clip-norm", str(optim.grad_clip),
-        "--precision", precision, "--device", "cpu", "--dist-backend", "gloo", "--local-loss",
+        "--precision", precision, *_open_clip_device(), "--local-loss",
         "--gather-with-grad", "--log-every-n-steps", "1", "--name", "run", "--save-frequency", "0",
         "--zeroshot-frequency", "0", "--report-to", "", "--seed", str(cfg.train.seed),
     ]  # fmt: skip
@@ -145,6 +149,13 @@ def _open_clip(
     steps = [float(m) for m in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())]
     step_s = statistics.median(steps[args.warmup :])
     return {"step_s": step_s, "samples_per_s": batch / step_s}
+
+
+def _open_clip_device() -> list[str]:
+    """The GPUs when there are any (NCCL, one per process), as for clip_train; else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return ["--device", "cuda"]
+    return ["--device", "cpu", "--dist-backend", "gloo"]
 
 
 def _summarise(condition: dict[str, Any]) -> dict[str, Any]:

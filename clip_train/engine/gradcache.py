@@ -240,6 +240,17 @@ class GradCache:
         last = self.text if self.text.replays else self.image  # the last trained tower encoded
         return self.image is last, self.text is last
 
+    def trains_and_replays(self, rows: int) -> tuple[tuple[bool, bool], tuple[float, float]]:
+        """Whether the image and the text tower train, and the share of a ``rows``-sample batch each
+        encodes a second time in replay (all but a kept last chunk): what the model FLOPs count."""
+        bounds = [chunk_bounds(rows, tower.chunk) for tower in (self.image, self.text)]
+        keeps = self._graph_keepers(len(bounds[0]), len(bounds[1]))
+        shares = []
+        for tower, keep, tower_bounds in zip((self.image, self.text), keeps, bounds, strict=True):
+            kept = tower_bounds[-1][1] - tower_bounds[-1][0] if keep else 0
+            shares.append((rows - kept) / rows if tower.replays else 0.0)
+        return (self.image.replays, self.text.replays), (shares[0], shares[1])
+
     def _encode(
         self, tower: _Tower, inputs: Sequence[torch.Tensor], bounds: list[Rows], keep_graph: bool
     ) -> _Encoded:
