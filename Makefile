@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO_DATA ?= data/digits
 
-.PHONY: demo test test-floor gpu-wheels gpu-check gpu-bench gpu-figures lint clean
+.PHONY: demo test test-floor gpu-wheels gpu-check gpu-bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -84,24 +84,6 @@ gpu-check:
 gpu-bench:
 	PYTHON=$(if $(wildcard $(GPU_WHEELS)/requirements.txt),$(PYTHON),$(PY)) WHEELS=$(GPU_WHEELS) \
 		launch/gpu-bench.sh $(OUT)
-
-# On a CUDA machine with network: the loss and step benchmarks whose JSON and plots the README's
-# GPU figures come from. Elsewhere: one line, exit 0.
-FIGURES ?= docs/figures
-gpu-figures: $(VENV)/.installed-dev+demo
-	@if ! $(PY) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then \
-		echo "gpu-figures: no CUDA GPU on this machine; nothing to measure"; \
-	else \
-		set -ex; \
-		for dtype in float32 bfloat16; do \
-			$(VENV)/bin/clip-train bench loss --device cuda --dtype $$dtype --dim 512 --repeats 5 \
-				--batch 16384,32768,65536,131072,262144 --impl vanilla,inf \
-				--json $(FIGURES)/gpu-loss-$$dtype.json --plot $(FIGURES)/gpu-loss-$$dtype.png; \
-		done; \
-		$(VENV)/bin/clip-train bench step --device cuda --model configs/model/vit-b16-bert-base-random.yaml \
-			--precision bf16 --batch 512,2048,8192 --image-chunk 256 --text-chunk 1024 --lit --repeats 3 \
-			--json $(FIGURES)/gpu-step.json --plot $(FIGURES)/gpu-step.png; \
-	fi
 
 lint: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .
