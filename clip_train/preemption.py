@@ -6,6 +6,7 @@ the handler stops the process at once instead.
 
 from __future__ import annotations
 
+import _thread
 import multiprocessing
 import signal
 import threading
@@ -29,12 +30,23 @@ class SignalFlag:
 
     received: signal.Signals | None = None
     interrupting: bool = False  # raise ``Preempted`` in the handler instead of waiting for the step's end
+    relayed: bool = False  # the next call of the handler comes from ``relay``, not from a signal
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
+        if self.relayed:
+            self.relayed = False
+        elif self.received is None:
             self.received = signal.Signals(signum)
         if self.interrupting:
-            raise Preempted(f"{self.received.name} received")
+            raise Preempted(
+                f"{self.received.name} received" if self.received else "another rank was signalled"
+            )
+
+    def relay(self) -> None:
+        """From another thread: run the handler in the main thread as a signal would, recording no
+        signal (another rank's), so that it raises ``Preempted`` there if ``interrupting``."""
+        self.relayed = True
+        _thread.interrupt_main(signal.SIGUSR1)
 
 
 @contextmanager

@@ -16,13 +16,20 @@ import torch
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
-from clip_train.distributed import DistEnv, all_ranks_true, decided_by_main, sum_counts_over_ranks
+from clip_train.distributed import (
+    DistEnv,
+    all_ranks_true,
+    decided_by_main,
+    failing_together,
+    main_done,
+    sum_counts_over_ranks,
+)
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate
 from clip_train.init_from import load_init_from
-from clip_train.logs import timed
+from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import build_model, compile_towers
 from clip_train.monitor import RunMonitor
@@ -33,6 +40,7 @@ from clip_train.plan import choose_chunks
 from clip_train.plan.auto_chunks import ChunkChoice
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.remote import RemoteMirror
+from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 
 
 @dataclass
@@ -62,6 +70,8 @@ class Trainer:
         self.model = model if on_meta else model.to(env.device)
         if fine_tune and not on_meta:
             self._load_init_from()
+        if fine_tune and self.sharded:
+            main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
         if cfg.train.compile:
             compile_towers(self.model)
         measured = None
@@ -190,11 +200,13 @@ class Trainer:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         try:
             with preemption_signals() as signals:
+                self.signals = signals
                 while all_ranks_true([signals.received is None], env.device)[0]:
                     if self.step >= cfg.train.max_steps:
                         return self._final_evaluation(signals, monitor)
                     started = time.perf_counter()
-                    batch = next(self.loader)
+                    with failing_together(env.device):  # a rank's data error stops all at once
+                        batch = next(self.loader)
                     data_s = time.perf_counter() - started
                     result = self.train_step(batch)
                     self._after_step(result, monitor, data_s, time.perf_counter() - started)
@@ -222,10 +234,11 @@ class Trainer:
         if at_checkpoint and not self.update.bad_in_a_row:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
-            self._evaluate(monitor)
+            self._evaluate(monitor, StoppableEvaluation(self.signals))  # a signal stops it on every rank
 
     def _save(self) -> None:
-        self.checkpointer.save(self.step)
+        with writing_checkpoint():
+            self.checkpointer.save(self.step)
         self.saved_step = self.step
         if self.remote is not None:
             self.remote.push(latest_checkpoint(self.run_dir))
@@ -311,21 +324,31 @@ class Trainer:
         metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
         monitor.log(self.step, metrics)
 
-    def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:
+    def _evaluate(
+        self, monitor: RunMonitor | None, stoppable: StoppableEvaluation | None = None
+    ) -> dict[str, float]:
+        """The evaluation metrics; empty without eval data, or when ``stoppable`` was stopped."""
         if not (self.cfg.data.val or self.cfg.eval.zeroshot):
             return {}
         whole = contextlib.nullcontext()
         if self.sharded:  # every rank gathers the full weights: eval's ranks see uneven batches
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
+        run = stoppable.run if stoppable is not None else lambda evaluate_on: evaluate_on(None)
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
         with preserved_rng(self.env.device), whole, timed(f"step {self.step}: evaluating"):
-            metrics = evaluate(
-                self.model,
-                self.cfg.eval,
-                self.cfg.data,
-                device=self.env.device,
-                precision=self.cfg.train.precision,
+            metrics = run(
+                lambda group: evaluate(
+                    self.model,
+                    self.cfg.eval,
+                    self.cfg.data,
+                    device=self.env.device,
+                    precision=self.cfg.train.precision,
+                    group=group,
+                )
             )
+        if metrics is None:
+            get_logger().warning(f"step {self.step}: evaluation stopped by a signal")
+            return {}
         if monitor is not None:
             monitor.log(self.step, metrics)
             monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
