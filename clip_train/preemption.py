@@ -1,7 +1,8 @@
 """Preemption: SIGTERM (SLURM preempting or cancelling) or SIGUSR1 (``--signal=USR1@N``) makes the
 trainer checkpoint the step in progress and exit 75. The handler only records the signal: saving
-inside it could interrupt a collective halfway. Once nothing is left to save (the final evaluation)
-the handler stops the process at once instead.
+inside it could interrupt a collective halfway. In an evaluation the handler stops it at once instead:
+after the last step (nothing is left to save) the process stops; a periodic evaluation stops on
+every rank, and the step it follows is saved as after any step (``stopping.StoppableEvaluation``).
 """
 
 from __future__ import annotations

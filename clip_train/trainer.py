@@ -185,8 +185,9 @@ class Trainer:
         """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
 
         A SIGTERM or SIGUSR1 on any rank during a step checkpoints that step and raises ``Preempted``:
-        the ranks agree on it at each step boundary. During the final evaluation, when the last step
-        is saved, a signal raises ``Preempted`` at once."""
+        the ranks agree on it at each step boundary. A periodic evaluation stops on every rank first
+        (``StoppableEvaluation``). During the final evaluation, when the last step is saved, a signal
+        raises ``Preempted`` at once."""
         cfg, env = self.cfg, self.env
         monitor = None
         if env.is_main:
