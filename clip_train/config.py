@@ -154,6 +154,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # run directory: config, metrics, checkpoints, wandb
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
     dist_timeout_s: int = 600  # process-group init and collective timeout
+    io_timeout_s: int = 3600  # how long the other ranks wait while rank 0 alone pulls, verifies or saves
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     compile: bool = False  # torch.compile both towers (random ops keep eager semantics: exact replay)
     parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
@@ -238,6 +239,7 @@ class Config:
             "model.text.context_length",
             "train.max_steps",
             "train.dist_timeout_s",
+            "train.io_timeout_s",
             "train.max_bad_steps",
             "checkpoint.every_steps",
             "checkpoint.keep",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+import pickle
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,6 +102,31 @@ def all_ranks_true(flags: Sequence[bool], device: torch.device) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
+@contextmanager
+def failing_together(device: torch.device, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """A ``UserError`` that the block raises on some ranks is raised on every rank of ``group``, with
+    the lowest failing rank's message (naming it): a check that only some ranks fail must not leave
+    the others waiting in their next collective. A collective (one all-reduce while no rank fails);
+    the block itself must not hold one."""
+    error: UserError | None = None
+    try:
+        yield
+    except UserError as err:
+        error = err
+    if rank_and_world(group)[1] == 1:
+        if error is not None:
+            raise error
+        return
+    failed = torch.tensor([0 if error is None else 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return
+    messages: list[str | None] = [None] * rank_and_world(group)[1]
+    dist.all_gather_object(messages, None if error is None else str(error), group=group)
+    rank, message = next((rank, message) for rank, message in enumerate(messages) if message is not None)
+    raise UserError(f"on rank {rank}: {message}") from None
+
+
 def gather_to_main(obj: object) -> list[object] | None:
     """Every rank's ``obj`` on rank 0 (None elsewhere); just ``[obj]`` without a group."""
     if not dist.is_initialized():
@@ -157,15 +186,118 @@ def sum_counts_over_ranks(
 
 def decided_by_main(decide: Callable[[], T]) -> T:
     """``decide()`` run on rank 0 only; its result returned, or its ``UserError`` raised, on every
-    rank, so that the ranks act on one decision and fail together. A collective."""
-    outcome: list[Any] = [None, None]
-    if rank_and_world()[0] == 0:
+    rank, so that the ranks act on one decision and fail together. The other ranks wait for it
+    through the store, up to ``train.io_timeout_s``: rank 0 may pull, verify or finish a checkpoint
+    for minutes, longer than a collective may wait (``train.dist_timeout_s``)."""
+    rank, world = rank_and_world()
+    key = f"clip_train/decided/{next(_decisions)}"  # every rank makes the same calls in the same order
+    outcome: tuple[Any, str | None] = (None, None)
+    if rank == 0:
         try:
-            outcome[0] = decide()
+            outcome = (decide(), None)
         except UserError as err:
-            outcome[1] = str(err)
-    if rank_and_world()[1] > 1:
-        dist.broadcast_object_list(outcome, src=0)
+            outcome = (None, str(err))
+        if world > 1:
+            _default_store().set(key, pickle.dumps(outcome))
+    elif world > 1:
+        outcome = pickle.loads(_wait_for_key(key))
     if outcome[1] is not None:
         raise UserError(outcome[1])
     return outcome[0]
+
+
+# -- waiting without a collective, and ending together ----------------------------------------------
+
+_decisions = itertools.count()
+_main_only_timeout_s = [3600.0]  # train.io_timeout_s, set by set_main_only_timeout
+_store_polls = [0]  # grows while this rank polls the store: it is waiting, not stalled
+ENDING_KEY = "clip_train/ending"
+
+
+class PeerEnded(Exception):
+    """Another rank ended the run (its ``Ending`` is in the store) while this one waited for it."""
+
+
+def main_done() -> None:
+    """Every rank waits here until rank 0 gets here, through the store (``train.io_timeout_s``)."""
+    decided_by_main(lambda: None)
+
+
+def set_main_only_timeout(seconds: float) -> None:
+    """How long the other ranks wait for a phase rank 0 runs alone (``train.io_timeout_s``)."""
+    _main_only_timeout_s[0] = float(seconds)
+
+
+def store_polls() -> int:
+    """How often this rank polled the store for rank 0 so far: a rank that polls is not stalled."""
+    return _store_polls[0]
+
+
+def _wait_for_key(key: str) -> bytes:
+    """The value rank 0 sets under ``key``, polled in Python, so that signals are handled meanwhile;
+    ``PeerEnded`` once another rank has ended the run, ``UserError`` after ``train.io_timeout_s``."""
+    store, timeout_s = _default_store(), _main_only_timeout_s[0]
+    deadline, pause = time.monotonic() + timeout_s, 0.002
+    while not store.check([key]):
+        if store.check([ENDING_KEY]):
+            raise PeerEnded(key)
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"train.io_timeout_s={timeout_s:.0f}: rank 0 did not finish its part (a checkpoint's pull, "
+                "verification or save, or init_from) in time; raise it if that can take longer"
+            )
+        _store_polls[0] += 1
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+    return store.get(key)
+
+
+def announce_ending(ending: bytes) -> bytes:
+    """Record ``ending`` as how the run ends unless a rank recorded one before; returns the first."""
+    return _default_store().compare_set(ENDING_KEY, "", ending)
+
+
+def announced_ending() -> bytes | None:
+    """The ending a rank recorded, or None (also when the store cannot be reached)."""
+    try:
+        store = _default_store()
+        return store.get(ENDING_KEY) if store.check([ENDING_KEY]) else None
+    except (RuntimeError, ValueError):  # the group is gone, or the store's host with it
+        return None
+
+
+def raise_store_flag(key: str) -> None:
+    """Set the flag ``key`` in the group's store, for every rank to see."""
+    _default_store().set(key, b"1")
+
+
+def store_flag(key: str) -> bool:
+    """Whether a rank set the flag ``key`` (False also when the store cannot be reached)."""
+    try:
+        return _default_store().check([key])
+    except (RuntimeError, ValueError):
+        return False
+
+
+def new_group_of_all() -> dist.ProcessGroup | None:
+    """A process group of every rank beside the default one (None without torch.distributed). A
+    collective."""
+    return dist.new_group() if rank_and_world()[1] > 1 else None
+
+
+def abort_distributed() -> None:
+    """End this rank's process group without waiting for its peers: after an error, a destroy could
+    wait on a collective a stalled peer never joins."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+def abort_collectives(group: dist.ProcessGroup | None = None) -> None:
+    """Make the collectives in flight in ``group`` (the default group) return with an error, from any
+    thread (NCCL; a gloo collective returns once its peer's group is gone)."""
+    with suppress(RuntimeError, ValueError):  # no group (any more): nothing in flight
+        (group or dist.distributed_c10d._get_default_group()).abort()
+
+
+def _default_store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()

@@ -1,11 +1,13 @@
 """Preemption: SIGTERM (SLURM preempting or cancelling) or SIGUSR1 (``--signal=USR1@N``) makes the
 trainer checkpoint the step in progress and exit 75. The handler only records the signal: saving
-inside it could interrupt a collective halfway. Once nothing is left to save (the final evaluation)
-the handler stops the process at once instead.
+inside it could interrupt a collective halfway. In an evaluation the handler stops it at once instead:
+after the last step (nothing is left to save) the process stops; a periodic evaluation stops on
+every rank, and the step it follows is saved as after any step (``stopping.StoppableEvaluation``).
 """
 
 from __future__ import annotations
 
+import _thread
 import multiprocessing
 import signal
 import threading
@@ -29,12 +31,23 @@ class SignalFlag:
 
     received: signal.Signals | None = None
     interrupting: bool = False  # raise ``Preempted`` in the handler instead of waiting for the step's end
+    relayed: bool = False  # the next call of the handler comes from ``relay``, not from a signal
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
+        if self.relayed:
+            self.relayed = False
+        elif self.received is None:
             self.received = signal.Signals(signum)
         if self.interrupting:
-            raise Preempted(f"{self.received.name} received")
+            raise Preempted(
+                f"{self.received.name} received" if self.received else "another rank was signalled"
+            )
+
+    def relay(self) -> None:
+        """From another thread: run the handler in the main thread as a signal would, recording no
+        signal (another rank's), so that it raises ``Preempted`` there if ``interrupting``."""
+        self.relayed = True
+        _thread.interrupt_main(signal.SIGUSR1)
 
 
 @contextmanager

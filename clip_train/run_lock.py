@@ -35,8 +35,9 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
+import torch
 
-from clip_train.distributed import decided_by_main
+from clip_train.distributed import decided_by_main, failing_together
 from clip_train.errors import UserError, naming_key
 from clip_train.logs import get_logger
 
@@ -45,6 +46,8 @@ HEARTBEAT_S = 30.0
 STALE_S = 90.0  # three missed heartbeats
 FILL_WAIT_S = 1.0  # a lock file is filled right after it is created: how long an empty one is re-read
 MAX_ATTEMPTS = 10  # takeovers lost to other contenders before giving up
+SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's lock before taking out_dir for unshared
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -267,22 +270,44 @@ class RunLock:
 
 @contextmanager
 def hold_out_dir(
-    out_dir: str | Path, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S
+    out_dir: str | Path,
+    device: torch.device = CPU,
+    heartbeat_s: float = HEARTBEAT_S,
+    stale_s: float = STALE_S,
 ) -> Iterator[None]:
     """Hold the lock on ``train.out_dir`` for the block, on global rank 0. A collective: every rank
     learns rank 0's outcome, so a refusal raises the same ``UserError`` on all of them and none is
-    left waiting for rank 0 in the next collective."""
+    left waiting for rank 0 in the next collective. Every rank then finds rank 0's lock in the folder
+    (``device`` holds the vote on it), or all stop: checkpoints are written by several ranks into
+    folders rank 0 creates, so the folder must be one that all nodes share."""
     lock = RunLock(Path(out_dir), heartbeat_s, stale_s)
     try:
-        decided_by_main(lambda: _take_announced(lock))
+        token = decided_by_main(lambda: _take_announced(lock))
+        with failing_together(device):
+            _check_shared(lock, token)
         yield
     finally:
         lock.release()
 
 
-def _take_announced(lock: RunLock) -> None:
-    """Acquire, with errors naming ``train.out_dir``, and one line when a stale lock is taken over."""
+def _take_announced(lock: RunLock) -> str:
+    """Acquire, with errors naming ``train.out_dir``, and one line when a stale lock is taken over;
+    returns the lock's token."""
     with naming_key("train.out_dir", str(lock.out_dir)):
         replaced = lock.acquire()
     if replaced:
         get_logger().warning(f"train.out_dir={lock.out_dir}: took over the lock of {replaced}")
+    return lock.me.token
+
+
+def _check_shared(lock: RunLock, token: str, wait_s: float = SHARED_WAIT_S) -> None:
+    """Whether this rank sees the lock rank 0 holds, waiting ``wait_s`` for a network filesystem's
+    cached view of the folder to catch up."""
+    deadline = time.monotonic() + wait_s
+    while (found := _read(lock.path)) is None or found.holder is None or found.holder.token != token:
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"train.out_dir={lock.out_dir} is not the folder rank 0 holds (its lock {LOCK_FILE} is "
+                f"missing or another run's): train.out_dir must be on a filesystem all nodes share"
+            )
+        time.sleep(0.1)

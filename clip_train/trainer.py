@@ -16,7 +16,14 @@ import torch
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
 from clip_train.config import Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
-from clip_train.distributed import DistEnv, all_ranks_true, decided_by_main, sum_counts_over_ranks
+from clip_train.distributed import (
+    DistEnv,
+    all_ranks_true,
+    decided_by_main,
+    failing_together,
+    main_done,
+    sum_counts_over_ranks,
+)
 from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
@@ -24,7 +31,7 @@ from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate
 from clip_train.flops import device_peak_tflops, tower_flops, training_flops_per_sample
 from clip_train.init_from import load_init_from
-from clip_train.logs import timed
+from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import build_model, compile_towers
 from clip_train.monitor import RunMonitor
@@ -35,6 +42,7 @@ from clip_train.plan import choose_chunks
 from clip_train.plan.auto_chunks import ChunkChoice
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.remote import RemoteMirror
+from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 
 
 @dataclass
@@ -65,6 +73,8 @@ class Trainer:
         self.model = model if on_meta else model.to(env.device)
         if fine_tune and not on_meta:
             self._load_init_from()
+        if fine_tune and self.sharded:
+            main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
         self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)
         # Counted on the whole towers, before compiling (one-sample shapes) and sharding.
         towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
@@ -196,8 +206,9 @@ class Trainer:
         """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
 
         A SIGTERM or SIGUSR1 on any rank during a step checkpoints that step and raises ``Preempted``:
-        the ranks agree on it at each step boundary. During the final evaluation, when the last step
-        is saved, a signal raises ``Preempted`` at once."""
+        the ranks agree on it at each step boundary. A periodic evaluation stops on every rank first
+        (``StoppableEvaluation``). During the final evaluation, when the last step is saved, a signal
+        raises ``Preempted`` at once."""
         cfg, env = self.cfg, self.env
         monitor = None
         if env.is_main:
@@ -216,11 +227,13 @@ class Trainer:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         try:
             with preemption_signals() as signals:
+                self.signals = signals
                 while all_ranks_true([signals.received is None], env.device)[0]:
                     if self.step >= cfg.train.max_steps:
                         return self._final_evaluation(signals, monitor)
                     started = time.perf_counter()
-                    batch = next(self.loader)
+                    with failing_together(env.device):  # a rank's data error stops all at once
+                        batch = next(self.loader)
                     data_s = time.perf_counter() - started
                     result = self.train_step(batch)
                     self._after_step(result, monitor, data_s, time.perf_counter() - started)
@@ -250,10 +263,11 @@ class Trainer:
         if at_checkpoint and not self.update.bad_in_a_row:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
-            self._evaluate(monitor)
+            self._evaluate(monitor, StoppableEvaluation(self.signals))  # a signal stops it on every rank
 
     def _save(self) -> None:
-        self.checkpointer.save(self.step)
+        with writing_checkpoint():
+            self.checkpointer.save(self.step)
         self.saved_step = self.step
         if self.remote is not None:
             self.remote.push(latest_checkpoint(self.run_dir))
@@ -350,22 +364,32 @@ class Trainer:
         tflops = self.flops_per_sample * samples_per_s / self.env.world_size / 1e12
         return {"train/tflops": tflops, "train/mfu": tflops / self.peak_tflops}
 
-    def _evaluate(self, monitor: RunMonitor | None) -> dict[str, float]:
+    def _evaluate(
+        self, monitor: RunMonitor | None, stoppable: StoppableEvaluation | None = None
+    ) -> dict[str, float]:
+        """The evaluation metrics; empty without eval data, or when ``stoppable`` was stopped."""
         if not (self.cfg.data.val or self.cfg.eval.zeroshot):
             return {}
         averaged = self.ema.swapped_in() if self.cfg.eval.use_ema else contextlib.nullcontext()
         whole = contextlib.nullcontext()
         if self.sharded:  # every rank gathers the full weights: eval's ranks see uneven batches
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
+        run = stoppable.run if stoppable is not None else lambda evaluate_on: evaluate_on(None)
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
         with preserved_rng(self.env.device), averaged, whole, timed(f"step {self.step}: evaluating"):
-            metrics = evaluate(
-                self.model,
-                self.cfg.eval,
-                self.cfg.data,
-                device=self.env.device,
-                precision=self.cfg.train.precision,
+            metrics = run(
+                lambda group: evaluate(
+                    self.model,
+                    self.cfg.eval,
+                    self.cfg.data,
+                    device=self.env.device,
+                    precision=self.cfg.train.precision,
+                    group=group,
+                )
             )
+        if metrics is None:
+            get_logger().warning(f"step {self.step}: evaluation stopped by a signal")
+            return {}
         if monitor is not None:
             monitor.log(self.step, metrics)
             monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

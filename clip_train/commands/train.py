@@ -5,18 +5,18 @@ non-zero, so torchrun stops (or restarts) the group; collectives time out after
 ``train.dist_timeout_s`` instead of hanging. The config is checked before torch is imported (a
 typo is reported in a second, not after the imports), every path the run reads before the process
 group and the model exist, the run holds ``train.out_dir``'s lock before it touches the folder, and
-a run stopped by SIGTERM or SIGUSR1 exits with ``EXIT_PREEMPTED`` (75) after its checkpoint.
+a run stopped by SIGTERM or SIGUSR1 exits with ``EXIT_PREEMPTED`` (75) after its checkpoint. However a
+run ends, every rank prints the same one-line cause and exits with the same code (``stopping``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from clip_train.config import load_config
-from clip_train.errors import UserError
-from clip_train.logs import get_logger, setup_logging
-from clip_train.preemption import EXIT_PREEMPTED, Preempted
+from clip_train.logs import setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,28 +31,23 @@ def run(args: argparse.Namespace) -> int:
         # loader workers that share the cores get them (8 % faster CPU steps with one worker on 2).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported only now: torch, timm and transformers take seconds to load.
-    from clip_train.distributed import init_distributed, shutdown_distributed
+    from clip_train.distributed import init_distributed, set_main_only_timeout, shutdown_distributed
     from clip_train.run_lock import hold_out_dir
     from clip_train.startup_checks import check_paths
+    from clip_train.stopping import StopWatch
     from clip_train.trainer import Trainer
 
     check_paths(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    set_main_only_timeout(cfg.train.io_timeout_s)
     setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
-    log = get_logger()
+    watch = StopWatch(env, Path(cfg.train.out_dir))
     try:
-        with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, taken before the model is built
+        with hold_out_dir(cfg.train.out_dir, env.device):  # one run per out_dir, before the model is built
             Trainer(cfg, env).run()
-    except Preempted as stop:
-        if env.is_main:
-            log.warning(f"preempted: {stop}")
-        return EXIT_PREEMPTED
-    except UserError as err:
-        log.error(f"rank {env.rank}: error: {err}")
-        return 2
-    except Exception:
-        log.exception(f"rank {env.rank} of {env.world_size} failed:")
-        return 1
+    except (Exception, KeyboardInterrupt) as err:  # every way out is one line, the same on every rank
+        return watch.ended_by(err)
     finally:
-        shutdown_distributed()
+        watch.close()
+    shutdown_distributed()
     return 0

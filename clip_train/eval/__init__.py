@@ -61,7 +61,7 @@ def evaluate(
     zeroshot_source = labelled_images(eval_cfg, data_cfg) if eval_cfg.zeroshot else ""
     retrieval = eval_cfg.retrieval and bool(data_cfg.val)
     shared_pass = retrieval and zeroshot_source == data_cfg.val
-    encode = dict(device=device, precision=precision)
+    encode = dict(device=device, precision=precision, group=group)
     share = dict(
         batch_size=eval_cfg.batch_size,
         workers=data_cfg.workers,
@@ -92,7 +92,7 @@ def evaluate(
         metrics["val/loss"] = validation_loss(*features, scale, bias, group=group)
     if eval_cfg.zeroshot:
         classifier = build_zeroshot_classifier(
-            model, classnames, templates, batch_size=eval_cfg.batch_size, group=group, **encode
+            model, classnames, templates, batch_size=eval_cfg.batch_size, **encode
         )
         if shared_pass:
             split = val_split

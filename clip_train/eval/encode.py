@@ -7,10 +7,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from clip_train.data import Batch
 from clip_train.data.eval_sources import EvalError, LabelledImages
+from clip_train.distributed import failing_together
 from clip_train.logs import progress
 from clip_train.precision import autocast
 
@@ -50,13 +52,15 @@ def encode_split(
     text: bool,
     labels: bool,
     source: str = "eval data",
+    group: dist.ProcessGroup | None = None,
 ) -> EncodedSplit:
-    """Encode every batch (``.images``; ``.input_ids``/``.attention_mask``; ``.labels``)."""
+    """Encode every batch (``.images``; ``.input_ids``/``.attention_mask``; ``.labels``). A collective:
+    samples without a label on one rank stop every rank of ``group`` with the same error."""
     dtype = feature_dtype(precision)
     images: list[torch.Tensor] = []
     texts: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
-    with inference(model, device, precision):
+    with failing_together(device, group), inference(model, device, precision):
         for batch in progress(batches, f"encoding {source}", unit="batch"):
             images.append(model.encode_image(batch.images.to(device, non_blocking=True)).to(dtype))
             if text:

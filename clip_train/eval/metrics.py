@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from clip_train.data.eval_sources import EvalError
-from clip_train.distributed import gather_rows, rank_and_world, sum_over_ranks
+from clip_train.distributed import failing_together, gather_rows, rank_and_world, sum_over_ranks
 from clip_train.loss.checks import Batch
 from clip_train.loss.reference import vanilla_loss, vanilla_sigmoid_loss
 
@@ -118,11 +118,12 @@ def zeroshot_from_features(
 ) -> dict[str, float]:
     """Top-1/top-5 accuracy of this rank's features, counts summed over ranks."""
     num_classes = classifier.shape[0]
-    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
-        raise EvalError(
-            f"zero-shot labels span [{int(labels.min())}, {int(labels.max())}] but there are "
-            f"{num_classes} class names"
-        )
+    with failing_together(labels.device, group):
+        if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
+            raise EvalError(
+                f"zero-shot labels span [{int(labels.min())}, {int(labels.max())}] but there are "
+                f"{num_classes} class names"
+            )
     if image_features.numel() == 0:
         image_features = classifier.new_zeros((0, classifier.shape[1]))
     hits = hits_at_k(image_features @ classifier.T, labels, ZEROSHOT_KS)

@@ -96,5 +96,7 @@ def zeroshot_accuracy(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """Encode this rank's labelled images and score them against ``classifier``: top1, top5, n."""
-    split = encode_split(model, loader, device=device, precision=precision, text=False, labels=True)
+    split = encode_split(
+        model, loader, device=device, precision=precision, text=False, labels=True, group=group
+    )
     return zeroshot_from_features(split.image_features, split.labels, classifier, group=group)

@@ -1,0 +1,18 @@
+"""Faults injected into one rank of a real torchrun run: a ``sitecustomize.py`` on PYTHONPATH, which
+every interpreter runs at start-up, patches the package in the process whose ``RANK`` matches and
+does nothing anywhere else (torchrun itself, the other ranks)."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+
+def patched_in_rank(rank: int, code: str, folder: Path) -> dict[str, str]:
+    """The environment for a run in which rank ``rank`` first runs ``code``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    body = textwrap.indent(textwrap.dedent(code).strip(), "    ")
+    (folder / "sitecustomize.py").write_text(f"import os\n\nif os.environ.get('RANK') == '{rank}':\n{body}\n")
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}

@@ -1,0 +1,360 @@
+"""Ranks stop together: an error that one rank alone meets, a SIGTERM to ranks blocked in a
+collective, a folder only one rank sees, a rank-0-only phase longer than the collective timeout.
+
+The faults are injected inside one rank's process (``rank_faults``). Errors are run as Slurm's
+``srun`` starts ranks, one process each without torchrun, so that nothing but the ranks themselves
+ends them and each rank's exit code and lines can be read; the stall is run under torchrun, whose
+teardown SIGTERM it is about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from processes import IDLE_LIMIT_S, Watched
+from rank_faults import patched_in_rank
+from small_runs import DEMO_CONFIG, free_port, run_overrides
+
+from clip_train.checkpoint import checkpoint_problem, checkpoint_step, complete_checkpoints
+from clip_train.preemption import EXIT_PREEMPTED
+
+EXIT_AFTER_CAUSE_S = 60  # the issue asks for 30 s; a hang is forever, an exit takes seconds
+STEPS = 4
+
+
+def overrides(digits: Path, out: Path, *extra: str) -> list[str]:
+    return run_overrides(
+        digits, out, STEPS, "checkpoint.every_steps=2", "log.every_steps=1", "data.workers=0", *extra
+    )
+
+
+def zeroshot(digits: Path) -> list[str]:
+    return [f"eval.zeroshot={digits}/zeroshot.json", f"eval.zeroshot_data={digits}/val"]
+
+
+def plain_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def start_ranks(args: list[str], env: dict[str, str], ranks: int = 2) -> list[Watched]:
+    """One ``clip-train train`` process per rank, joined through rank 0's store, as ``srun`` starts them."""
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *args]
+    return [
+        Watched.start(
+            command,
+            merge_stderr=True,
+            env={
+                **env,
+                **rendezvous,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(ranks),
+            },
+        )
+        for rank in range(ranks)
+    ]
+
+
+def torchrun(args: list[str], env: dict[str, str]) -> Watched:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return Watched.start(
+        [*command, "-m", "clip_train", "train", str(DEMO_CONFIG), *args], env=env, merge_stderr=True
+    )
+
+
+def wait_for_text(runs: list[Watched], needle: str) -> float:
+    """When ``needle`` first appeared in any run's output; fails once every run ended without it, or
+    all went silent for ``IDLE_LIMIT_S``."""
+    while True:
+        seen = [at for run in runs if (at := run.stdout.first_seen(needle)) is not None]
+        if seen:
+            return min(seen)
+        if all(run.process.poll() is not None for run in runs):
+            raise AssertionError(
+                f"ended without {needle!r}:\n" + "\n".join(r.stdout.text[-3000:] for r in runs)
+            )
+        assert time.monotonic() - max(r.last_output for r in runs) < IDLE_LIMIT_S, f"silent before {needle!r}"
+        time.sleep(0.05)
+
+
+def ended_within_bound(runs: list[Watched], since: float) -> list[int]:
+    """Every run's exit code; fails for a run still going ``EXIT_AFTER_CAUSE_S`` after ``since``."""
+    codes = []
+    for run in runs:
+        try:
+            codes.append(run.process.wait(timeout=max(1.0, since + EXIT_AFTER_CAUSE_S - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in runs:
+                other.process.kill()
+            still = run.stdout.text[-3000:]
+            raise AssertionError(f"a rank ran on {EXIT_AFTER_CAUSE_S} s after the cause:\n{still}") from None
+        run.wait()
+    return codes
+
+
+def cause_lines(output: str, needle: str) -> list[str]:
+    """The lines naming ``needle``, without the ``clip-train: [rank N] rank N: `` part that names the
+    rank printing it."""
+    lines = [line for line in output.splitlines() if needle in line and line.startswith("clip-train: ")]
+    return [re.sub(r"^clip-train: (\[rank \d\] )?(rank \d: )?", "", line) for line in lines]
+
+
+def assert_last_checkpoint_intact(out: Path, step: int) -> None:
+    last = complete_checkpoints(out)[-1]
+    assert checkpoint_step(last) == step
+    assert checkpoint_problem(last, checksums=True) is None
+
+
+DATA_ERROR = """
+from clip_train.data import pipeline
+from clip_train.data.samples import DataError
+
+real_next = pipeline.TrainLoader.__next__
+
+def next_or_fail(self):
+    if self._step == 2:
+        raise DataError("3 of 8 samples were skipped, more than data.max_skip_fraction=0.1 (injected)")
+    return real_next(self)
+
+pipeline.TrainLoader.__next__ = next_or_fail
+"""
+
+OUT_OF_MEMORY = """
+import torch
+from clip_train import trainer
+
+real_step = trainer.Trainer.train_step
+
+def step_or_fail(self, batch):
+    if self.step == 2:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    return real_step(self, batch)
+
+trainer.Trainer.train_step = step_or_fail
+"""
+
+LABELS_OUT_OF_RANGE = """
+import clip_train.eval as evaluation
+
+real_zeroshot = evaluation.zeroshot_from_features
+
+def shifted(image_features, labels, classifier, **kwargs):
+    return real_zeroshot(image_features, labels + 100, classifier, **kwargs)
+
+evaluation.zeroshot_from_features = shifted
+"""
+
+NO_LABELS = """
+import dataclasses
+import clip_train.eval as evaluation
+
+real_batches = evaluation.shard_batches
+
+def unlabelled(*args, **kwargs):
+    return (dataclasses.replace(batch, labels=None) for batch in real_batches(*args, **kwargs))
+
+evaluation.shard_batches = unlabelled
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "extra", "needle", "code", "cause", "saved"),
+    [
+        (DATA_ERROR, False, "were skipped", 2, "error: on rank 1: 3 of 8 samples were skipped", 2),
+        (
+            OUT_OF_MEMORY,
+            False,
+            "OutOfMemoryError",
+            1,
+            "error: rank 1 failed: OutOfMemoryError: CUDA",
+            2,
+        ),
+        (
+            LABELS_OUT_OF_RANGE,
+            True,
+            "zero-shot labels span",
+            2,
+            "error: on rank 1: zero-shot labels span",
+            4,
+        ),
+        (NO_LABELS, True, "samples have no label", 2, "error: on rank 1: ", 4),
+    ],
+    ids=["skip-rate", "out-of-memory", "label-range", "no-labels"],
+)
+def test_an_error_on_one_rank_ends_every_rank_with_its_line(
+    digits, tmp_path, fault, extra, needle, code, cause, saved
+):
+    out = tmp_path / "run"
+    args = overrides(digits, out, *(zeroshot(digits) if extra else []))
+    runs = start_ranks(args, patched_in_rank(1, fault, tmp_path / "fault"))
+    codes = ended_within_bound(runs, wait_for_text(runs, needle))
+    assert codes == [code, code], [r.stdout.text[-3000:] for r in runs]
+    lines = [cause_lines(run.stdout.text, needle) for run in runs]
+    assert len(lines[0]) == 1 and lines[0] == lines[1], lines  # one line each, the same
+    assert lines[0][0].startswith(cause), lines
+    assert "Traceback" not in runs[0].stdout.text  # the rank that did not fail prints the cause only
+    assert_last_checkpoint_intact(out, saved)
+
+
+def test_out_dir_seen_by_one_rank_only_stops_both_naming_the_key(digits, tmp_path):
+    """Rank 1 sees another folder under the same key, as on a node whose out_dir is a local disk."""
+    elsewhere = f"""
+import clip_train.config as config
+
+real_load = config.load_config
+
+def load_elsewhere(*args, **kwargs):
+    cfg = real_load(*args, **kwargs)
+    cfg.train.out_dir = {str(tmp_path / "node-local")!r}
+    return cfg
+
+config.load_config = load_elsewhere
+"""
+    runs = start_ranks(overrides(digits, tmp_path / "run"), patched_in_rank(1, elsewhere, tmp_path / "fault"))
+    needle = "must be on a filesystem all nodes share"
+    codes = ended_within_bound(runs, wait_for_text(runs, needle))
+    assert codes == [2, 2]
+    lines = [cause_lines(run.stdout.text, needle) for run in runs]
+    expected = (
+        f"error: on rank 1: train.out_dir={tmp_path / 'node-local'} is not the folder rank 0 holds (its "
+        "lock .clip_train.lock is missing or another run's): train.out_dir must be on a filesystem all "
+        "nodes share"
+    )
+    assert lines[0] == lines[1] == [expected]
+
+
+def test_rank_zero_alone_may_take_longer_than_the_collective_timeout(digits, tmp_path):
+    """Rank 0 verifies at start-up and writes the step-2 checkpoint each for longer than
+    ``train.dist_timeout_s``: the other rank waits (``train.io_timeout_s``) and the run completes."""
+    slow = """
+import time
+from clip_train import checkpoint
+
+real_save, real_resume_point = checkpoint.save_checkpoint, checkpoint.Checkpointer._resume_point
+
+def slow_save(out_dir, step, *args, **kwargs):
+    if step == 2:
+        time.sleep(30)
+    return real_save(out_dir, step, *args, **kwargs)
+
+def slow_resume_point(self):
+    time.sleep(30)
+    return real_resume_point(self)
+
+checkpoint.save_checkpoint = slow_save
+checkpoint.Checkpointer._resume_point = slow_resume_point
+"""
+    out = tmp_path / "run"
+    run = torchrun(
+        overrides(digits, out, "train.dist_timeout_s=20"), patched_in_rank(0, slow, tmp_path / "fault")
+    )
+    result = run.wait()
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 4]
+
+
+def signal_ranks(run: Watched, sig: signal.Signals, ranks: tuple[int, ...] = (0, 1)) -> None:
+    """``sig`` to torchrun's workers of ``ranks`` and their process groups, as torchrun or Slurm send it."""
+    for worker in psutil.Process(run.process.pid).children():
+        if int(worker.environ()["RANK"]) in ranks:
+            os.killpg(worker.pid, sig)
+
+
+def test_sigterm_ends_ranks_blocked_in_a_collective(digits, tmp_path):
+    """Rank 1 hangs in step 3 (alive, outside any collective); rank 0 waits for it in the step's
+    collectives. SIGTERM to both, as torchrun's teardown or Slurm sends it: both end with exit code
+    75 and the same line, the step-2 checkpoint intact."""
+    hanging = tmp_path / "hanging"
+    hang = f"""
+import pathlib
+import time
+from clip_train import trainer
+
+real_step = trainer.Trainer.train_step
+
+def step_or_hang(self, batch):
+    if self.step == 2:
+        pathlib.Path({str(hanging)!r}).touch()
+        time.sleep(3600)
+    return real_step(self, batch)
+
+trainer.Trainer.train_step = step_or_hang
+"""
+    out = tmp_path / "run"
+    env = patched_in_rank(1, hang, tmp_path / "fault")
+    run = torchrun(overrides(digits, out, "checkpoint.resume=auto"), env)
+    run.wait_for(hanging.exists, "rank 1 hanging in step 3")
+    signal_ranks(run, signal.SIGTERM)
+    needle = "waited for the other ranks"
+    since = wait_for_text([run], needle)
+    ended_within_bound([run], since)
+    lines = cause_lines(run.stdout.text, needle)
+    assert len(lines) == 2 and lines[0] == lines[1], run.stdout.text[-4000:]
+    assert re.fullmatch(
+        r"preempted: SIGTERM received while rank [01] waited for the other ranks for \d+ s \(a rank stalled "
+        rf"or gone\): checkpoint.resume=auto continues from {re.escape(str(complete_checkpoints(out)[-1]))}",
+        lines[0],
+    )
+    # torchrun reports each rank's exit code; a rank it stopped after it printed its line has -15
+    codes = {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", run.stdout.text)}
+    assert EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}, run.stdout.text[-3000:]
+    assert_last_checkpoint_intact(out, 2)
+
+
+def test_preempted_on_one_rank_in_the_final_evaluation_ends_both(digits, tmp_path):
+    """SIGTERM to rank 1 alone while both evaluate after the last step: both exit 75 with rank 1's
+    line, and the last step's checkpoint is intact."""
+    out = tmp_path / "run"
+    args = [*overrides(digits, out, "log.all_ranks=true"), *slow_zeroshot(digits, tmp_path)]
+    runs = start_ranks(args, plain_env())
+    wait_for_text([runs[1]], f"[rank 1] step {STEPS}: evaluating ...")
+    runs[1].process.send_signal(signal.SIGTERM)
+    needle = "during the final evaluation"
+    codes = ended_within_bound(runs, wait_for_text(runs, needle))
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED]
+    lines = [cause_lines(run.stdout.text, needle) for run in runs]
+    assert len(lines[0]) == 1 and lines[0] == lines[1], lines
+    assert lines[0][0].startswith("preempted: SIGTERM received during the final evaluation: nothing new")
+    assert_last_checkpoint_intact(out, STEPS)
+
+
+def slow_zeroshot(digits: Path, folder: Path) -> list[str]:
+    """Zero-shot on digits with 3000 templates a class: an evaluation that takes a while."""
+    classes = json.loads((digits / "zeroshot.json").read_text())
+    slow = {**classes, "templates": [f"digit {{}} number {i}" for i in range(3000)]}
+    (folder / "slow-zeroshot.json").write_text(json.dumps(slow))
+    return [f"eval.zeroshot={folder / 'slow-zeroshot.json'}", f"eval.zeroshot_data={digits}/val"]
+
+
+def test_a_signal_during_a_periodic_evaluation_saves_its_step_and_stops_every_rank(digits, tmp_path):
+    """SIGUSR1 to rank 1 alone in the step-2 evaluation (no checkpoint due before step 1000): both
+    ranks leave the evaluation, save step 2 and exit 75."""
+    out = tmp_path / "run"
+    extra = ("log.all_ranks=true", "eval.every_steps=2", "checkpoint.every_steps=1000")
+    runs = start_ranks([*overrides(digits, out, *extra), *slow_zeroshot(digits, tmp_path)], plain_env())
+    wait_for_text([runs[1]], "[rank 1] step 2: evaluating ...")
+    runs[1].process.send_signal(signal.SIGUSR1)
+    codes = ended_within_bound(runs, wait_for_text(runs, "stopped after step 2"))
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], [r.stdout.text[-3000:] for r in runs]
+    (saved,) = complete_checkpoints(out)
+    for rank, cause in enumerate(("another rank was signalled", "SIGUSR1 received")):
+        output = runs[rank].stdout.text
+        assert f"[rank {rank}] step 2: evaluation stopped by a signal" in output, output[-3000:]
+        assert (
+            f"[rank {rank}] preempted: {cause}: stopped after step 2; checkpoint.resume=auto continues from "
+            f"{saved}" in output
+        ), output[-3000:]
+    assert_last_checkpoint_intact(out, 2)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and not any("zeroshot/top1" in r for r in records)
