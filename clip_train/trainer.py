@@ -6,6 +6,7 @@ stopping cleanly on preemption. The trainer, update, loader and RNG streams are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,28 +100,19 @@ class Trainer:
         per_rank = {"rng": ProcessRng(), "data": self.loader}
         if self.sharded:  # the optimizer's states are saved in shards, beside the weights'
             optimizer = self.update.optimizer
-            shared = {"trainer": self, "update": OptimizerApart(self.update, optimizer)}
-            self.checkpointer = ShardedCheckpointer(
-                self.run_dir,
-                cfg.checkpoint,
-                self.model,
-                cfg.model,
-                shared=shared,
-                per_rank=per_rank,
-                ema=self.ema,
-                optimizer=optimizer,
-            )
+            make_checkpointer = functools.partial(ShardedCheckpointer, optimizer=optimizer)
+            update = OptimizerApart(self.update, optimizer)
         else:
-            shared = {"trainer": self, "update": self.update}
-            self.checkpointer = Checkpointer(
-                self.run_dir,
-                cfg.checkpoint,
-                self.model,
-                cfg.model,
-                shared=shared,
-                per_rank=per_rank,
-                ema=self.ema,
-            )
+            make_checkpointer, update = Checkpointer, self.update
+        self.checkpointer = make_checkpointer(
+            self.run_dir,
+            cfg.checkpoint,
+            self.model,
+            cfg.model,
+            shared={"trainer": self, "update": update},
+            per_rank=per_rank,
+            ema=self.ema,
+        )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         self.resumed_from = self.checkpointer.restore()
         if self.step > cfg.train.max_steps:
@@ -135,8 +127,8 @@ class Trainer:
         self.engine = GradCache.from_config(self.model, cfg, self.chunks)
         self.flops_per_sample = None
         if towers_flops is not None:
-            per_rank = cfg.batch.global_size // env.world_size
-            trains, replayed = self.engine.trains_and_replays(per_rank)
+            rows = cfg.batch.global_size // env.world_size
+            trains, replayed = self.engine.trains_and_replays(rows)
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
 
     def _remote_mirror(self) -> RemoteMirror | None:
