@@ -326,7 +326,7 @@ def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_pat
         stats = real_step(*args, **kwargs)
         seen.append(snapshot(trainer))
         if len(seen) == 1:
-            stats.loss = float("nan")
+            stats.loss = torch.full_like(stats.loss, float("nan"))
         return stats
 
     trainer.engine.step = poisoned_first_step
