@@ -93,12 +93,17 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_ranks_true(flags: Sequence[bool], device: torch.device) -> list[bool]:
-    """Each flag ANDed over the ranks, in one all-reduce, so all ranks take the same branches."""
-    if not dist.is_initialized():
+def all_ranks_true(flags: Sequence[bool] | torch.Tensor, device: torch.device) -> list[bool]:
+    """Each flag ANDed over the ranks, in one all-reduce, so all ranks take the same branches.
+    Flags computed on the device come as a bool tensor: nothing waits for them until the one read."""
+    if isinstance(flags, torch.Tensor):
+        values = flags.to(device=device, dtype=torch.long)
+    elif not dist.is_initialized():
         return list(flags)
-    values = torch.tensor([1 if flag else 0 for flag in flags], device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    else:
+        values = torch.tensor([1 if flag else 0 for flag in flags], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)
     return [bool(value) for value in values.tolist()]
 
 

@@ -37,9 +37,9 @@ class RunMonitor:
             self.wandb_run.log(metrics, step=step)
         self.progress.plain_line()
 
-    def advance(self, step: int, summary: dict[str, Any]) -> None:
-        """Move the bar to ``step`` and show a few headline numbers."""
-        self.progress.move_to(step, {k: _short(v) for k, v in summary.items()})
+    def advance(self, step: int, summary: dict[str, Any] | None = None) -> None:
+        """Move the bar to ``step`` and show a few headline numbers (without: the last ones shown)."""
+        self.progress.move_to(step, {k: _short(v) for k, v in summary.items()} if summary else None)
 
     def message(self, text: str) -> None:
         self.progress.write(text)

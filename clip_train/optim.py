@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from clip_train.checkpoint import latest_checkpoint
@@ -159,21 +160,26 @@ class Update:
         multiple of it."""
         return self.base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
-    def __call__(self, loss: float, step: int) -> float:
-        """Unscale, clip and step (or skip); returns the gradient norm."""
+    def __call__(self, loss: torch.Tensor | float, step: int) -> torch.Tensor:
+        """Unscale, clip and step (or skip); returns the gradient norm, on the device. Whether the
+        loss and the norm are finite on every rank is the step's one host read (on CUDA it waits
+        for the step's kernels); the values themselves stay on the device for the logger."""
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        (loss_ok,) = all_ranks_true([math.isfinite(loss)], self.device)
-        if loss_ok and math.isfinite(grad_norm):
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(grad_norm, DTensor):  # FSDP: the norm of the whole gradient
+            grad_norm = grad_norm.full_tensor()
+        loss = torch.as_tensor(loss, device=grad_norm.device)
+        loss_ok, norm_ok = all_ranks_true(torch.stack([loss.isfinite(), grad_norm.isfinite()]), self.device)
+        if loss_ok and norm_ok:
             self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
             with torch.no_grad():
                 self.model.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
             self.bad_in_a_row = 0
         elif not (loss_ok and self.scaler.is_enabled()):  # an fp16 overflow only lowers the scale
-            self._count_bad_step(loss, grad_norm, step)
+            self._count_bad_step(float(loss), float(grad_norm), step)
         self.scaler.update()
         self.scheduler.step()
         return grad_norm

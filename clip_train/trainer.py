@@ -49,7 +49,7 @@ from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 @dataclass
 class StepResult:
     stats: StepStats
-    grad_norm: float
+    grad_norm: torch.Tensor  # on the device, like ``stats.loss``: read on logged steps only
 
 
 class Trainer:
@@ -186,7 +186,11 @@ class Trainer:
         """One optimizer step on this rank's share of the global batch."""
         self.update.optimizer.zero_grad(set_to_none=True)
         stats = self.engine.step(
-            batch.images, batch.input_ids, batch.attention_mask, scale_loss=self.update.scaler.scale
+            batch.images,
+            batch.input_ids,
+            batch.attention_mask,
+            scale_loss=self.update.scaler.scale,
+            timed=self._logs_at(self.step + 1),  # the time split's device syncs: logged steps only
         )
         grad_norm = self.update(stats.loss, self.step)
         self.step += 1
@@ -244,7 +248,7 @@ class Trainer:
     ) -> None:
         """Log, checkpoint (only good steps) and evaluate."""
         cfg, last = self.cfg, self.step == self.cfg.train.max_steps
-        at_log = self.step % cfg.log.every_steps == 0 or last
+        at_log = self._logs_at(self.step)
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
             self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS, self.env.device)
             if names := self.loader.source_names:
@@ -256,6 +260,9 @@ class Trainer:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
             self._evaluate(monitor, StoppableEvaluation(self.signals))  # a signal stops it on every rank
+
+    def _logs_at(self, step: int) -> bool:
+        return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
 
     def _save(self) -> None:
         with writing_checkpoint():
@@ -298,10 +305,19 @@ class Trainer:
     def _report(
         self, monitor: RunMonitor, result: StepResult, data_s: float, step_s: float, log: bool
     ) -> None:
-        """Advance the progress bar; on log steps also write the metrics (skip counts: all ranks)."""
-        stats = result.stats
+        """On log steps, show the headline numbers in the progress bar and write the metrics (skip
+        counts: all ranks), the step's device values read in one transfer. Other steps only move
+        the bar: a read there would make the host wait for the device every step."""
+        if not log:
+            monitor.advance(self.step)
+            return
+        stats, bias = result.stats, self.model.logit_bias
+        on_device = [stats.loss, result.grad_norm, self.model.logit_scale.detach().exp()]
+        on_device += [bias.detach()] if bias is not None else []
+        loss, grad_norm, scale, *bias_value = torch.stack(
+            [value.to(self.env.device, torch.float64) for value in on_device]
+        ).tolist()
         samples_per_s = self.cfg.batch.global_size / step_s
-        scale = float(self.model.logit_scale.detach().exp())
         lr = self.update.lr
         peak = stats.peak_mem or peak_bytes(self.env.device)
         parts = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
@@ -313,7 +329,7 @@ class Trainer:
         monitor.advance(
             self.step,
             {
-                "loss": stats.loss,
+                "loss": loss,
                 "samples/s": round(samples_per_s),
                 **({"mfu": f"{utilization['train/mfu']:.1%}"} if utilization else {}),
                 "lr": lr,
@@ -323,15 +339,12 @@ class Trainer:
                 "skipped": sum(self.skipped.values()),
             },
         )
-        if not log:
-            return
-        bias = self.model.logit_bias
         metrics = {
-            "train/loss": stats.loss,
+            "train/loss": loss,
             "train/lr": lr,
             "train/logit_scale": scale,
-            **({"train/logit_bias": bias.item()} if bias is not None else {}),
-            "train/grad_norm": result.grad_norm,
+            **({"train/logit_bias": bias_value[0]} if bias_value else {}),
+            "train/grad_norm": grad_norm,
             "train/samples_per_s": samples_per_s,
             **utilization,
             "time/step_s": step_s,

@@ -141,27 +141,57 @@ def test_both_losses_at_16k_rows_match_fp64(formula, kind, scalars) -> None:
     _assert_close_to(_loss_and_grads(tiled, images, texts, scalars, torch.float32, CUDA), expected, 1e-4)
 
 
+def _syncs(fn) -> int:
+    """How many synchronising calls ``fn()`` makes: CUDA's sync debug mode warns on each."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def test_tiled_loss_syncs_as_often_over_64_tiles_as_over_one() -> None:
-    """CUDA's sync debug mode warns on every synchronising call: a forward and backward of the
-    PyTorch tiles warns as often at 8×8 tiles as at one, so no tile waits for the host."""
+    """A forward and backward of the PyTorch tiles syncs as often at 8×8 tiles as at one, so no
+    tile waits for the host."""
     images, texts = (_features(1024, 64, seed).float().to(CUDA) for seed in (0, 1))
 
     def syncs(tile: int) -> int:
         i, t = images.clone().requires_grad_(), texts.clone().requires_grad_()
         s = torch.tensor(20.0, device=CUDA, requires_grad=True)
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                contrastive_loss(i, t, s, tile_size=tile).backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchronizing" in str(w.message) for w in caught)
+        return _syncs(lambda: contrastive_loss(i, t, s, tile_size=tile).backward())
 
     for tile in (128, 1024):  # warm-up: first calls may sync to set up cuBLAS and the allocator
         syncs(tile)
     assert syncs(128) == syncs(1024) > 0
+
+
+def test_an_untimed_gradcache_step_syncs_only_where_the_loss_does() -> None:
+    """The trainer's unlogged steps: with the batch on the device, a Gradient Cache step in chunks
+    (replay included) syncs as often as one call of the loss alone; the towers (BERT's padding mask
+    too), the chunking and the feature cache never wait for the device."""
+    model = make_model(*NO_DROPOUT, dtype=torch.float32).to(CUDA)
+    batch = [t.to(CUDA) for t in make_batch(rows=24)]
+    engine = GradCache(model, image_chunk=8, text_chunk=12)
+    with torch.no_grad():
+        features = model.text.encode_trainable(*model.text.encode_frozen(*batch[1:]))
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        engine.step(*batch, timed=False)
+
+    def loss_alone() -> None:
+        images, texts = features.flip(0).clone().requires_grad_(), features.clone().requires_grad_()
+        scale = torch.tensor(2.0, device=CUDA, requires_grad=True)
+        contrastive_loss(images, texts, scale.exp()).backward()
+
+    for _ in range(2):  # warm-up: the compiled tiles, cuBLAS and the allocator
+        step()
+        loss_alone()
+    assert _syncs(step) == _syncs(loss_alone) > 0
 
 
 def test_process_rng_restores_the_current_device_from_either_format(monkeypatch) -> None:

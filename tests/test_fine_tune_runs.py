@@ -221,7 +221,7 @@ def test_a_skipped_step_leaves_the_ema_as_it_was(digits, tmp_path):
     def poisoned_second_step(*args, **kwargs):
         stats = real_step(*args, **kwargs)
         if len(after_steps) == 1:
-            stats.loss = float("nan")
+            stats.loss = torch.full_like(stats.loss, float("nan"))
         return stats
 
     def train_step(batch):

@@ -85,7 +85,7 @@ def fsdp_steps(rank: int, world: int, case: Case) -> dict:
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(SEED + rank)
         with profile() as prof:
-            losses.append(engine.step(*rank_batch(rank, world)).loss)
+            losses.append(engine.step(*rank_batch(rank, world)).loss.item())
         events = collections.Counter(e.name.split(" ")[0] for e in prof.events())
         reductions.append(events["FSDP::post_backward_reduce"])
         step_grads.append({name: full(grad) for name, grad in grads(model).items()})

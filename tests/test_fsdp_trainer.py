@@ -225,7 +225,7 @@ def guarded_updates(rank: int, world: int, args: list[str]) -> dict:
     return {
         **skipped,
         "whole": whole,
-        "norm": norm,
+        "norm": float(norm),
         "clipped": clipped,
         "scale": float(model.logit_scale),
         "changed": not all(torch.equal(v, before[k]) for k, v in snapshot().items()),

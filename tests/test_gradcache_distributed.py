@@ -50,7 +50,7 @@ def gradcache_rank(
     for step in range(2):  # the second step runs after DDP has rebuilt its buckets
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(SEED + rank)
-        losses.append(engine.step(*rank_batch(rank)).loss)
+        losses.append(engine.step(*rank_batch(rank)).loss.item())
         if step == 0:
             step_grads = grads(model)
         optimizer.step()

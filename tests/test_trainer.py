@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +26,9 @@ import torch
 from processes import Watched, run_to_end
 from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, run_overrides
+from test_loss_tiles import _CountOps, _host_read
 
+import clip_train.loss
 from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
 from clip_train.cli import main as cli_main
@@ -37,6 +40,7 @@ from clip_train.preemption import EXIT_PREEMPTED
 from clip_train.trainer import Trainer
 
 STEPS, EVERY = 24, 6
+LOSS_CODE = str(Path(clip_train.loss.__file__).parent)
 
 
 def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
@@ -322,7 +326,7 @@ def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_pat
         stats = real_step(*args, **kwargs)
         seen.append(snapshot(trainer))
         if len(seen) == 1:
-            stats.loss = float("nan")
+            stats.loss = torch.full_like(stats.loss, float("nan"))
         return stats
 
     trainer.engine.step = poisoned_first_step
@@ -355,6 +359,40 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
     assert len(calls) == 5
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
     assert_bit_identical(snapshot(trainer), weights(tmp_path, 2))
+
+
+def test_a_step_reads_the_host_once_and_a_logged_step_twice_more(digits, tmp_path, monkeypatch):
+    """Outside the loss (whose reads per call test_loss_tiles counts), an unlogged step hands one
+    device value to the host, the NaN guard's decision, and a logged step also reads its skip
+    counts and its metrics: on CUDA each read waits for every kernel queued before it."""
+    trainer = in_process_trainer(
+        digits, tmp_path, "train.max_steps=5", "log.every_steps=2", "checkpoint.every_steps=100"
+    )
+    reads, tolist_reads = {}, [0]  # host reads by step; .tolist() calls (they bypass the dispatcher)
+
+    def outside_the_loss() -> bool:
+        return not any(frame.filename.startswith(LOSS_CODE) for frame in traceback.extract_stack())
+
+    def counted(real):
+        def run(*args, **kwargs):
+            before = tolist_reads[0]
+            with _CountOps(lambda op, kwargs: _host_read(op, kwargs) and outside_the_loss()) as ops:
+                out = real(*args, **kwargs)
+            reads[trainer.step] = reads.get(trainer.step, 0) + ops.count + tolist_reads[0] - before
+            return out
+
+        return run
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(tensor: torch.Tensor) -> list:
+        tolist_reads[0] += outside_the_loss()
+        return tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    trainer.train_step, trainer._after_step = counted(trainer.train_step), counted(trainer._after_step)
+    trainer.run()
+    assert {step: reads[step] for step in (1, 2, 3, 4)} == {1: 1, 2: 3, 3: 1, 4: 3}
 
 
 # -- clear failures --------------------------------------------------------------------------------

@@ -39,9 +39,10 @@ from clip_train.precision import autocast
 
 @dataclass
 class StepStats:
-    """What one step cost. Times are wall-clock seconds with the device synchronised at each stage."""
+    """What one step cost. Times are wall-clock seconds with the device synchronised at each stage,
+    in a ``timed`` step only (elsewhere they are 0: no synchronisation, nothing to report)."""
 
-    loss: float
+    loss: torch.Tensor  # 0-dim, on the device: reading it waits for the step, so the logger does
     encode_s: float  # stage 1, both towers
     loss_s: float  # stage 2
     replay_s: float  # stage 3 (+ the logit-scale all-reduce)
@@ -183,8 +184,10 @@ class GradCache:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        timed: bool = True,
     ) -> StepStats:
-        """Compute the step's gradients for a per-rank batch; see the class docstring for fp16."""
+        """Compute the step's gradients for a per-rank batch; see the class docstring for fp16.
+        ``timed=False`` skips the stage times and with them the device synchronisations they need."""
         rows = images.shape[0]
         if rows == 0:
             raise ValueError("the batch is empty")
@@ -199,23 +202,25 @@ class GradCache:
         image_inputs, text_inputs = batch[:1], batch[1:]
         image_bounds, text_bounds = (chunk_bounds(rows, tower.chunk) for tower in (self.image, self.text))
 
-        start = self._clock()
-        self._gather_s()  # forget waits outside steps (evaluation)
+        clock = self._clock if timed else _untimed
+        start = clock()
+        if self.gather_waits is not None:
+            self.gather_waits.forget()  # waits outside timed steps (evaluation, untimed steps)
         image_keeps, text_keeps = self._graph_keepers(len(image_bounds), len(text_bounds))
         image = self._encode(self.image, image_inputs, image_bounds, keep_graph=image_keeps)
         text = self._encode(self.text, text_inputs, text_bounds, keep_graph=text_keeps)
-        encoded = self._clock()
-        encode_gather_s = self._gather_s()
+        encoded = clock()
+        encode_gather_s = self._gather_s() if timed else 0.0
         loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
         cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
         cache_bytes += _bytes(image.trunk_cache + text.trunk_cache)
         image.features = text.features = None  # replay needs only their gradients
-        lossed = self._clock()
+        lossed = clock()
         with preserved_rng(self.device):  # the step consumes the RNG like one forward pass
             self._replay(self.text, text, text_inputs, text_grad)
             self._replay(self.image, image, image_inputs, image_grad)
-        replayed = self._clock()
-        replay_gather_s = self._gather_s()
+        replayed = clock()
+        replay_gather_s = self._gather_s() if timed else 0.0
 
         return StepStats(
             loss=loss,
@@ -303,7 +308,7 @@ class GradCache:
         image_features: torch.Tensor,
         text_features: torch.Tensor,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Stage 2: the loss on leaf features; their gradients are the cache."""
         image_features.requires_grad_(self.image.replays)
         text_features.requires_grad_(self.text.replays)
@@ -324,7 +329,7 @@ class GradCache:
         trained = [(p, leaf.grad) for p, leaf in zip(params, leaves, strict=True) if leaf.grad is not None]
         if trained:
             self._accumulate_rank_average(trained)
-        return loss.item(), image_features.grad, text_features.grad
+        return loss.detach(), image_features.grad, text_features.grad
 
     def _accumulate_rank_average(self, trained: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """The loss's parameters (scale, bias) are not DDP's: each rank's loss is its share of the
@@ -380,6 +385,10 @@ class GradCache:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _untimed() -> float:
+    return 0.0
 
 
 def _rows_like(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, AutoModel, CLIPTextModel, PreTrainedConfig, PreTrainedModel
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import create_causal_mask
 
 from clip_train.config import ConfigError, TextTowerConfig
 from clip_train.model.freezing import LockableTower, init_projection
@@ -78,7 +78,7 @@ class TextTower(LockableTower):
     def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The encoder's last hidden states. A causal encoder gets no padding mask, as in open_clip:
         no token up to the end token can see the padding after it."""
-        mask = None if self.causal else attention_mask
+        mask = None if self.causal else _padding_mask(attention_mask)
         return self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
     def _run_layers(
@@ -89,10 +89,7 @@ class TextTower(LockableTower):
             mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, cache=None)
             options = {"is_causal": True}
         else:
-            mask = create_bidirectional_mask(
-                config=config, inputs_embeds=hidden, attention_mask=attention_mask
-            )
-            options = {}
+            mask, options = _padding_mask(attention_mask), {}
         for layer in layers:
             out = layer(hidden, mask, **options)
             hidden = out[0] if isinstance(out, tuple) else out
@@ -126,6 +123,14 @@ class TextTower(LockableTower):
                 states = module(states)
             pooled = self.pool(states, input_ids, attention_mask)
         return F.normalize(self.proj(pooled), dim=-1)
+
+
+def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's (B, 1, L, L) mask, True where a token may attend a key: padding keys are masked. Built
+    here because transformers, given the (B, L) mask, reads on the host whether any token is padding
+    (a device sync in every forward); a 4D mask it takes as it is."""
+    keys = attention_mask.bool()[:, None, None, :]
+    return keys.expand(-1, -1, attention_mask.shape[1], -1)
 
 
 def create_encoder(

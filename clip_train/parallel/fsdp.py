@@ -172,6 +172,10 @@ class GatherWaits:
             return sum(start.elapsed_time(end) for start, end in spans) / 1000
         return sum(end - start for start, end in spans)
 
+    def forget(self) -> None:
+        """Drop the waits recorded so far, unread (their CUDA events may still be pending)."""
+        self._spans = []
+
     def _stamp(self) -> Any:
         if not self._cuda:
             return time.perf_counter()
