@@ -15,9 +15,11 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")  # torchrun sets them; srun does no
 
 
 def torchrun_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
-    """The torchrun variables to set for a task of a multi-task Slurm step not started by torchrun;
-    none otherwise. Such ranks meet at MASTER_ADDR:MASTER_PORT: without them the start is refused."""
-    tasks = int(environ.get("SLURM_NTASKS", "1"))
+    """The torchrun variables to set for a task of a multi-task srun step not started by torchrun;
+    none otherwise. Such ranks meet at MASTER_ADDR:MASTER_PORT: without them the start is refused.
+    A step's own task count, not the job's (``SLURM_NTASKS``): a batch script that runs clip-train
+    itself is one process, whatever the allocation holds."""
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS", "1"))
     if "RANK" in environ or "SLURM_PROCID" not in environ or tasks == 1:
         return {}
     missing = [name for name in ("SLURM_LOCALID", *_RENDEZVOUS) if name not in environ]

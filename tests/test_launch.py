@@ -185,7 +185,13 @@ def test_sbatch_script_starts_one_process_per_gpu_slurm_left_visible(
     assert f"job 7: 1 node(s) x {processes} process(es)" in result.stdout
 
 
-SLURM_TASK = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"}
+SLURM_TASK = {
+    "SLURM_NTASKS": "2",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS_PER_NODE": "2",
+}
 RENDEZVOUS = {"MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
 
 
@@ -196,9 +202,12 @@ def test_a_task_srun_started_without_torchrun_gets_torchruns_variables_from_slur
         "LOCAL_RANK": "1",
         "LOCAL_WORLD_SIZE": "2",
     }
-    # torchrun's own variables win; a one-task step or no Slurm at all is one process
+    # torchrun's own variables win; a one-task step, a batch script of a many-task job (no step of
+    # its own) or no Slurm at all is one process
     assert torchrun_env_from_slurm(SLURM_TASK | RENDEZVOUS | {"RANK": "0"}) == {}
-    assert torchrun_env_from_slurm(SLURM_TASK | {"SLURM_NTASKS": "1"}) == {}
+    assert torchrun_env_from_slurm(SLURM_TASK | {"SLURM_STEP_NUM_TASKS": "1"}) == {}
+    batch_script = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_STEP_NUM_TASKS"}
+    assert torchrun_env_from_slurm(batch_script | {"SLURM_PROCID": "0"}) == {}
     assert torchrun_env_from_slurm({}) == {}
     with pytest.raises(
         UserError, match=r"srun without torchrun \(2 tasks\), but MASTER_ADDR and MASTER_PORT not set"
@@ -211,7 +220,9 @@ def test_a_task_srun_started_without_torchrun_gets_torchruns_variables_from_slur
 
 def srun_task_env(task: int, **extra: str) -> dict[str, str]:
     """A task of a 2-task Slurm step on one node that srun started directly: Slurm's variables only."""
-    env = launch_env(SLURM_NTASKS="2", SLURM_PROCID=str(task), SLURM_LOCALID=str(task))
+    env = launch_env(
+        SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID=str(task), SLURM_LOCALID=str(task)
+    )
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env | extra
