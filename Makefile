@@ -31,9 +31,10 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/clip-train report $(DEMO_RUN) --prefix demo
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file on one worker so that its
-# module fixtures (trained reference runs) are built once: most tests wait on subprocesses.
+# module fixtures (trained reference runs) are built once: most tests wait on subprocesses. The 25
+# slowest tests close the log, for whoever works on CI's time next.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .
