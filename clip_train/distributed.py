@@ -96,12 +96,11 @@ def shutdown_distributed() -> None:
 def all_ranks_true(flags: Sequence[bool] | torch.Tensor, device: torch.device) -> list[bool]:
     """Each flag ANDed over the ranks, in one all-reduce, so all ranks take the same branches.
     Flags computed on the device come as a bool tensor: nothing waits for them until the one read."""
-    if isinstance(flags, torch.Tensor):
-        values = flags.to(device=device, dtype=torch.long)
-    elif not dist.is_initialized():
-        return list(flags)
-    else:
-        values = torch.tensor([1 if flag else 0 for flag in flags], device=device)
+    if not isinstance(flags, torch.Tensor):
+        if not dist.is_initialized():
+            return list(flags)
+        flags = torch.tensor(list(flags), dtype=torch.bool)
+    values = flags.to(device=device, dtype=torch.long)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
     return [bool(value) for value in values.tolist()]
@@ -118,7 +117,8 @@ def failing_together(device: torch.device, group: dist.ProcessGroup | None = Non
         yield
     except UserError as err:
         error = err
-    if rank_and_world(group)[1] == 1:
+    world = rank_and_world(group)[1]
+    if world == 1:
         if error is not None:
             raise error
         return
@@ -126,7 +126,7 @@ def failing_together(device: torch.device, group: dist.ProcessGroup | None = Non
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
         return
-    messages: list[str | None] = [None] * rank_and_world(group)[1]
+    messages: list[str | None] = [None] * world
     dist.all_gather_object(messages, None if error is None else str(error), group=group)
     rank, message = next((rank, message) for rank, message in enumerate(messages) if message is not None)
     raise UserError(f"on rank {rank}: {message}") from None
