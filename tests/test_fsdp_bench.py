@@ -1,4 +1,4 @@
-"""``clip-train bench step --parallel ddp,fsdp`` on 2 gloo ranks: both modes measured side by side,
+"""``clip-train bench step --parallel ddp,fsdp`` on 2 gloo ranks (the tiny model): both modes side by side,
 and the sharded towers' per-rank training state is half the replicated one's."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import sys
 
 import pytest
 from processes import run_to_end
+from small_runs import TINY_MODEL_CONFIG
 
 
 def test_bench_step_parallel_reports_ddp_and_fsdp_side_by_side(tmp_path):
     out = tmp_path / "parallel.json"
     command = [sys.executable, "-m", "clip_train", "bench", "step", "--parallel", "ddp,fsdp", "--world", "2"]
+    command += ["--model", str(TINY_MODEL_CONFIG)]
     command += [
         "--batch",
         "4",
