@@ -6,6 +6,7 @@ once per step (or once per replayed chunk with ``sync_every_chunk``)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 
@@ -46,6 +47,7 @@ class Case:
     extra: tuple[str, ...] = ()
     fsdp: FsdpConfig = dataclasses.field(default_factory=FsdpConfig)
     precision: str = "fp64"  # bf16: fp32 weights, bf16 gathers and autocast
+    count_reductions: bool = False  # profile each step (slow) to count the reduce-scatters
 
 
 def rank_batch(rank: int, world: int) -> tuple[torch.Tensor, ...]:
@@ -84,10 +86,11 @@ def fsdp_steps(rank: int, world: int, case: Case) -> dict:
     for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(SEED + rank)
-        with profile() as prof:
+        with profile() if case.count_reductions else contextlib.nullcontext() as prof:
             losses.append(engine.step(*rank_batch(rank, world)).loss.item())
-        events = collections.Counter(e.name.split(" ")[0] for e in prof.events())
-        reductions.append(events["FSDP::post_backward_reduce"])
+        if case.count_reductions:
+            events = collections.Counter(e.name.split(" ")[0] for e in prof.events())
+            reductions.append(events["FSDP::post_backward_reduce"])
         step_grads.append({name: full(grad) for name, grad in grads(model).items()})
         optimizer.step()
     sharded = {name for name, p in model.named_parameters() if isinstance(p, DTensor)}
@@ -162,32 +165,50 @@ def check(results: list[dict], want: dict, world: int) -> None:
 
 TWO_RANK_CASES = [
     Case((2, 4)),  # images in 2 chunks, text in 1 chunk that keeps its graph
-    Case((1, 2)),  # both towers replayed, 4 and 2 chunks
+    Case((1, 2), count_reductions=True),  # both towers replayed, 4 and 2 chunks
     Case((0, 0)),  # one chunk per tower: plain backpropagation
     Case((1, 2), SIGMOID),
-    Case((1, 2), LIT),  # locked image trunk: only the projection trains
+    Case((1, 2), LIT, count_reductions=True),  # locked image trunk: only the projection trains
     Case((1, 2), LIT_UNLOCKED),  # the last block trains, the first stays frozen and sharded
     Case((1, 2), FROZEN_TEXT),  # a tower that never replays
-    Case((1, 2), fsdp=FsdpConfig(sync_every_chunk=True)),
+    Case((1, 2), fsdp=FsdpConfig(sync_every_chunk=True), count_reductions=True),
     Case((1, 2), fsdp=FsdpConfig(reshard_after_forward=False)),
     Case((1, 2), fsdp=FsdpConfig(cpu_offload=True)),  # on CPU: the policy, not the copies
 ]
+BF16 = Case((1, 2), precision="bf16")
 
 
-def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps():
-    results = run_distributed(fsdp_rank, 2, TWO_RANK_CASES, timeout_s=300)
+def two_rank_session(rank: int, world: int) -> dict:
+    """What every two-rank test here checks, from one start of two gloo ranks."""
+    return {
+        "steps": fsdp_rank(rank, world, [*TWO_RANK_CASES, BF16]),
+        "bf16_inputs": trunk_inputs_in_bf16_steps(rank, world),
+        "late": step_with_rank_one_late(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(two_rank_session, 2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(two_ranks) -> list[list[dict]]:
+    """Every two-rank case, then ``BF16``: ``[rank][case]``."""
+    return [rank["steps"] for rank in two_ranks]
+
+
+def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps(two_rank_steps):
     for index, case in enumerate(TWO_RANK_CASES):
-        per_rank = [rank_results[index] for rank_results in results]
+        per_rank = [rank_results[index] for rank_results in two_rank_steps]
         check(per_rank, reference(2, case), world=2)
 
 
-def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step():
+def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step(two_rank_steps):
     """fsdp.param_dtype auto under bf16 training: each block computes with bf16 copies of its fp32
     shards; the gradients land in fp32 shards, within bf16's error of the fp64 step."""
-    case = Case((1, 2), precision="bf16")
-    results = run_distributed(fsdp_rank, 2, [case], timeout_s=300)
-    want = reference(2, Case(case.chunks))["grads"][0]
-    for (result,) in results:
+    want = reference(2, Case(BF16.chunks))["grads"][0]
+    for result in (rank_results[-1] for rank_results in two_rank_steps):
         assert result["gathered"] == {torch.bfloat16} and result["grad_dtypes"] == {torch.float32}
         assert_close_overall(result["grads"][0], want, rtol=0.05)  # as without FSDP (seen: 0.016)
 
@@ -220,13 +241,13 @@ def trunk_inputs_in_bf16_steps(rank: int, world: int) -> list[tuple[list[torch.T
     return steps
 
 
-def test_bf16_replay_gets_the_inputs_stage_one_encoded():
+def test_bf16_replay_gets_the_inputs_stage_one_encoded(two_ranks):
     """Gradient Cache is exact only if a replayed chunk is the chunk that was encoded. A sharded
     tower root's weights are fp32 shards or, gathered (kept so with reshard_after_forward=false),
     bf16 copies: inputs prepared in the weights' dtype would differ between stage 1 and replay.
     They are prepared in fp32 and handed on in the gathered weights' dtype, also to a frozen trunk
     (encoded once, never replayed)."""
-    for steps in run_distributed(trunk_inputs_in_bf16_steps, 2, timeout_s=300):
+    for steps in (rank["bf16_inputs"] for rank in two_ranks):
         (encoded, replayed), (encoded_kept, replayed_kept), (encoded_lit, replayed_lit) = steps
         for stage_one, replay in zip([*encoded, *encoded_kept], [*replayed, *replayed_kept], strict=True):
             assert stage_one.dtype == replay.dtype == torch.bfloat16
@@ -237,9 +258,9 @@ def test_bf16_replay_gets_the_inputs_stage_one_encoded():
         assert all(torch.equal(a, b) for a, b in zip(encoded, encoded_lit, strict=True))
 
 
-def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk():
-    plain, lit, every_chunk = (TWO_RANK_CASES[i] for i in (1, 4, 7))
-    results = run_distributed(fsdp_rank, 2, [plain, lit, every_chunk], timeout_s=300)[0]
+def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk(two_rank_steps):
+    plain = TWO_RANK_CASES[1]  # then LiT (4) and sync_every_chunk (7), counted on rank 0
+    results = [two_rank_steps[0][i] for i in (1, 4, 7)]
     image_units, text_units = results[0]["units"]["visual"], results[0]["units"]["text"]
     assert (image_units, text_units) == (3, 3)  # two blocks and the root of each tower
     assert results[0]["reductions"] == [image_units + text_units] * STEPS
@@ -325,9 +346,9 @@ def step_with_rank_one_late(rank: int, world: int) -> tuple[float, float, float]
     return stats.gather_s, stats.encode_s, stats.replay_s
 
 
-def test_a_late_rank_shows_as_gather_time_not_encode_or_replay_time():
+def test_a_late_rank_shows_as_gather_time_not_encode_or_replay_time(two_ranks):
     """The rank that waits for a late peer's all-gathers, once in a forward and once in a backward,
     books both waits as gather_s, taken out of encode_s and replay_s."""
-    (gather_s, encode_s, replay_s), _ = run_distributed(step_with_rank_one_late, 2, timeout_s=300)
+    gather_s, encode_s, replay_s = two_ranks[0]["late"]
     assert gather_s >= 1.5 * DELAY_S, (gather_s, encode_s, replay_s)
     assert min(encode_s, replay_s) >= 0
