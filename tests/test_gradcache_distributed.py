@@ -94,9 +94,23 @@ def single_process_reference(chunks: tuple[int, int], extra: tuple[str, ...]) ->
 # Images in 3 chunks; text in 2, or in 1: then the chunk that keeps its graph is the tower's only
 # backward; both towers in 1: no replay at all. The sigmoid loss: its bias and scale gradients are
 # averaged over ranks like the softmax scale's.
-@pytest.mark.parametrize(("chunks", "extra"), [((2, 4), ()), ((2, 0), ()), ((0, 0), ()), ((2, 4), SIGMOID)])
-def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower(chunks, extra):
-    results = run_distributed(gradcache_rank, WORLD, "auto", chunks, extra)
+CASES = [((2, 4), ()), ((2, 0), ()), ((0, 0), ()), ((2, 4), SIGMOID)]
+
+
+def every_case(rank: int, world_size: int) -> list[dict]:
+    return [gradcache_rank(rank, world_size, "auto", chunks, extra) for chunks, extra in CASES]
+
+
+@pytest.fixture(scope="module")
+def ranks_by_case() -> list[list[dict]]:
+    """Each case's results on both ranks, from one start of the two ranks: ``[case][rank]``."""
+    return list(zip(*run_distributed(every_case, WORLD), strict=True))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"chunks{c}-extra{len(e)}" for c, e in CASES])
+def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower(ranks_by_case, case):
+    chunks, extra = CASES[case]
+    results = ranks_by_case[case]
     loss, want_grads, want_weights = single_process_reference(chunks, extra)
 
     assert sum(r["loss"] for r in results) / WORLD == pytest.approx(
