@@ -3,8 +3,9 @@ each loss implementation with and without offload, and the largest global batch 
 
     M_peak ≈ static + M_data + M_cache + max(M_loss + M_kept, M_backbone)   (Inf-CL eq. 10)
 
-Activations are measured on this machine (torch's MemTracker at two small chunk sizes, scaled
-linearly; on the CPU with fake tensors, which allocate without computing); every other term is
+Activations are measured on this machine (the peak bytes of the storages a tower's pass creates,
+at two small chunk sizes, scaled linearly; on the CPU with fake tensors, which allocate without
+computing); every other term is
 counted from shapes (``clip_train/plan/estimate.py`` defines them). The towers are built from their
 architectures alone: no pretrained weights, no network. Progress goes to stderr, the plan to stdout.
 """

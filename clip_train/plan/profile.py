@@ -1,6 +1,7 @@
 """What the plan measures: the planning model (the config's architecture, random weights or on the
-CPU fake tensors, no hub), each tower's chunk memory under torch's MemTracker at two chunk sizes,
-and (``--check-cpu``) the resident memory of real Gradient Cache steps to hold the estimate against."""
+CPU fake tensors, no hub), each tower's chunk memory (the peak of the storages a pass creates) at
+two chunk sizes, and (``--check-cpu``) the resident memory of real Gradient Cache steps to hold
+the estimate against."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoConfig
 
 from clip_train.config import ModelConfig, OptimConfig
@@ -38,6 +38,7 @@ from clip_train.plan.estimate import (
     TowerProfile,
     adafactor_state_numel,
 )
+from clip_train.plan.peak import NewStoragePeak
 from clip_train.plan.progress import Step, quiet
 from clip_train.precision import autocast
 
@@ -84,26 +85,6 @@ def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _dynamic_peak(tracker: MemTracker) -> int:
-    """Peak bytes of activations and temporaries, i.e. without parameters, buffers and gradients."""
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    return sum(v for k, v in snapshot.items() if k in ("Activation", "Temp", "Other"))
-
-
-@contextlib.contextmanager
-def _trackable(tower: nn.Module) -> Iterator[None]:
-    """Let MemTracker hook every parameter: it refuses frozen ones. Harmless, as frozen parameters
-    run only under ``no_grad`` (encode) or not at all (a LiT head's replay): no graph changes."""
-    frozen = [p for p in tower.parameters() if not p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for p in frozen:
-            p.requires_grad_(False)
-
-
 def _measured_precision(precision: str, device_type: str) -> str:
     """CPU fp16 matmuls are emulated (~10x slower than bf16); bf16 has the same bytes per element."""
     return "bf16" if precision == "fp16" and device_type == "cpu" else precision
@@ -119,13 +100,12 @@ def measure_chunk(
 
     inputs = _random_inputs(model, tower_name, rows, context_length, device)
     out: dict[str, float] = {}
-    tracker = MemTracker()
     # Chunks are cloned inside the tracker so it counts them; they are then taken off again (they
     # are M_data or the trunk cache, not activations).
-    with _trackable(tower), tracker, torch.no_grad(), autocast(device, measured):
+    with NewStoragePeak() as peak, torch.no_grad(), autocast(device, measured):
         chunk = tuple(t.clone() for t in inputs)
         tower(*chunk)
-    out["encode"] = _dynamic_peak(tracker) - _nbytes(chunk)
+    out["encode"] = peak.bytes - _nbytes(chunk)
     with torch.no_grad(), autocast(device, measured):
         hidden = tower.encode_frozen(*inputs)
     out["trunk"] = _nbytes(hidden) / rows if tower.has_frozen_trunk else 0.0
@@ -135,20 +115,19 @@ def measure_chunk(
     for p in tower.trainable_parameters():  # steady state: chunks accumulate into existing gradients
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    tracker = MemTracker()
     on_cuda = device.type == "cuda"
     if on_cuda:  # the caching allocator's own count, as a cross-check of the tracker's
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    with _trackable(tower), tracker:
+    with NewStoragePeak() as peak:
         chunk = tuple(h.clone() for h in hidden)
         with autocast(device, measured):
             features = head(*chunk)
-        out["forward"] = _dynamic_peak(tracker) - _nbytes(chunk)
+        out["forward"] = peak.bytes - _nbytes(chunk)
         features.backward(torch.randn_like(features))
         del features
-    out["replay"] = _dynamic_peak(tracker) - _nbytes(chunk)
+    out["replay"] = peak.bytes - _nbytes(chunk)
     if on_cuda:
         out["allocator_replay"] = torch.cuda.max_memory_allocated(device) - before - _nbytes(chunk)
     return out
@@ -173,7 +152,7 @@ def _planning_model(model_cfg: ModelConfig, device: str, step: Step) -> Iterator
     """The planning model on ``device``. On the CPU its tensors are fake (shape, dtype and device, no
     data) while the context is open: a pass allocates exactly what a real one would, without the
     arithmetic, seconds where ViT-L's real passes take minutes. CUDA runs real passes quickly, and
-    its allocator cross-checks MemTracker's count."""
+    its allocator cross-checks the tracker's count."""
     towers = f"{model_cfg.image.timm} and {_text_label(model_cfg)}"
     if device == "cpu":
         with step(f"building {towers} as fake tensors (shapes only)"), torch.device("meta"):
@@ -254,7 +233,7 @@ def _profile_tower(
     if replays and "allocator_replay" in large:
         notes.append(
             f"{name} replay at chunk {chunks[1]}: CUDA max_memory_allocated "
-            f"{format_bytes(large['allocator_replay'])} vs MemTracker {format_bytes(large['replay'])}"
+            f"{format_bytes(large['allocator_replay'])} vs tracked {format_bytes(large['replay'])}"
         )
     return TowerProfile(
         name=name,

@@ -104,7 +104,7 @@ def _report(
         f"{format_bytes(gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)",
         f"  precision {profile.precision}, optimizer {cfg.optim.name}, embed_dim {profile.embed_dim}, "
         f"chunks {chunks}, inf tile {first['tile']}",
-        f"  activations measured on {profile.device} with torch MemTracker (fwd+bwd at chunks "
+        f"  activations measured on {profile.device} as new storages' peak (fwd+bwd at chunks "
         f"{profile.measured_chunks[0]} and {profile.measured_chunks[1]}), scaled linearly in the chunk",
     ]
     lines += [f"  note: {note}" for note in profile.notes]
