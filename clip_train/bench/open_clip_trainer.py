@@ -8,7 +8,7 @@ under torchrun on the CPU, with its CPU quirks handled here and nowhere else:
 * its ``--logs`` is an ambiguous abbreviation to torchrun's own parser (``--logs-specs``), so the
   folder comes in ``OPEN_CLIP_LOGS`` and is handed on here.
 
-usage: OPEN_CLIP_LOGS=DIR torchrun ... -m clip_train.bench.open_clip_trainer OPEN_CLIP_TRAIN_ARGS...
+usage: OPEN_CLIP_LOGS=DIR [torchrun ...] -m clip_train.bench.open_clip_trainer OPEN_CLIP_TRAIN_ARGS...
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 Both train the same architecture from the same initial weights (the config's model, exported for
 open_clip by ``export_open_clip``), on the same shards, with AdamW and the config's learning rate,
-warmup, weight decay, betas, epsilon, gradient clipping and precision, one torchrun per run (gloo
-on the CPU), the same processes, workers and global batch. Each run logs every step; its samples/s
-is the global batch over the median of its own step clock after the warm-up steps (data wait,
-forward, loss, backward, optimizer, logging, as each trainer times a step). The two alternate, run
-by run, so that a busy machine slows both alike; the ratio is taken pair by pair.
+warmup, weight decay, betas, epsilon, gradient clipping and precision, one torchrun per run of
+several processes (gloo on the CPU), a plain process for one, the same processes, workers and global
+batch. Each run logs every step; its samples/s is the global batch over the median of its own step
+clock after the warm-up steps (data wait, forward, loss, backward, optimizer, logging, as each
+trainer times a step). The two alternate, run by run, so that a busy machine slows both alike; the
+ratio is taken pair by pair.
 
 OpenCLIP runs with ``--local-loss --gather-with-grad`` (its recommended distributed loss) and
 ``--workers`` like clip_train's ``data.workers``; its CPU quirks are handled in its worker
@@ -97,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrun(nproc: int) -> list[str]:
+def _launcher(nproc: int) -> list[str]:
+    """torchrun for several processes; one runs on its own, as both trainers allow, which spares
+    torchrun's own interpreter and start-up per run."""
+    if nproc == 1:
+        return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
@@ -116,7 +121,7 @@ def _clip_train(args: argparse.Namespace, batch: int, nproc: int, out: Path) -> 
         f"batch.global_size={batch}", f"train.max_steps={args.steps}", "log.every_steps=1",
         "log.wandb.mode=disabled", f"train.out_dir={out}",
     ]  # fmt: skip
-    _run([*_torchrun(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train")
+    _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "time/step_s" in r and r["step"] > args.warmup]
     step_s = statistics.median(r["time/step_s"] for r in timed)
@@ -144,7 +149,7 @@ def _open_clip(
         "--gather-with-grad", "--log-every-n-steps", "1", "--name", "run", "--save-frequency", "0",
         "--zeroshot-frequency", "0", "--report-to", "", "--seed", str(cfg.train.seed),
     ]  # fmt: skip
-    worker = [*_torchrun(nproc), "-m", "clip_train.bench.open_clip_trainer", *options]
+    worker = [*_launcher(nproc), "-m", "clip_train.bench.open_clip_trainer", *options]
     _run(worker, "open_clip_train", {"OPEN_CLIP_LOGS": str(out)})
     steps = [float(m) for m in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())]
     step_s = statistics.median(steps[args.warmup :])
