@@ -156,7 +156,7 @@ class TrainConfig:
     dist_timeout_s: int = 600  # process-group init and collective timeout
     io_timeout_s: int = 3600  # how long the other ranks wait while rank 0 alone pulls, verifies or saves
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
-    compile: bool = False  # torch.compile each tower block, in every mode and under FSDP (exact replay)
+    compile: bool = False  # torch.compile each tower block, FSDP too (random ops as eager: exact replay)
     parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
     ema_decay: float = 0.0  # EMA of the trainable weights, ema = d*ema + (1-d)*w after each step; 0: off
     ema_warmup_power: float = 0.0  # > 0: the decay at step t is min(ema_decay, 1 - (1+t)^-power) (timm's)

@@ -405,4 +405,3 @@ def test_from_config_reads_batch_train_and_loss_sections():
     assert GradCache.from_config(
         make_model(*NO_DROPOUT), load_config(TINY, ["loss.impl=inf"]), (0, 0)
     ).keep_last_graph
-
