@@ -19,6 +19,7 @@ from test_fsdp_gradcache import LIT_UNLOCKED, LR, STEPS, Case, full, rank_batch,
 from test_gradcache import (
     DROPOUT,
     SEED,
+    TINY,
     assert_grads_close,
     gc_grads,
     grads,
@@ -28,8 +29,10 @@ from test_gradcache import (
 )
 from torch._dynamo.utils import counters
 
+from clip_train.config import load_config
 from clip_train.engine import GradCache
-from clip_train.model.compiling import compile_towers
+from clip_train.model import build_model
+from clip_train.model.compiling import compile_towers, compiled_modules
 from clip_train.parallel import builds_on_meta, shard_towers, tower_blocks
 
 # In fp64 the compiled step equals the eager one to roundoff, unless torch 2.11's inductor, whose
@@ -61,6 +64,14 @@ def two_steps(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], chunk: in
         again = gc_grads(model, batch, image_chunk=chunk, text_chunk=chunk)
     assert all(torch.equal(again[name], grad) for name, grad in first.items())
     return first
+
+
+def test_each_block_is_compiled_or_a_backbone_without_blocks_whole():
+    model = make_model(*DROPOUT)
+    for tower in (model.visual, model.text):
+        assert compiled_modules(tower) == tower_blocks(tower) and len(tower_blocks(tower)) == 2
+    resnet = build_model(load_config(TINY, ["model.image.timm=resnet18", "model.image.timm_kwargs={}"]).model)
+    assert tower_blocks(resnet.visual) == [] and compiled_modules(resnet.visual) == [resnet.visual.trunk]
 
 
 @pytest.mark.slow
@@ -98,7 +109,7 @@ def test_compiled_blocks_train_in_one_chunk_and_under_a_locked_trunk():
         with compiled_throughout():
             graphs.append(counters["stats"]["unique_graphs"])
             assert_grads_close(two_steps(model, batch, CHUNK), want, rtol=RTOL)
-    assert counters["stats"]["unique_graphs"] > graphs[-1]  # the frozen block's
+    assert counters["stats"]["unique_graphs"] > graphs[-1]  # LiT's own, the frozen block's in eval mode
 
 
 FSDP_CASES = [

@@ -1,5 +1,5 @@
-"""``train.compile``: the towers' transformer blocks through ``torch.compile``, one block at a time,
-in place, as torchtitan compiles a model."""
+"""``train.compile``: the towers' transformer blocks through ``torch.compile`` one at a time, as
+torchtitan compiles its models, each in place (``nn.Module.compile``)."""
 
 from __future__ import annotations
 
