@@ -156,7 +156,7 @@ class TrainConfig:
     dist_timeout_s: int = 600  # process-group init and collective timeout
     io_timeout_s: int = 3600  # how long the other ranks wait while rank 0 alone pulls, verifies or saves
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
-    compile: bool = False  # torch.compile both towers (random ops keep eager semantics: exact replay)
+    compile: bool = False  # torch.compile each tower block, FSDP too (random ops as eager: exact replay)
     parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
     ema_decay: float = 0.0  # EMA of the trainable weights, ema = d*ema + (1-d)*w after each step; 0: off
     ema_warmup_power: float = 0.0  # > 0: the decay at step t is min(ema_decay, 1 - (1+t)^-power) (timm's)
@@ -384,19 +384,13 @@ def _check_ema(train: TrainConfig, evaluation: EvalConfig) -> None:
 
 
 def _check_fsdp(train: TrainConfig) -> None:
-    """fp16's GradScaler finds overflows per rank, which sharded gradients would leave unshared; and
-    compiled towers are not wrapped for sharding yet."""
+    """fp16's GradScaler finds overflows per rank, which sharded gradients would leave unshared."""
     if train.parallel != "fsdp":
         return
     if train.precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 with train.parallel=fsdp: the loss scaler is not shard-aware; "
             "use train.precision=bf16 (or fp32)"
-        )
-    if train.compile:
-        raise ConfigError(
-            "train.compile=true with train.parallel=fsdp: compiling sharded towers is not supported yet; "
-            "drop one of them"
         )
 
 

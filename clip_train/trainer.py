@@ -34,7 +34,8 @@ from clip_train.flops import device_peak_tflops, tower_flops, training_flops_per
 from clip_train.init_from import load_init_from
 from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
-from clip_train.model import build_model, compile_towers
+from clip_train.model import build_model
+from clip_train.model.compiling import compile_towers
 from clip_train.monitor import RunMonitor
 from clip_train.optim import Update
 from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
@@ -79,7 +80,7 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)
         # Counted on the whole towers, before compiling (one-sample shapes) and sharding.
         towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
-        if cfg.train.compile:
+        if cfg.train.compile:  # before sharding, as torchtitan does: FSDP2 shards the compiled blocks
             compile_towers(self.model)
         measured = None
         if self.sharded:  # what needs the whole towers runs on rank 0 before they are sharded
@@ -153,8 +154,13 @@ class Trainer:
             load_init_from(self.cfg.model, self.model)
 
     def _measure_chunks(self) -> ChunkChoice:
-        """Auto chunks fitted on rank 0 alone (its towers measured); every rank gets its choice."""
-        return decided_by_main(lambda: choose_chunks(self.model, self.cfg, self.env.world_size))
+        """Auto chunks fitted on rank 0 alone (its towers measured); every rank gets its choice.
+        Compiled towers are measured eager: each probed chunk size would otherwise compile anew."""
+        return decided_by_main(self._measured_eager)
+
+    def _measured_eager(self) -> ChunkChoice:
+        with torch.compiler.set_stance("force_eager"):
+            return choose_chunks(self.model, self.cfg, self.env.world_size)
 
     def _chunks(self, measured: ChunkChoice | None = None) -> tuple[tuple[int, int], str]:
         """The per-rank image and text chunks, and how auto ones were chosen. A resumed run at the

@@ -405,25 +405,3 @@ def test_from_config_reads_batch_train_and_loss_sections():
     assert GradCache.from_config(
         make_model(*NO_DROPOUT), load_config(TINY, ["loss.impl=inf"]), (0, 0)
     ).keep_last_graph
-
-
-# One compile of both towers is the dearest CPU test there is, so it runs once: in fp64, where the
-# replay is exact, unless torch 2.11's inductor, whose CPU attention backward mixes fp32 into fp64
-# graphs ("expected scalar type Double but found Float"), cannot compile that; then in fp32, the
-# dtype runs train in, where roundoff is ~5e-5 and replaying other masks gives ~2.
-INDUCTOR_COMPILES_FP64 = torch.__version__ >= "2.12"
-COMPILED_DTYPE, COMPILED_RTOL = (torch.float64, 1e-10) if INDUCTOR_COMPILES_FP64 else (torch.float32, 5e-4)
-
-
-@pytest.mark.slow
-def test_compiled_towers_replay_exactly_with_dropout():
-    """train.compile: inductor-compiled towers under Gradient Cache, dropout and drop-path on, give
-    the eager full-batch gradients (chunks of 5 of 10 rows): the replay draws the same masks."""
-    from clip_train.model import compile_towers
-
-    batch = make_batch()
-    want = reference_grads(make_model(*DROPOUT, dtype=COMPILED_DTYPE), batch, 5, 5)
-    model = make_model(*DROPOUT, dtype=COMPILED_DTYPE)
-    compile_towers(model)
-    assert_grads_close(gc_grads(model, batch, image_chunk=5, text_chunk=5), want, rtol=COMPILED_RTOL)
-    assert not torch._inductor.config.fallback_random  # set for the towers only, not process-wide

@@ -25,7 +25,6 @@ __all__ = [
     "TextTower",
     "build_model",
     "build_tokenizer",
-    "compile_towers",
 ]
 
 
@@ -115,15 +114,3 @@ def _build_model(model_cfg: ModelConfig, *, load_pretrained: bool) -> CLIP:
         )
     visual = build_image_tower(model_cfg.image, model_cfg.embed_dim, load_pretrained=load_pretrained)
     return CLIP(visual, text, tokenizer, model_cfg.init_logit_scale, model_cfg.init_logit_bias)
-
-
-def compile_towers(model: CLIP) -> None:
-    """``train.compile``: both halves of each tower (what Gradient Cache calls) through
-    ``torch.compile``, weights and state-dict keys untouched. Random ops keep eager semantics
-    (inductor's ``fallback_random``, for these functions only, not process-wide): a replayed chunk
-    then draws the dropout and drop-path masks its first pass drew, which keeps Gradient Cache
-    exact."""
-    options = {"fallback_random": True}
-    for tower in (model.visual, model.text):
-        tower.encode_frozen = torch.compile(tower.encode_frozen, options=options)
-        tower.encode_trainable = torch.compile(tower.encode_trainable, options=options)

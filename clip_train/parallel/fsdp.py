@@ -183,16 +183,20 @@ class GatherWaits:
         event.record()
         return event
 
+    @torch.compiler.disable
     def _open(self, *_: Any) -> None:
         self._opened = self._stamp()
 
+    @torch.compiler.disable
     def _close(self, *_: Any) -> None:
         self._spans.append((self._opened, self._stamp()))
 
+    @torch.compiler.disable
     def _before_backward(self, module: nn.Module, args: Any, output: Any) -> None:
         for tensor in _grad_outputs(output):
             tensor.register_hook(self._open)
 
+    @torch.compiler.disable
     def _after_backward(self, module: nn.Module, args: Any, output: Any) -> None:
         for tensor in _grad_outputs(output):
             tensor.register_hook(self._close)
