@@ -33,7 +33,8 @@ from clip_train.config import load_config
 from clip_train.engine import GradCache
 from clip_train.model import build_model
 from clip_train.model.compiling import compile_towers, compiled_modules
-from clip_train.parallel import builds_on_meta, shard_towers, tower_blocks
+from clip_train.model.freezing import tower_blocks
+from clip_train.parallel import builds_on_meta, shard_towers
 
 # In fp64 the compiled step equals the eager one to roundoff, unless torch 2.11's inductor, whose
 # CPU attention backward mixes fp32 into fp64 graphs ("expected scalar type Double but found

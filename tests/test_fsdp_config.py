@@ -10,7 +10,7 @@ import torch
 
 from clip_train.config import ConfigError, FsdpConfig, load_config
 from clip_train.model import build_model
-from clip_train.parallel import tower_blocks
+from clip_train.model.freezing import tower_blocks
 from clip_train.parallel.fsdp import mixed_precision
 
 TINY = Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml"

@@ -32,7 +32,8 @@ from clip_train.engine import GradCache
 from clip_train.engine.offload import chunk_bounds
 from clip_train.loss import contrastive_loss
 from clip_train.model import build_model
-from clip_train.parallel import builds_on_meta, is_sharded, shard_towers, tower_blocks
+from clip_train.model.freezing import tower_blocks
+from clip_train.parallel import builds_on_meta, is_sharded, shard_towers
 
 ROWS_PER_RANK, LR, STEPS = 4, 0.5, 2
 SIGMOID = ("model.init_logit_bias=-4.0",)

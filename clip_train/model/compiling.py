@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from clip_train.model import CLIP
-from clip_train.model.freezing import LockableTower
-from clip_train.parallel.fsdp import tower_blocks
+from clip_train.model.freezing import LockableTower, tower_blocks
 
 # The graphs one block may need: no_grad (encoding, frozen trunks) and grad (replay), train and
 # eval mode, a first shape and then a dynamic one (a smaller last chunk, another eval batch).

@@ -106,3 +106,17 @@ def init_projection(width: int, embed_dim: int) -> nn.Linear:
     proj = nn.Linear(width, embed_dim, bias=False)
     nn.init.normal_(proj.weight, std=width**-0.5)
     return proj
+
+
+def tower_blocks(tower: LockableTower) -> list[nn.Module]:
+    """The repeated blocks of a tower: timm's ``blocks`` (ViTs) or ``stages`` (hierarchical nets),
+    transformers' ``encoder.layer`` (BERT family) or ``layers``; empty when there are none."""
+    holder = getattr(tower, "trunk", None) or getattr(tower, "encoder", None)
+    for path in ("blocks", "stages", "encoder.layer", "layers", "encoder.layers"):
+        try:
+            blocks = holder.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(blocks, nn.Sequential | nn.ModuleList):
+            return list(blocks)
+    return []

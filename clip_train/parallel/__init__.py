@@ -8,7 +8,6 @@ from clip_train.parallel.fsdp import (
     gradient_sync,
     is_sharded,
     shard_towers,
-    tower_blocks,
 )
 
 __all__ = [
@@ -18,5 +17,4 @@ __all__ = [
     "gradient_sync",
     "is_sharded",
     "shard_towers",
-    "tower_blocks",
 ]

@@ -32,23 +32,9 @@ from torch.distributed.fsdp import (
 from torch.utils._pytree import tree_leaves
 
 from clip_train.config import FsdpConfig, FsdpDtype, Precision
-from clip_train.model.freezing import LockableTower
+from clip_train.model.freezing import tower_blocks
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def tower_blocks(tower: LockableTower) -> list[nn.Module]:
-    """The repeated blocks of a tower: timm's ``blocks`` (ViTs) or ``stages`` (hierarchical nets),
-    transformers' ``encoder.layer`` (BERT family) or ``layers``; empty when there are none."""
-    holder = getattr(tower, "trunk", None) or getattr(tower, "encoder", None)
-    for path in ("blocks", "stages", "encoder.layer", "layers", "encoder.layers"):
-        try:
-            blocks = holder.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(blocks, nn.Sequential | nn.ModuleList):
-            return list(blocks)
-    return []
 
 
 def mixed_precision(cfg: FsdpConfig, precision: Precision, weights: torch.dtype) -> MixedPrecisionPolicy:

@@ -23,11 +23,11 @@ from clip_train.engine import GradCache, TrainableHead
 from clip_train.errors import UserError
 from clip_train.memory import format_bytes, peak_bytes, used_bytes
 from clip_train.model import CLIP
+from clip_train.model.freezing import tower_blocks
 from clip_train.model.hub import load_hf
 from clip_train.model.image import build_image_tower
 from clip_train.model.text import build_text_tower
 from clip_train.optim import build_optimizer
-from clip_train.parallel.fsdp import tower_blocks
 from clip_train.plan.architecture import find_text_architecture
 from clip_train.plan.estimate import (
     FP32,
