@@ -56,18 +56,21 @@ class WeightsEMA:
             name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
             for name, p in self.params.items()
         }
+        # DTensors and plain tensors (the logit scale) go to separate foreach calls; loading a
+        # checkpoint copies into the averages in place, so the split holds until the next restart
+        by_kind = [
+            [n for n, avg in self.averages.items() if isinstance(avg, DTensor) == sharded]
+            for sharded in (True, False)
+        ]
+        self._foreach_groups = [names for names in by_kind if names]
 
     @torch.no_grad()
     def update(self, step: int) -> None:
         """Fold in the weights after optimizer step ``step``: ``lerp`` computes ``d*ema + (1-d)*w``."""
         weight = 1.0 - ema_decay_at(step, self.decay, self.warmup_power)
-        for sharded in (True, False):  # DTensors and plain tensors (the logit scale) in separate calls
-            names = [n for n, avg in self.averages.items() if isinstance(avg, DTensor) == sharded]
-            if names:
-                averages = [self.averages[n] for n in names]
-                torch._foreach_lerp_(
-                    averages, [self.params[n].to(self.averages[n].dtype) for n in names], weight
-                )
+        for names in self._foreach_groups:
+            averages = [self.averages[n] for n in names]
+            torch._foreach_lerp_(averages, [self.params[n].to(self.averages[n].dtype) for n in names], weight)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
