@@ -40,7 +40,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
         assert 0 < accuracy["loss_rel_error"] < 2e-2 and 0 < accuracy["grad_rel_error"] < 5e-2
 
     runs = report["trainer"]["runs"]
-    assert [(r["batch"], r["compile"]) for r in runs] == [(16, False), (16, True), (32, False), (32, True)]
+    assert [(r["batch"], r["compile"]) for r in runs] == [(16, False), (32, True)]
     for run in runs:  # the CPU's peak is the measured matmul rate: MFU is the share of it
         assert run["samples_per_s"] > 0 and set(run["split_s"]) == set(SPLIT)
         assert run["mfu"] == pytest.approx(run["tflops"] / loss["matmul_tflops"], rel=1e-9)

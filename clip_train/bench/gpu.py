@@ -62,7 +62,8 @@ class Sizes:
     model: str
     synthetic_images: int
     workers: int
-    trainer: tuple[tuple[int, int, int], ...]  # (per-GPU batch, image chunk, text chunk); 0 = one chunk
+    # (per-GPU batch, image chunk, text chunk, train.compile); chunk 0 = one chunk
+    trainer: tuple[tuple[int, int, int, bool], ...]
     steps: int
     warmup: int
     open_clip_batch: int
@@ -76,7 +77,7 @@ GPU = Sizes(
     model="configs/model/vit-b16-bert-base-random.yaml",
     synthetic_images=4096,
     workers=min(12, max(1, (os.cpu_count() or 2) - 2)),
-    trainer=((256, 0, 0), (1024, 256, 512)),
+    trainer=((256, 0, 0, False), (256, 0, 0, True), (1024, 256, 512, False), (1024, 256, 512, True)),
     steps=30,
     warmup=10,
     open_clip_batch=256,
@@ -89,7 +90,7 @@ DRY_RUN = Sizes(
     model="configs/model/tiny.yaml",
     synthetic_images=48,
     workers=1,
-    trainer=((16, 0, 0), (32, 8, 16)),
+    trainer=((16, 0, 0, False), (32, 8, 16, True)),  # compiled runs are eager here: each path once
     steps=3,
     warmup=1,
     open_clip_batch=16,
@@ -245,21 +246,20 @@ class _Bench:
         from clip_train.bench.train import _clip_train
 
         sizes, shards, runs = self.sizes, self._shards(), []
-        for batch, image_chunk, text_chunk in sizes.trainer:
-            for compiled in (False, True):
-                run = {"batch": batch, "chunks": [image_chunk, text_chunk], "compile": compiled}
-                settings = self._settings(image_chunk, text_chunk, compiled)
-                options = SimpleNamespace(
-                    config=sizes.model, set=settings, shards=shards, steps=sizes.steps, warmup=sizes.warmup
-                )
-                self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
-                try:
-                    run |= _clip_train(options, batch, 1, self.work / f"run-{batch}-{compiled}")
-                except Exception as err:
-                    run["error"] = f"{type(err).__name__}: {err}"[-3000:]
-                if self.matmul_tflops and "tflops" in run:
-                    run["of_matmul_rate"] = run["tflops"] / self.matmul_tflops
-                runs.append(run)
+        for batch, image_chunk, text_chunk, compiled in sizes.trainer:
+            run = {"batch": batch, "chunks": [image_chunk, text_chunk], "compile": compiled}
+            settings = self._settings(image_chunk, text_chunk, compiled)
+            options = SimpleNamespace(
+                config=sizes.model, set=settings, shards=shards, steps=sizes.steps, warmup=sizes.warmup
+            )
+            self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
+            try:
+                run |= _clip_train(options, batch, 1, self.work / f"run-{batch}-{compiled}")
+            except Exception as err:
+                run["error"] = f"{type(err).__name__}: {err}"[-3000:]
+            if self.matmul_tflops and "tflops" in run:
+                run["of_matmul_rate"] = run["tflops"] / self.matmul_tflops
+            runs.append(run)
         return {"model": sizes.model, "steps": sizes.steps, "warmup": sizes.warmup, "runs": runs}
 
     def open_clip(self) -> dict[str, Any]:
