@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 
 import pytest
@@ -116,7 +117,12 @@ def fsdp_steps(rank: int, world: int, case: Case) -> dict:
 
 def reference(world: int, case: Case) -> dict:
     """Plain autograd on the global batch, rank r's chunks encoded from rank r's seed, SGD as above."""
-    model = make_model(*DROPOUT, *case.extra)
+    return _reference(world, case.chunks, case.extra)
+
+
+@functools.cache  # the FSDP settings and precision do not change the reference: cases share it
+def _reference(world: int, chunks: tuple[int, int], extra: tuple[str, ...]) -> dict:
+    model = make_model(*DROPOUT, *extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     kind = "sigmoid" if model.logit_bias is not None else "softmax"
     losses, step_grads = [], []
@@ -126,12 +132,10 @@ def reference(world: int, case: Case) -> dict:
         for rank in range(world):
             images, input_ids, attention_mask = rank_batch(rank, world)
             torch.manual_seed(SEED + rank)
-            image_features += [
-                model.visual(images[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, case.chunks[0])
-            ]
+            image_features += [model.visual(images[a:b]) for a, b in chunk_bounds(ROWS_PER_RANK, chunks[0])]
             text_features += [
                 model.text(input_ids[a:b], attention_mask[a:b])
-                for a, b in chunk_bounds(ROWS_PER_RANK, case.chunks[1])
+                for a, b in chunk_bounds(ROWS_PER_RANK, chunks[1])
             ]
         features = (torch.cat(image_features), torch.cat(text_features), model.logit_scale.exp())
         loss = contrastive_loss(*features, logit_bias=model.logit_bias, kind=kind)
