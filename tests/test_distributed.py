@@ -3,6 +3,7 @@ device choice and the backends a CUDA run's group maps each device to."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -40,6 +41,23 @@ def test_counts_sum_over_three_ranks_with_missing_keys_as_zero():
     assert [place for place, _ in results] == [(0, 3), (1, 3), (2, 3)]
     for _, totals in results:
         assert totals == {"bad_image": 6, "bad_json": 0, "truncated_tar": 5}
+
+
+def environment_and_fresh_state(rank: int, world_size: int) -> tuple[str | None, bool]:
+    """What a rank sees: the caller's environment, and a library no earlier rank left state in."""
+    import torch._dynamo.config as dynamo
+
+    seen = (os.environ.get("CLIP_TRAIN_TEST_PROBE"), dynamo.recompile_limit == 1234)
+    dynamo.recompile_limit = 1234  # process-wide, as compile_towers sets it: the next ranks must not see it
+    return seen
+
+
+def test_ranks_forked_from_the_server_see_the_callers_environment_and_a_fresh_library(monkeypatch):
+    """The test helper forks ranks from a server started by the first caller: a later test's
+    ``setenv`` must still reach them, and one rank's changes must not reach the next ranks."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("CLIP_TRAIN_TEST_PROBE", value)
+        assert run_distributed(environment_and_fresh_state, 2) == [(value, False), (value, False)]
 
 
 def test_one_process_is_rank_zero_of_one():
