@@ -1,6 +1,7 @@
 """`clip-train bench gpu` (`make gpu-bench`): its dry run on the CPU runs every section the GPU
 session runs and writes the same files, so the command cannot rot between GPU sessions; a failing
-section is recorded and the others still run; and the profile's split of a CUDA step, which only a
+section is recorded and the others still run; what finished is on disk before the next section
+starts; and the profile's split of a CUDA step, which only a
 GPU produces, is checked on events whose shares are known."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 import sys
 
 import pytest
-from processes import run_to_end
+from processes import Watched, run_to_end
 
 from clip_train.bench.gpu import FILES, OPTIMIZER, SECTIONS, SHARES, STEP, category, summarise_profile
 from clip_train.bench.train import SPLIT
@@ -57,15 +58,25 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path):
+def test_a_failing_section_is_recorded_at_once_and_the_next_one_runs(tmp_path):
     """A value that the trainer's start-up check refuses: OpenCLIP's section fails with its message,
-    the profile (which builds the model without the run's checks) still runs."""
+    which is on disk before the next section starts (a GPU session whose time runs out keeps what
+    finished), and the profile (which builds the model without the run's checks) still runs."""
     out = tmp_path / "bench"
-    result, report = _bench(out, "--sections", "open_clip,profile", "--set", "log.peak_tflops=-1")
-    assert "log.peak_tflops=-1.0 must be >= 0" in report["open_clip"]["error"]
+    bench = Watched.start([sys.executable, "-m", "clip_train", "bench", "gpu", "--out", str(out),
+                           "--sections", "open_clip,profile", "--set", "log.peak_tflops=-1"])  # fmt: skip
+    bench.wait_for(lambda: "gpu-bench: profile ..." in bench.stdout.text, "the second section started")
+    so_far = json.loads((out / "gpu-bench.json").read_text())
+    assert "log.peak_tflops=-1.0 must be >= 0" in so_far["open_clip"]["error"] and "profile" not in so_far
+    assert "**failed**" in (out / "gpu-bench.md").read_text()
+
+    result = bench.wait()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "gpu-bench.json").read_text())
+    assert report["open_clip"] == so_far["open_clip"]
     assert "error" not in report["profile"] and report["profile"]["shares"]["matmul"] > 0
     assert "gpu-bench: open_clip: FAILED" in result.stdout and "gpu-bench: profile: done" in result.stdout
-    assert "**failed**" in (out / "gpu-bench.md").read_text()
+    assert "## profile" in (out / "gpu-bench.md").read_text()
 
 
 def _event(name, start, end, device="cuda", self_us=0.0):

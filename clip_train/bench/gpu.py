@@ -126,13 +126,19 @@ def run(args: argparse.Namespace) -> int:
         bench = _Bench(sizes, "cuda" if cuda else "cpu", Path(tmp), log, args.set)
         for name in sections:
             report[name] = bench.section(name, getattr(bench, name))
-    report["wall_s"] = time.perf_counter() - started
-    (out / "gpu-bench.json").write_text(json.dumps(report, indent=2))
-    summary = summarise(report)
-    (out / "gpu-bench.md").write_text(summary)
+            report["wall_s"] = time.perf_counter() - started
+            summary = _write(report, out)  # after every section: a session cut short keeps what it measured
     print(f"gpu-bench: {', '.join(FILES)} in {out} ({report['wall_s']:.0f} s)\n")
     print(summary, flush=True)
     return 0
+
+
+def _write(report: dict[str, Any], out: Path) -> str:
+    """The JSON and the markdown summary of what ``report`` holds so far; returns the summary."""
+    summary = summarise(report)
+    (out / "gpu-bench.json").write_text(json.dumps(report, indent=2))
+    (out / "gpu-bench.md").write_text(summary)
+    return summary
 
 
 def _first_line(cuda: bool, out: Path) -> str:
@@ -259,6 +265,7 @@ class _Bench:
                 run["error"] = f"{type(err).__name__}: {err}"[-3000:]
             if self.matmul_tflops and "tflops" in run:
                 run["of_matmul_rate"] = run["tflops"] / self.matmul_tflops
+            self._note(json.dumps(run))  # in the log at once: a session cut short keeps the runs so far
             runs.append(run)
         return {"model": sizes.model, "steps": sizes.steps, "warmup": sizes.warmup, "runs": runs}
 
