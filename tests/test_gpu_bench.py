@@ -49,6 +49,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
 
     assert report["open_clip"]["ratio"] > 0 and report["open_clip"]["batch"] == 16
     profile = report["profile"]
+    assert profile["compile"] and "with train.compile" in summary  # eager here (TORCHDYNAMO_DISABLE)
     assert sum(profile["shares"].values()) == pytest.approx(1.0)
     assert profile["shares"]["matmul"] > 0 and profile["shares"]["optimizer"] > 0
     assert 0 < len(profile["top_kernels"]) <= 15

@@ -11,8 +11,9 @@ of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everythi
    TFLOP/s, MFU, the share of the measured matmul rate, peak memory and the step split;
 3. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
    beside clip_train (``bench train``);
-4. profile: one training step under ``torch.profiler``: the top 15 kernels by time and the shares
-   of matmul, attention, elementwise (everything else), optimizer, copies and idle gaps.
+4. profile: one training step with ``train.compile`` (the trainer's fastest setting) under
+   ``torch.profiler``: the top 15 kernels by time and the shares of matmul, attention, elementwise
+   (everything else), optimizer, copies and idle gaps.
 
 Each section runs in its own processes and fails soft: its error goes into the JSON and the summary,
 and the next section runs. Without a CUDA GPU the same sections run on the CPU at toy sizes (the
@@ -280,19 +281,22 @@ class _Bench:
         return row
 
     def profile(self) -> dict[str, Any]:
-        batch = self.sizes.trainer[0][0]
-        spec = {"model": self.sizes.model, "set": self._settings(0, 0), "batch": batch, "device": self.device}
-        return {"batch": batch, **in_fresh_process(profile_step, spec)}
+        """The step that is left to speed up: compiled, as the trainer runs fastest."""
+        batch, settings = self.sizes.trainer[0][0], self._settings(0, 0, compiled=True)
+        spec = {"model": self.sizes.model, "set": settings, "batch": batch, "device": self.device}
+        return {"batch": batch, "compile": True, **in_fresh_process(profile_step, spec)}
 
 
 def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
-    """One training step (after two warm-up steps) under ``torch.profiler``, summarised."""
+    """One training step (after two warm-up steps, which compile it under ``train.compile``) under
+    ``torch.profiler``, summarised."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from clip_train.bench.step import synthetic_batch
     from clip_train.config import load_config
     from clip_train.engine import GradCache
     from clip_train.model import build_model
+    from clip_train.model.compiling import compile_towers
     from clip_train.optim import Update
 
     device = torch.device(spec["device"])
@@ -301,6 +305,8 @@ def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_float32_matmul_precision("high")  # as the trainer sets it
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device).train()
+    if cfg.train.compile:
+        compile_towers(model)
     engine = GradCache.from_config(model, cfg, (cfg.batch.image_chunk, cfg.batch.text_chunk))
     update = Update(model, cfg, device)
     batch = synthetic_batch(model, spec["batch"])
@@ -489,7 +495,8 @@ def _open_clip_table(row: dict[str, Any]) -> list[str]:
 def _profile_tables(result: dict[str, Any]) -> list[str]:
     shares = result["shares"]
     lines = [
-        f"one step at batch {result['batch']}: {result['step_s'] * 1e3:.1f} ms, of which "
+        f"one step at batch {result['batch']}{' with train.compile' if result['compile'] else ''}: "
+        f"{result['step_s'] * 1e3:.1f} ms, of which "
         f"{result['device'].upper()} busy {result['busy_s'] * 1e3:.1f} ms",
         "",
         "| " + " | ".join(SHARES) + " |",
