@@ -93,25 +93,27 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_ranks_true(flags: Sequence[bool] | torch.Tensor, device: torch.device) -> list[bool]:
+def all_ranks_true(flags: Sequence[bool] | torch.Tensor) -> list[bool]:
     """Each flag ANDed over the ranks, in one all-reduce, so all ranks take the same branches.
-    Flags computed on the device come as a bool tensor: nothing waits for them until the one read."""
+    Flags computed on the device come as a bool tensor: nothing waits for them until the one read.
+    Host flags stay host tensors (gloo, ``process_group_backend``): on a GPU, an all-reduce through
+    NCCL would queue behind the step's kernels, and reading it would wait for all of them."""
     if not isinstance(flags, torch.Tensor):
         if not dist.is_initialized():
             return list(flags)
-        flags = torch.tensor(list(flags), dtype=torch.bool)
-    values = flags.to(device=device, dtype=torch.long)
+        flags = torch.tensor(list(flags), dtype=torch.bool, device="cpu")
+    values = flags.to(dtype=torch.long)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
     return [bool(value) for value in values.tolist()]
 
 
 @contextmanager
-def failing_together(device: torch.device, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+def failing_together(group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """A ``UserError`` that the block raises on some ranks is raised on every rank of ``group``, with
     the lowest failing rank's message (naming it): a check that only some ranks fail must not leave
-    the others waiting in their next collective. A collective (one all-reduce while no rank fails);
-    the block itself must not hold one."""
+    the others waiting in their next collective. A collective on the host (one all-reduce while no
+    rank fails), which waits for no GPU work; the block itself must not hold one."""
     error: UserError | None = None
     try:
         yield
@@ -122,7 +124,7 @@ def failing_together(device: torch.device, group: dist.ProcessGroup | None = Non
         if error is not None:
             raise error
         return
-    failed = torch.tensor([0 if error is None else 1], device=device)
+    failed = torch.tensor([0 if error is None else 1], device="cpu")
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
         return
@@ -181,11 +183,10 @@ def sum_over_ranks(counts: torch.Tensor, group: dist.ProcessGroup | None = None)
     return counts
 
 
-def sum_counts_over_ranks(
-    counts: Mapping[str, int], keys: Sequence[str], device: torch.device
-) -> dict[str, int]:
-    """``counts[key]`` (0 where missing) summed over all ranks, for every key; a collective."""
-    values = torch.tensor([counts.get(key, 0) for key in keys], dtype=torch.long, device=device)
+def sum_counts_over_ranks(counts: Mapping[str, int], keys: Sequence[str]) -> dict[str, int]:
+    """``counts[key]`` (0 where missing) summed over all ranks, for every key; a collective on the
+    host, which waits for no GPU work."""
+    values = torch.tensor([counts.get(key, 0) for key in keys], dtype=torch.long, device="cpu")
     return dict(zip(keys, sum_over_ranks(values).tolist(), strict=True))
 
 

@@ -172,7 +172,7 @@ class Update:
         if isinstance(grad_norm, DTensor):  # FSDP: the norm of the whole gradient
             grad_norm = grad_norm.full_tensor()
         loss = torch.as_tensor(loss, device=grad_norm.device)
-        loss_ok, norm_ok = all_ranks_true(torch.stack([loss.isfinite(), grad_norm.isfinite()]), self.device)
+        loss_ok, norm_ok = all_ranks_true(torch.stack([loss.isfinite(), grad_norm.isfinite()]))
         if loss_ok and norm_ok:
             self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
             with torch.no_grad():

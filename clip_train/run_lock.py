@@ -35,7 +35,6 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
-import torch
 
 from clip_train.distributed import decided_by_main, failing_together
 from clip_train.errors import UserError, naming_key
@@ -47,7 +46,6 @@ STALE_S = 90.0  # three missed heartbeats
 FILL_WAIT_S = 1.0  # a lock file is filled right after it is created: how long an empty one is re-read
 MAX_ATTEMPTS = 10  # takeovers lost to other contenders before giving up
 SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's lock before taking out_dir for unshared
-CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -271,19 +269,18 @@ class RunLock:
 @contextmanager
 def hold_out_dir(
     out_dir: str | Path,
-    device: torch.device = CPU,
     heartbeat_s: float = HEARTBEAT_S,
     stale_s: float = STALE_S,
 ) -> Iterator[None]:
     """Hold the lock on ``train.out_dir`` for the block, on global rank 0. A collective: every rank
     learns rank 0's outcome, so a refusal raises the same ``UserError`` on all of them and none is
     left waiting for rank 0 in the next collective. Every rank then finds rank 0's lock in the folder
-    (``device`` holds the vote on it), or all stop: checkpoints are written by several ranks into
+    (a vote on the host), or all stop: checkpoints are written by several ranks into
     folders rank 0 creates, so the folder must be one that all nodes share."""
     lock = RunLock(Path(out_dir), heartbeat_s, stale_s)
     try:
         token = decided_by_main(lambda: _take_announced(lock))
-        with failing_together(device):
+        with failing_together():
             _check_shared(lock, token)
         yield
     finally:

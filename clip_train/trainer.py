@@ -230,11 +230,11 @@ class Trainer:
         try:
             with preemption_signals() as signals:
                 self.signals = signals
-                while all_ranks_true([signals.received is None], env.device)[0]:
+                while all_ranks_true([signals.received is None])[0]:
                     if self.step >= cfg.train.max_steps:
                         return self._final_evaluation(signals, monitor)
                     started = time.perf_counter()
-                    with failing_together(env.device):  # a rank's data error stops all at once
+                    with failing_together():  # a rank's data error stops all at once
                         batch = next(self.loader)
                     data_s = time.perf_counter() - started
                     result = self.train_step(batch)
@@ -256,9 +256,9 @@ class Trainer:
         cfg, last = self.cfg, self.step == self.cfg.train.max_steps
         at_log = self._logs_at(self.step)
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
-            self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS, self.env.device)
+            self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS)
             if names := self.loader.source_names:
-                self.sources = sum_counts_over_ranks(self.loader.source_counts(), names, self.env.device)
+                self.sources = sum_counts_over_ranks(self.loader.source_counts(), names)
         if monitor is not None:
             self._report(monitor, result, data_s, step_s, at_log)
         at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last

@@ -33,7 +33,7 @@ KEYS = ("bad_image", "bad_json", "truncated_tar")
 def count_rank(rank: int, world_size: int) -> tuple[tuple[int, int], dict[str, int]]:
     # Rank r skipped r + 1 bad images; only rank 1 saw a truncated tar; nobody reports bad_json.
     local = {"bad_image": rank + 1, **({"truncated_tar": 5} if rank == 1 else {})}
-    return rank_and_world(), sum_counts_over_ranks(local, KEYS, torch.device("cpu"))
+    return rank_and_world(), sum_counts_over_ranks(local, KEYS)
 
 
 def test_counts_sum_over_three_ranks_with_missing_keys_as_zero():
@@ -41,6 +41,28 @@ def test_counts_sum_over_three_ranks_with_missing_keys_as_zero():
     assert [place for place, _ in results] == [(0, 3), (1, 3), (2, 3)]
     for _, totals in results:
         assert totals == {"bad_image": 6, "bad_json": 0, "truncated_tar": 5}
+
+
+def agree_on_host_values(rank: int, world_size: int) -> tuple[list[bool], int, str | None]:
+    """The per-step agreements on host values (signals, data errors, skip counts) with the default
+    device an accelerator would be: the meta device stands in for a GPU, where these collectives
+    would go through NCCL and wait for the step's kernels. Host values must stay host tensors."""
+    error = None
+    with torch.device("meta"):
+        flags = all_ranks_true([True, rank == 0])
+        counts = sum_counts_over_ranks({"bad_json": rank + 1}, KEYS)
+        try:
+            with failing_together():
+                if rank == 1:
+                    raise UserError("rank 1's own check")
+        except UserError as err:
+            error = str(err)
+    return flags, counts["bad_json"], error
+
+
+def test_agreements_on_host_values_stay_on_the_host_whatever_the_default_device():
+    results = run_distributed(agree_on_host_values, 2)
+    assert results == [([True, False], 3, "on rank 1: rank 1's own check")] * 2
 
 
 def environment_and_fresh_state(rank: int, world_size: int) -> tuple[str | None, bool]:
@@ -62,7 +84,7 @@ def test_ranks_forked_from_the_server_see_the_callers_environment_and_a_fresh_li
 
 def test_one_process_is_rank_zero_of_one():
     assert rank_and_world() == (0, 1)
-    assert sum_counts_over_ranks({"bad_json": 2}, KEYS, torch.device("cpu")) == {
+    assert sum_counts_over_ranks({"bad_json": 2}, KEYS) == {
         "bad_image": 0,
         "bad_json": 2,
         "truncated_tar": 0,
@@ -119,7 +141,7 @@ CPU = torch.device("cpu")
 def fail_on_some_ranks(rank: int, world_size: int, failing: tuple[int, ...]) -> str | None:
     """The error each rank raises (None: none), then a collective that shows the ranks still agree."""
     try:
-        with failing_together(CPU):
+        with failing_together():
             if rank in failing:
                 raise UserError(f"rank {rank}'s own check")
     except UserError as err:
@@ -151,7 +173,7 @@ def slow_main_decision(rank: int, world_size: int, slow_s: float, wait_s: float)
         outcome: object = decided_by_main(decide)
     except UserError as err:
         outcome = str(err)
-    return outcome, all_ranks_true([True], CPU)
+    return outcome, all_ranks_true([True])
 
 
 def test_ranks_wait_for_rank_zero_past_the_collective_timeout_up_to_the_io_timeout():

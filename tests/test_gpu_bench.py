@@ -1,8 +1,8 @@
 """`clip-train bench gpu` (`make gpu-bench`): its dry run on the CPU runs every section the GPU
 session runs and writes the same files, so the command cannot rot between GPU sessions; a failing
 section is recorded and the others still run; what finished is on disk before the next section
-starts; and the profile's split of a CUDA step, which only a
-GPU produces, is checked on events whose shares are known."""
+starts; and the profile's split of a CUDA step, which only a GPU produces, is checked on events
+whose shares are known."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
 
     assert report["open_clip"]["ratio"] > 0 and report["open_clip"]["batch"] == 16
     profile = report["profile"]
-    assert profile["compile"] and "with train.compile" in summary  # eager here (TORCHDYNAMO_DISABLE)
+    assert "one step at batch 16 with train.compile" in summary  # eager here (TORCHDYNAMO_DISABLE)
     assert sum(profile["shares"].values()) == pytest.approx(1.0)
     assert profile["shares"]["matmul"] > 0 and profile["shares"]["optimizer"] > 0
     assert 0 < len(profile["top_kernels"]) <= 15

@@ -363,8 +363,10 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
 
 def test_a_step_reads_the_host_once_and_a_logged_step_twice_more(digits, tmp_path, monkeypatch):
     """Outside the loss (whose reads per call test_loss_tiles counts), an unlogged step hands one
-    device value to the host, the NaN guard's decision, and a logged step also reads its skip
-    counts and its metrics: on CUDA each read waits for every kernel queued before it."""
+    device value to the host, the NaN guard's decision, and a logged step also reads its metrics:
+    on CUDA each read waits for every kernel queued before it. It also reads its skip counts, summed
+    over the ranks as a host tensor (no wait on CUDA: test_distributed), counted here with the rest
+    because on the CPU the two kinds of read look the same."""
     trainer = in_process_trainer(
         digits, tmp_path, "train.max_steps=5", "log.every_steps=2", "checkpoint.every_steps=100"
     )

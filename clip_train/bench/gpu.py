@@ -284,7 +284,7 @@ class _Bench:
         """The step that is left to speed up: compiled, as the trainer runs fastest."""
         batch, settings = self.sizes.trainer[0][0], self._settings(0, 0, compiled=True)
         spec = {"model": self.sizes.model, "set": settings, "batch": batch, "device": self.device}
-        return {"batch": batch, "compile": True, **in_fresh_process(profile_step, spec)}
+        return {"batch": batch, **in_fresh_process(profile_step, spec)}
 
 
 def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
@@ -495,8 +495,7 @@ def _open_clip_table(row: dict[str, Any]) -> list[str]:
 def _profile_tables(result: dict[str, Any]) -> list[str]:
     shares = result["shares"]
     lines = [
-        f"one step at batch {result['batch']}{' with train.compile' if result['compile'] else ''}: "
-        f"{result['step_s'] * 1e3:.1f} ms, of which "
+        f"one step at batch {result['batch']} with train.compile: {result['step_s'] * 1e3:.1f} ms, of which "
         f"{result['device'].upper()} busy {result['busy_s'] * 1e3:.1f} ms",
         "",
         "| " + " | ".join(SHARES) + " |",

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
     watch = StopWatch(env, Path(cfg.train.out_dir))
     try:
-        with hold_out_dir(cfg.train.out_dir, env.device):  # one run per out_dir, before the model is built
+        with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, before the model is built
             Trainer(cfg, env).run()
     except (Exception, KeyboardInterrupt) as err:  # every way out is one line, the same on every rank
         return watch.ended_by(err)

@@ -60,7 +60,7 @@ def encode_split(
     images: list[torch.Tensor] = []
     texts: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
-    with failing_together(device, group), inference(model, device, precision):
+    with failing_together(group), inference(model, device, precision):
         for batch in progress(batches, f"encoding {source}", unit="batch"):
             images.append(model.encode_image(batch.images.to(device, non_blocking=True)).to(dtype))
             if text:

@@ -118,7 +118,7 @@ def zeroshot_from_features(
 ) -> dict[str, float]:
     """Top-1/top-5 accuracy of this rank's features, counts summed over ranks."""
     num_classes = classifier.shape[0]
-    with failing_together(labels.device, group):
+    with failing_together(group):
         if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < num_classes:
             raise EvalError(
                 f"zero-shot labels span [{int(labels.min())}, {int(labels.max())}] but there are "

@@ -87,7 +87,7 @@ class ShardedCheckpointer(Checkpointer):
             dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
-        (written,) = all_ranks_true([not failure], self.model.logit_scale.device)
+        (written,) = all_ranks_true([not failure])
         # Gathered one tensor at a time into rank 0's host memory; the other ranks get nothing.
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=full) if written else {}
