@@ -135,9 +135,6 @@ def test_a_cuda_runs_group_reduces_host_tensors_on_gloo():
         assert "No backend type associated with device type cpu" in outcome
 
 
-CPU = torch.device("cpu")
-
-
 def fail_on_some_ranks(rank: int, world_size: int, failing: tuple[int, ...]) -> str | None:
     """The error each rank raises (None: none), then a collective that shows the ranks still agree."""
     try:

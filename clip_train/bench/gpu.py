@@ -121,14 +121,16 @@ def run(args: argparse.Namespace) -> int:
         "dry_run": not cuda,
         "machine": _machine(cuda),
         "sizes": dataclasses.asdict(sizes),
+        "wall_s": 0.0,
     }
     started = time.perf_counter()
+    summary = _write(report, out)  # rewritten after every section: a session cut short keeps what it measured
     with tempfile.TemporaryDirectory() as tmp, (out / "gpu-bench.log").open("w") as log:
         bench = _Bench(sizes, "cuda" if cuda else "cpu", Path(tmp), log, args.set)
         for name in sections:
             report[name] = bench.section(name, getattr(bench, name))
             report["wall_s"] = time.perf_counter() - started
-            summary = _write(report, out)  # after every section: a session cut short keeps what it measured
+            summary = _write(report, out)
     print(f"gpu-bench: {', '.join(FILES)} in {out} ({report['wall_s']:.0f} s)\n")
     print(summary, flush=True)
     return 0
