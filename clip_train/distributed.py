@@ -102,10 +102,16 @@ def all_ranks_true(flags: Sequence[bool] | torch.Tensor) -> list[bool]:
         if not dist.is_initialized():
             return list(flags)
         flags = torch.tensor(list(flags), dtype=torch.bool, device="cpu")
+    return and_over_ranks(flags).tolist()
+
+
+def and_over_ranks(flags: torch.Tensor) -> torch.Tensor:
+    """Each flag ANDed over the ranks, where it lies: on a GPU, an all-reduce queued on the stream,
+    which nothing on the host waits for."""
     values = flags.to(dtype=torch.long)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
-    return [bool(value) for value in values.tolist()]
+    return values.bool()
 
 
 @contextmanager

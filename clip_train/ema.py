@@ -56,21 +56,17 @@ class WeightsEMA:
             name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
             for name, p in self.params.items()
         }
-        # DTensors and plain tensors (the logit scale) go to separate foreach calls; loading a
-        # checkpoint copies into the averages in place, so the split holds until the next restart
-        by_kind = [
-            [n for n, avg in self.averages.items() if isinstance(avg, DTensor) == sharded]
-            for sharded in (True, False)
-        ]
-        self._foreach_groups = [names for names in by_kind if names]
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
-        """Fold in the weights after optimizer step ``step``: ``lerp`` computes ``d*ema + (1-d)*w``."""
-        weight = 1.0 - ema_decay_at(step, self.decay, self.warmup_power)
-        for names in self._foreach_groups:
-            averages = [self.averages[n] for n in names]
-            torch._foreach_lerp_(averages, [self.params[n].to(self.averages[n].dtype) for n in names], weight)
+    def update(self, step: int, stepped: torch.Tensor) -> None:
+        """Fold in the weights after optimizer step ``step``: ``lerp`` computes ``d*ema + (1-d)*w``,
+        with ``1 - d`` times ``stepped`` (a bool on the device), so a skipped step leaves the averages
+        as they were without the host reading it. Each rank updates its own shards."""
+        targets = [_local(self.params[name].to(average.dtype)) for name, average in self.averages.items()]
+        averages = [_local(average) for average in self.averages.values()]
+        dtype = averages[0].dtype  # every average's: float32 or float64
+        weight = stepped.to(dtype) * (1.0 - ema_decay_at(step, self.decay, self.warmup_power))
+        torch._foreach_lerp_(averages, targets, [weight] * len(averages))
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -108,6 +104,11 @@ class WeightsEMA:
         """The averages themselves (DTensors under FSDP), which the sharded checkpoint saves and loads
         in place."""
         return self.averages
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a view: updating it updates the DTensor), or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def check_fits(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor], what: str) -> None:

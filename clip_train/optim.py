@@ -13,11 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from clip_train.checkpoint import latest_checkpoint
 from clip_train.config import Config, ConfigError, OptimConfig
-from clip_train.distributed import all_ranks_true, rank_and_world
-from clip_train.errors import UserError
-from clip_train.logs import get_logger
+from clip_train.distributed import and_over_ranks
+from clip_train.skipped_steps import SkippedSteps
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
 
@@ -134,24 +132,28 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
 
 
-class TrainingAborted(UserError):
-    """Too many consecutive non-finite steps: the run stops, keeping its last good checkpoint."""
-
-
 class Update:
     """One optimizer step and its guards: the fp16 loss scale, global-norm clipping, and skipping a
-    step whose loss or gradient is not finite on any rank (``train.max_bad_steps`` in a row stop
-    the run).
+    step whose loss or gradient is not finite on any rank (``skipped_steps`` counts them;
+    ``train.max_bad_steps`` in a row stop the run).
+
+    With fused AdamW and no loss scale, the skip happens on the device: the all-reduced flag goes to
+    the fused kernel as ``found_inf`` (as GradScaler hands it over), which leaves the weights, the
+    moments and the step count as they were, and the step reads nothing. Otherwise (fp16, Adafactor,
+    ``optim.fused=false``) the flag is read on the host every step, which on CUDA waits for the step's
+    kernels.
     """
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
         self.model, self.device = model, device
-        self.grad_clip, self.max_bad_steps = cfg.optim.grad_clip, cfg.train.max_bad_steps
-        self.run_dir = Path(cfg.train.out_dir)
+        self.grad_clip = cfg.optim.grad_clip
         self.optimizer = build_optimizer(cfg.optim, model)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.max_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-        self.bad_in_a_row = self.bad_total = 0
+        self.skipped_steps = SkippedSteps(cfg.train.max_bad_steps, Path(cfg.train.out_dir))
+        fused = any(group.get("fused") for group in self.optimizer.param_groups)
+        self.skips_on_device = fused and not self.scaler.is_enabled()
+        self.stepped = torch.ones((), dtype=torch.bool, device=device)  # the last step's, on the device
         self.base_lr = cfg.optim.lr
 
     @property
@@ -161,9 +163,9 @@ class Update:
         return self.base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
     def __call__(self, loss: torch.Tensor | float, step: int) -> torch.Tensor:
-        """Unscale, clip and step (or skip); returns the gradient norm, on the device. Whether the
-        loss and the norm are finite on every rank is the step's one host read (on CUDA it waits
-        for the step's kernels); the values themselves stay on the device for the logger."""
+        """Unscale, clip and take optimizer step ``step`` (1 for the first), or skip it; returns the
+        gradient norm, on the device. ``stepped`` says on the device whether the weights moved (the
+        EMA follows it)."""
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -172,44 +174,46 @@ class Update:
         if isinstance(grad_norm, DTensor):  # FSDP: the norm of the whole gradient
             grad_norm = grad_norm.full_tensor()
         loss = torch.as_tensor(loss, device=grad_norm.device)
-        loss_ok, norm_ok = all_ranks_true(torch.stack([loss.isfinite(), grad_norm.isfinite()]))
-        if loss_ok and norm_ok:
-            self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
-            with torch.no_grad():
-                self.model.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
-            self.bad_in_a_row = 0
-        elif not (loss_ok and self.scaler.is_enabled()):  # an fp16 overflow only lowers the scale
-            self._count_bad_step(float(loss), float(grad_norm), step)
+        finite = and_over_ranks(torch.stack([loss.isfinite(), grad_norm.isfinite()]))
+        self.stepped = finite.all()
+        if self.skips_on_device:
+            self.optimizer.found_inf = (~self.stepped).float()  # 1.0: the fused kernel skips the step
+            self.optimizer.step()
+            del self.optimizer.found_inf
+            self._clamp_logit_scale()
+            self.skipped_steps.record(~self.stepped, step, loss, grad_norm)
+        else:
+            self._step_unless_read_bad(finite, loss, grad_norm, step)
         self.scaler.update()
         self.scheduler.step()
         return grad_norm
 
-    def _count_bad_step(self, loss: float, grad_norm: float, step: int) -> None:
-        self.bad_in_a_row += 1
-        self.bad_total += 1
-        rank, _ = rank_and_world()
-        get_logger().warning(
-            f"rank {rank}: step {step} skipped, non-finite (loss {loss}, grad norm "
-            f"{grad_norm}); {self.bad_in_a_row} in a row"
-        )
-        if self.bad_in_a_row >= self.max_bad_steps:
-            raise TrainingAborted(
-                f"{self.bad_in_a_row} consecutive steps had a non-finite loss or gradient norm "
-                f"(train.max_bad_steps={self.max_bad_steps}); stopped at step {step}. "
-                f"Last good checkpoint: {latest_checkpoint(self.run_dir) or 'none'}. "
-                "Lower optim.lr or use fp32/bf16."
-            )
+    def _step_unless_read_bad(
+        self, finite: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor, step: int
+    ) -> None:
+        """The guard with the flags read on the host. An fp16 overflow (a finite loss, an infinite
+        gradient) is not a bad step: the scaler only lowers the scale."""
+        loss_ok, norm_ok = finite.tolist()
+        if loss_ok and norm_ok:
+            self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
+            self._clamp_logit_scale()
+        bad = not loss_ok or not (norm_ok or self.scaler.is_enabled())
+        self.skipped_steps.count(bad, step, loss, grad_norm)
+
+    @torch.no_grad()
+    def _clamp_logit_scale(self) -> None:
+        self.model.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "bad_total": self.bad_total,
+            "bad_total": self.skipped_steps.total,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.bad_total = state["bad_total"]
+        self.skipped_steps.total = state["bad_total"]

@@ -48,6 +48,21 @@ from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 
 
 @dataclass
+class LogWindow:
+    """The steps since the last log: when the first began and how many ran. Its samples/s is the
+    rate a run keeps, since only logged steps wait for the device; logging, checkpoints and
+    evaluation at the last log fall outside it."""
+
+    started: float
+    steps: int = 0
+    elapsed: float = 0.0
+
+    def add_step(self, ended: float) -> None:
+        self.steps += 1
+        self.elapsed = ended - self.started
+
+
+@dataclass
 class StepResult:
     stats: StepStats
     grad_norm: torch.Tensor  # on the device, like ``stats.loss``: read on logged steps only
@@ -198,10 +213,10 @@ class Trainer:
             scale_loss=self.update.scaler.scale,
             timed=self._logs_at(self.step + 1),  # the time split's device syncs: logged steps only
         )
-        grad_norm = self.update(stats.loss, self.step)
+        grad_norm = self.update(stats.loss, self.step + 1)
         self.step += 1
-        if self.ema is not None and not self.update.bad_in_a_row:  # a skipped step leaves it as it is
-            self.ema.update(self.step)
+        if self.ema is not None:
+            self.ema.update(self.step, self.update.stepped)  # a skipped step leaves it as it is
         return StepResult(stats, grad_norm)
 
     def run(self) -> dict[str, float]:
@@ -230,6 +245,7 @@ class Trainer:
         try:
             with preemption_signals() as signals:
                 self.signals = signals
+                window = LogWindow(time.perf_counter())
                 while all_ranks_true([signals.received is None])[0]:
                     if self.step >= cfg.train.max_steps:
                         return self._final_evaluation(signals, monitor)
@@ -238,8 +254,13 @@ class Trainer:
                         batch = next(self.loader)
                     data_s = time.perf_counter() - started
                     result = self.train_step(batch)
-                    self._after_step(result, monitor, data_s, time.perf_counter() - started)
-                if self.step > self.saved_step and not self.update.bad_in_a_row:
+                    ended = time.perf_counter()
+                    window.add_step(ended)
+                    self._after_step(result, monitor, data_s, ended - started, window)
+                    if self._logs_at(self.step):  # the next window starts after this step's logs and saves
+                        window = LogWindow(time.perf_counter())
+                self.update.skipped_steps.settle(self.step)
+                if self.step > self.saved_step and not self.update.skipped_steps.in_a_row:
                     self._save()
                 raise self._preempted(signals)
         finally:
@@ -250,19 +271,21 @@ class Trainer:
                 monitor.close()
 
     def _after_step(
-        self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float
+        self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float, window: LogWindow
     ) -> None:
         """Log, checkpoint (only good steps) and evaluate."""
         cfg, last = self.cfg, self.step == self.cfg.train.max_steps
         at_log = self._logs_at(self.step)
+        at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
+        if at_log or at_checkpoint:  # every rank reads the NaN guard's ledger at the same steps
+            self.update.skipped_steps.settle(self.step)
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
             self.skipped = sum_counts_over_ranks(self.loader.skip_counts(), SKIP_REASONS)
             if names := self.loader.source_names:
                 self.sources = sum_counts_over_ranks(self.loader.source_counts(), names)
         if monitor is not None:
-            self._report(monitor, result, data_s, step_s, at_log)
-        at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
-        if at_checkpoint and not self.update.bad_in_a_row:
+            self._report(monitor, result, data_s, step_s, window if at_log else None)
+        if at_checkpoint and not self.update.skipped_steps.in_a_row:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
             self._evaluate(monitor, StoppableEvaluation(self.signals))  # a signal stops it on every rank
@@ -309,12 +332,16 @@ class Trainer:
         )
 
     def _report(
-        self, monitor: RunMonitor, result: StepResult, data_s: float, step_s: float, log: bool
+        self, monitor: RunMonitor, result: StepResult, data_s: float, step_s: float, window: LogWindow | None
     ) -> None:
-        """On log steps, show the headline numbers in the progress bar and write the metrics (skip
-        counts: all ranks), the step's device values read in one transfer. Other steps only move
-        the bar: a read there would make the host wait for the device every step."""
-        if not log:
+        """On log steps (a ``window``), show the headline numbers in the progress bar and write the
+        metrics (skip counts: all ranks), the step's device values read in one transfer. Other steps
+        only move the bar: a read there would make the host wait for the device every step.
+
+        samples/s (and MFU) is over the whole window since the last log, whose steps run without
+        waiting for the device; the time split is the logged step's own, which waits for the device
+        at each stage (``timed``) to measure it."""
+        if window is None:
             monitor.advance(self.step)
             return
         stats, bias = result.stats, self.model.logit_bias
@@ -323,7 +350,7 @@ class Trainer:
         loss, grad_norm, scale, *bias_value = torch.stack(
             [value.to(self.env.device, torch.float64) for value in on_device]
         ).tolist()
-        samples_per_s = self.cfg.batch.global_size / step_s
+        samples_per_s = self.cfg.batch.global_size * window.steps / window.elapsed
         lr = self.update.lr
         peak = stats.peak_mem or peak_bytes(self.env.device)
         parts = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
@@ -354,6 +381,7 @@ class Trainer:
             "train/samples_per_s": samples_per_s,
             **utilization,
             "time/step_s": step_s,
+            "time/window_s": window.elapsed,
             "time/data_s": data_s,
             "time/encode_s": stats.encode_s,
             "time/gather_s": stats.gather_s,
@@ -362,7 +390,7 @@ class Trainer:
             "time/optimizer_s": optimizer_s,
             "memory/peak_bytes": peak,
             "memory/cache_bytes": stats.cache_bytes,
-            "train/skipped_steps": self.update.bad_total,
+            "train/skipped_steps": self.update.skipped_steps.total,
         }
         metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
         metrics.update({f"data/source/{name}": n for name, n in self.sources.items()})

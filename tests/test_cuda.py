@@ -35,9 +35,12 @@ from test_trainer import EVERY, STEPS, finish, torchrun, weights
 from test_trainer import overrides as fp64_run_overrides
 
 from clip_train.checkpoint import complete_checkpoints
+from clip_train.config import load_config
+from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache
 from clip_train.engine.rng import ProcessRng
 from clip_train.loss import contrastive_loss
+from clip_train.optim import Update
 
 pytestmark = [
     pytest.mark.cuda,
@@ -192,6 +195,44 @@ def test_an_untimed_gradcache_step_syncs_only_where_the_loss_does() -> None:
         step()
         loss_alone()
     assert _syncs(step) == _syncs(loss_alone) > 0
+
+
+def test_the_guarded_update_and_the_ema_never_sync_and_a_non_finite_step_is_skipped_on_the_device(
+    tmp_path,
+) -> None:
+    """Fused AdamW skips on the device (the all-reduced flag as ``found_inf``): neither a good step
+    nor a non-finite one, nor the EMA after them, hands anything to the host; the ledger, read at a
+    logged step, finds the skipped step, and the weights and the averages are as before it."""
+    model = make_model(*NO_DROPOUT, dtype=torch.float32).to(CUDA)
+    cfg = load_config(DEMO_CONFIG, [f"train.out_dir={tmp_path}", "train.ema_decay=0.9"])
+    update, ema = Update(model, cfg, CUDA), WeightsEMA.from_config(model, cfg.train)
+    assert update.skips_on_device
+    batch = [t.to(CUDA) for t in make_batch(rows=8)]
+    engine = GradCache(model, image_chunk=8, text_chunk=8)
+    syncs = []
+
+    def step(number: int, poisoned: bool = False) -> None:
+        update.optimizer.zero_grad(set_to_none=True)
+        loss = engine.step(*batch, timed=False).loss
+        loss = loss * float("nan") if poisoned else loss
+
+        def guarded() -> None:
+            update(loss, number)
+            ema.update(number, update.stepped)
+
+        syncs.append(_syncs(guarded))
+
+    step(1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    averages = {name: average.clone() for name, average in ema.averages.items()}
+    step(2, poisoned=True)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert all(torch.equal(average, averages[name]) for name, average in ema.averages.items())
+    step(3)
+    assert syncs == [0, 0, 0]
+    update.skipped_steps.settle(3)
+    assert (update.skipped_steps.total, update.skipped_steps.in_a_row) == (1, 0)
+    assert int(update.optimizer.state[model.visual.proj.weight]["step"]) == 2
 
 
 def test_process_rng_restores_the_current_device_from_either_format(monkeypatch) -> None:

@@ -26,17 +26,24 @@ def toy() -> nn.Module:
 
 
 @pytest.mark.parametrize("warmup_power", [0.0, 0.75])
-def test_the_average_follows_the_formula_and_leaves_frozen_parameters_out(warmup_power):
+def test_the_average_follows_the_formula_skips_what_the_optimizer_skipped_and_leaves_frozen_parameters_out(
+    warmup_power,
+):
     model, decay = toy(), 0.8
     ema = WeightsEMA(model, decay, warmup_power)
     assert ema.averages.keys() == {"0.weight", "0.bias", "1.weight", "1.bias"}
     trainable = [p for p in model.parameters() if p.requires_grad]
     expected = [p.detach().clone() for p in trainable]
     for step in range(1, 6):
+        stepped = step != 3  # step 3: skipped as non-finite, the weights as they were
         with torch.no_grad():  # a stand-in for an optimizer step
             for p in trainable:
-                p.add_(torch.randn_like(p))
-        ema.update(step)
+                p.add_(torch.randn_like(p) if stepped else torch.zeros_like(p))
+        before = [average.clone() for average in ema.averages.values()]
+        ema.update(step, torch.tensor(stepped))
+        if not stepped:  # not pulled toward the unchanged weights
+            assert all(map(torch.equal, ema.averages.values(), before))
+            continue
         d = min(decay, 1 - (1 + step) ** -warmup_power) if warmup_power else decay
         expected = [d * e + (1 - d) * p.detach() for e, p in zip(expected, trainable, strict=True)]
     for average, want in zip(ema.averages.values(), expected, strict=True):
@@ -55,7 +62,7 @@ def test_swapped_in_puts_the_averages_in_and_the_weights_back_bit_for_bit():
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0).add_(0.1)
-    ema.update(1)
+    ema.update(1, torch.tensor(True))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with ema.swapped_in():
         for name, average in ema.averages.items():

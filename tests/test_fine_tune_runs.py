@@ -231,7 +231,7 @@ def test_a_skipped_step_leaves_the_ema_as_it_was(digits, tmp_path):
 
     trainer.engine.step, trainer.train_step = poisoned_second_step, train_step
     trainer.run()
-    assert trainer.update.bad_total == 1 and len(after_steps) == 3
+    assert trainer.update.skipped_steps.total == 1 and len(after_steps) == 3
     assert_bit_identical(after_steps[1], after_steps[0])
     moved = [name for name in after_steps[1] if not torch.equal(after_steps[2][name], after_steps[1][name])]
     assert "visual.proj.weight" in moved

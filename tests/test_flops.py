@@ -115,27 +115,33 @@ def _records(run_dir) -> list[dict]:
     return [r for r in records if "train/samples_per_s" in r]
 
 
-def test_a_run_logs_mfu_from_its_samples_per_second_only_with_a_peak(tmp_path, digits):
-    """Whole per-rank batches (no replay): 3 x the forward FLOPs that FlopCounterMode counts on a
-    batch of the run's model, times the logged samples/s, over log.peak_tflops."""
-    peak, one_chunk = 0.5, ["batch.image_chunk=0", "batch.text_chunk=0", "log.every_steps=1"]
+def test_a_run_logs_samples_per_second_over_each_log_window_and_mfu_only_with_a_peak(tmp_path, digits):
+    """samples/s covers every step since the last log (5 steps logged every 2: windows of 2, 2 and 1
+    steps), not the logged step alone, whose stage timing waits for the device. MFU: whole per-rank
+    batches (no replay), 3 x the forward FLOPs that FlopCounterMode counts on a batch of the run's
+    model, times the logged samples/s, over log.peak_tflops."""
+    peak, one_chunk = 0.5, ["batch.image_chunk=0", "batch.text_chunk=0"]
     with_peak, without = tmp_path / "with_peak", tmp_path / "without"
     command = [sys.executable, "-m", "clip_train", "train", str(TINY_MODEL_CONFIG)]
-    ran = run_to_end([*command, *run_overrides(digits, with_peak, 2, *one_chunk, f"log.peak_tflops={peak}")])
+    every_2 = [*one_chunk, "log.every_steps=2", f"log.peak_tflops={peak}"]
+    ran = run_to_end([*command, *run_overrides(digits, with_peak, 5, *every_2)])
     assert ran.returncode == 0, ran.stderr[-3000:]
     model = _tiny_model()
     with torch.no_grad(), flop_counter_mode() as counter:
         model(*_batch(model))
     flops_per_sample = 3 * counter.get_total_flops() / ROWS
     records = _records(with_peak)
-    assert len(records) == 2
-    for record in records:
+    assert [r["step"] for r in records] == [2, 4, 5]
+    for record, steps in zip(records, (2, 2, 1), strict=True):
+        window_s = record["time/window_s"]
+        assert record["train/samples_per_s"] * window_s == pytest.approx(16 * steps, rel=1e-9)
+        assert window_s >= record["time/step_s"]  # the logged step is the window's last
         tflops = flops_per_sample * record["train/samples_per_s"] / 1e12
         assert record["train/tflops"] == pytest.approx(tflops, rel=1e-9)
         assert record["train/mfu"] == pytest.approx(tflops / peak, rel=1e-9)
     assert "mfu against 0.5 TFLOP/s" in ran.stderr and ", mfu " in ran.stderr
 
-    ran = run_to_end([*command, *run_overrides(digits, without, 1, *one_chunk)])
+    ran = run_to_end([*command, *run_overrides(digits, without, 1, *one_chunk, "log.every_steps=1")])
     assert ran.returncode == 0, ran.stderr[-3000:]
     (record,) = _records(without)
     assert "train/mfu" not in record and "train/tflops" not in record and "mfu" not in ran.stderr

@@ -203,10 +203,11 @@ def guarded_updates(rank: int, world: int, args: list[str]) -> dict:
     before = snapshot()
     update.optimizer.zero_grad(set_to_none=True)
     stats = step_on(trainer)
-    update(float("nan") if rank == 1 else stats.loss, 0)
+    update(float("nan") if rank == 1 else stats.loss, 1)
+    update.skipped_steps.settle(1)
     skipped = {
         "unchanged": all(torch.equal(v, before[k]) for k, v in snapshot().items()),
-        "bad": update.bad_total,
+        "bad": update.skipped_steps.total,
     }
 
     # clipping: the norm of the whole (sharded) gradient, then every shard scaled to the limit
@@ -218,7 +219,7 @@ def guarded_updates(rank: int, world: int, args: list[str]) -> dict:
     )
     with torch.no_grad():
         model.logit_scale.fill_(MAX_LOGIT_SCALE + 0.5)  # the clamp must bring it back
-    norm = update(stats.loss, 1)
+    norm = update(stats.loss, 2)
     clipped = math.sqrt(
         sum(float((g.full_tensor() if isinstance(g, DTensor) else g).pow(2).sum()) for g in grads)
     )

@@ -35,8 +35,8 @@ from clip_train.cli import main as cli_main
 from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
 from clip_train.logs import get_logger
-from clip_train.optim import TrainingAborted
 from clip_train.preemption import EXIT_PREEMPTED
+from clip_train.skipped_steps import TrainingAborted
 from clip_train.trainer import Trainer
 
 STEPS, EVERY = 24, 6
@@ -317,8 +317,14 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_path):
-    trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=100")
+# The guard skips on the device (fused AdamW's found_inf) or reads its flag on the host every step.
+GUARDS = pytest.mark.parametrize("fused", ["optim.fused=true", "optim.fused=false"])
+
+
+@GUARDS
+def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_path, fused):
+    trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=100", fused)
+    assert trainer.update.skips_on_device == fused.endswith("true")
     real_step = trainer.engine.step
     seen: list[dict[str, torch.Tensor]] = []
 
@@ -334,12 +340,28 @@ def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_pat
     # seen[i] holds the weights step i+1 started from
     assert_bit_identical(seen[1], seen[0])
     assert any(not torch.equal(seen[2][k], seen[1][k]) for k in seen[1]), "the good step changed nothing"
-    assert trainer.update.bad_total == 1 and trainer.update.bad_in_a_row == 0
+    assert trainer.update.skipped_steps.total == 1 and trainer.update.skipped_steps.in_a_row == 0
+    state = trainer.update.optimizer.state[trainer.model.visual.proj.weight]
+    assert int(state["step"]) == 2  # the skipped step is not counted in AdamW's bias correction
 
 
-def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_path):
+@pytest.mark.parametrize(
+    ("fused", "steps", "in_a_row"),
+    [
+        # read at the checkpoint steps: at step 4 (2 in a row, no checkpoint), then step 6 (4)
+        ("optim.fused=true", 6, 4),
+        ("optim.fused=false", 5, 3),  # read every step: the third in a row stops the run
+    ],
+)
+def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_path, fused, steps, in_a_row):
     trainer = in_process_trainer(
-        digits, tmp_path, "train.max_steps=8", "checkpoint.every_steps=2", "train.max_bad_steps=3"
+        digits,
+        tmp_path,
+        "train.max_steps=8",
+        "checkpoint.every_steps=2",
+        "log.every_steps=100",
+        "train.max_bad_steps=3",
+        fused,
     )
     real_step = trainer.engine.step
     calls = []
@@ -354,22 +376,28 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
         return stats
 
     trainer.engine.step = poison_from_third_step
-    with pytest.raises(TrainingAborted, match=r"3 consecutive steps .*step_00000002"):
+    stopped = rf"{in_a_row} consecutive steps .*stopped at step {steps}\..*step_00000002"
+    with pytest.raises(TrainingAborted, match=stopped):
         trainer.run()
-    assert len(calls) == 5
+    assert len(calls) == steps
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
     assert_bit_identical(snapshot(trainer), weights(tmp_path, 2))
 
 
-def test_a_step_reads_the_host_once_and_a_logged_step_twice_more(digits, tmp_path, monkeypatch):
-    """Outside the loss (whose reads per call test_loss_tiles counts), an unlogged step hands one
-    device value to the host, the NaN guard's decision, and a logged step also reads its metrics:
-    on CUDA each read waits for every kernel queued before it. It also reads its skip counts, summed
-    over the ranks as a host tensor (no wait on CUDA: test_distributed), counted here with the rest
-    because on the CPU the two kinds of read look the same."""
+def test_an_unlogged_step_reads_nothing_from_the_device_and_a_logged_step_three_values(
+    digits, tmp_path, monkeypatch
+):
+    """Outside the loss (whose reads per call test_loss_tiles counts), a step hands no device value to
+    the host, so the host never waits for the GPU's kernels: the NaN guard skips on the device (fused
+    AdamW) and reads its ledger on logged steps. A logged step also reads its metrics and its skip
+    counts, summed over the ranks as a host tensor (no wait on CUDA: test_distributed), counted here
+    with the rest because on the CPU the two kinds of read look the same. (The unfused optimizer's
+    reads of its step counts, host tensors, would look the same too: the guard's per-step read there
+    shows in the abort test above.)"""
     trainer = in_process_trainer(
         digits, tmp_path, "train.max_steps=5", "log.every_steps=2", "checkpoint.every_steps=100"
     )
+    assert trainer.update.skips_on_device
     reads, tolist_reads = {}, [0]  # host reads by step; .tolist() calls (they bypass the dispatcher)
 
     def outside_the_loss() -> bool:
@@ -394,7 +422,7 @@ def test_a_step_reads_the_host_once_and_a_logged_step_twice_more(digits, tmp_pat
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     trainer.train_step, trainer._after_step = counted(trainer.train_step), counted(trainer._after_step)
     trainer.run()
-    assert {step: reads[step] for step in (1, 2, 3, 4)} == {1: 1, 2: 3, 3: 1, 4: 3}
+    assert {step: reads[step] for step in (1, 2, 3, 4)} == {1: 0, 2: 3, 3: 0, 4: 3}
 
 
 # -- clear failures --------------------------------------------------------------------------------

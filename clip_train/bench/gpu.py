@@ -67,6 +67,7 @@ class Sizes:
     trainer: tuple[tuple[int, int, int, bool], ...]
     steps: int
     warmup: int
+    log_every: int  # the trainer's samples/s: over each window of this many steps (one waits to log)
     open_clip_batch: int
 
 
@@ -79,8 +80,9 @@ GPU = Sizes(
     synthetic_images=4096,
     workers=min(12, max(1, (os.cpu_count() or 2) - 2)),
     trainer=((256, 0, 0, False), (256, 0, 0, True), (1024, 256, 512, False), (1024, 256, 512, True)),
-    steps=30,
+    steps=60,
     warmup=10,
+    log_every=10,
     open_clip_batch=256,
 )
 DRY_RUN = Sizes(
@@ -92,8 +94,9 @@ DRY_RUN = Sizes(
     synthetic_images=48,
     workers=1,
     trainer=((16, 0, 0, False), (32, 8, 16, True)),  # compiled runs are eager here: each path once
-    steps=3,
+    steps=4,
     warmup=1,
+    log_every=2,
     open_clip_batch=16,
 )
 
@@ -263,14 +266,20 @@ class _Bench:
             )
             self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
             try:
-                run |= _clip_train(options, batch, 1, self.work / f"run-{batch}-{compiled}")
+                run |= _clip_train(options, batch, 1, self.work / f"run-{batch}-{compiled}", sizes.log_every)
             except Exception as err:
                 run["error"] = f"{type(err).__name__}: {err}"[-3000:]
             if self.matmul_tflops and "tflops" in run:
                 run["of_matmul_rate"] = run["tflops"] / self.matmul_tflops
             self._note(json.dumps(run))  # in the log at once: a session cut short keeps the runs so far
             runs.append(run)
-        return {"model": sizes.model, "steps": sizes.steps, "warmup": sizes.warmup, "runs": runs}
+        return {
+            "model": sizes.model,
+            "steps": sizes.steps,
+            "warmup": sizes.warmup,
+            "log_every": sizes.log_every,
+            "runs": runs,
+        }
 
     def open_clip(self) -> dict[str, Any]:
         sizes, out = self.sizes, self.work / "train.json"
@@ -313,13 +322,17 @@ def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
     update = Update(model, cfg, device)
     batch = synthetic_batch(model, spec["batch"])
 
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def step() -> None:
         update.optimizer.zero_grad(set_to_none=True)
         stats = engine.step(*batch, scale_loss=update.scaler.scale)
+        synchronize()  # the optimizer reads nothing: without this, the backward's tail would count as its
         with record_function(OPTIMIZER):
-            update(stats.loss, 0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            update(stats.loss, 1)
+        synchronize()
 
     for _ in range(2):
         step()
@@ -364,7 +377,7 @@ def summarise_profile(events: list[dict[str, Any]], device: str) -> dict[str, An
     ``device``, ``start``/``end`` in µs, CPU ``self`` µs). On CUDA the work is the kernels' time on
     the GPU (their union: overlaps count once) and idle is the rest of the step; on the CPU it is the
     ops' self time, and idle is the step's time outside any op (Python, waits). The optimizer is
-    everything that starts after its annotation does (the GPU is idle then: the engine synchronises)."""
+    everything that starts after its annotation does (``profile_step`` waits for the GPU before it)."""
     annotations = {e["name"]: e for e in events if e["device"] == "cpu" and e["name"] in (STEP, OPTIMIZER)}
     step, optimizer = annotations[STEP], annotations[OPTIMIZER]
     span = step["end"] - step["start"]
@@ -461,8 +474,9 @@ def _loss_tables(result: dict[str, Any]) -> list[str]:
 
 def _trainer_table(result: dict[str, Any]) -> list[str]:
     lines = [
-        f"`clip-train train` {result['model']}, bf16, synthetic shards; medians of steps "
-        f"{result['warmup'] + 1}-{result['steps']}",
+        f"`clip-train train` {result['model']}, bf16, synthetic shards, logged every {result['log_every']} "
+        f"steps; medians over steps {result['warmup'] + 1}-{result['steps']}: samples/s of each log window, "
+        "the split of each logged step",
         "",
         "| batch | chunks | compile | samples/s | model TFLOP/s | MFU | of matmul rate | peak GiB | "
         "data/encode/loss/replay/optimizer s |",

@@ -4,10 +4,10 @@ Both train the same architecture from the same initial weights (the config's mod
 open_clip by ``export_open_clip``), on the same shards, with AdamW and the config's learning rate,
 warmup, weight decay, betas, epsilon, gradient clipping and precision, one torchrun per run of
 several processes (gloo on the CPU), a plain process for one, the same processes, workers and global
-batch. Each run logs every step; its samples/s is the global batch over the median of its own step
-clock after the warm-up steps (data wait, forward, loss, backward, optimizer, logging, as each
-trainer times a step). The two alternate, run by run, so that a busy machine slows both alike; the
-ratio is taken pair by pair.
+batch. Each run logs every step; its samples/s is the median over the steps after the warm-up of
+the rate it logs, the global batch over the step's wall time (data wait, forward, loss, backward,
+optimizer, as each trainer times a step). The two alternate, run by run, so that a busy machine
+slows both alike; the ratio is taken pair by pair.
 
 OpenCLIP runs with ``--local-loss --gather-with-grad`` (its recommended distributed loss) and
 ``--workers`` like clip_train's ``data.workers``; its CPU quirks are handled in its worker
@@ -114,19 +114,24 @@ def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> No
         raise UserError(f"{what} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
 
-def _clip_train(args: argparse.Namespace, batch: int, nproc: int, out: Path) -> dict[str, Any]:
-    """One clip_train run: median step and its split from ``metrics.jsonl``."""
+def _clip_train(
+    args: argparse.Namespace, batch: int, nproc: int, out: Path, log_every: int = 1
+) -> dict[str, Any]:
+    """One clip_train run: the medians of its logged samples/s (each over the steps since the last
+    log), step time and split (the logged steps') from ``metrics.jsonl``, after the warm-up steps."""
     overrides = [
         *args.set, f"data.train={args.shards}/train", "data.val=", "eval.zeroshot=", "eval.zeroshot_data=",
-        f"batch.global_size={batch}", f"train.max_steps={args.steps}", "log.every_steps=1",
+        f"batch.global_size={batch}", f"train.max_steps={args.steps}", f"log.every_steps={log_every}",
         "log.wandb.mode=disabled", f"train.out_dir={out}",
     ]  # fmt: skip
     _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "time/step_s" in r and r["step"] > args.warmup]
-    step_s = statistics.median(r["time/step_s"] for r in timed)
-    split = {part: statistics.median(r[f"time/{part}_s"] for r in timed) for part in SPLIT}
-    result = {"step_s": step_s, "samples_per_s": batch / step_s, "split_s": split}
+    timed = [r for r in records if "time/step_s" in r and r["step"] - log_every >= args.warmup]
+    result: dict[str, Any] = {
+        "step_s": statistics.median(r["time/step_s"] for r in timed),
+        "samples_per_s": statistics.median(r["train/samples_per_s"] for r in timed),
+        "split_s": {part: statistics.median(r[f"time/{part}_s"] for r in timed) for part in SPLIT},
+    }
     for key in ("train/tflops", "train/mfu", "memory/peak_bytes"):  # MFU where a peak is known
         if key in timed[0]:
             result[key.split("/")[1]] = statistics.median(r[key] for r in timed)
