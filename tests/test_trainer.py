@@ -384,6 +384,29 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
     assert_bit_identical(snapshot(trainer), weights(tmp_path, 2))
 
 
+def test_an_fp16_overflow_moves_neither_the_weights_nor_the_ema_and_is_not_a_bad_step(digits, tmp_path):
+    """GradScaler's overflow skips the step and halves the scale; the EMA skips it too (it would be
+    pulled toward the unchanged weights), and the guard does not count it: in fp16 only a
+    non-finite loss is a bad step."""
+    trainer = in_process_trainer(
+        digits, tmp_path, "train.precision=fp16", "train.ema_decay=0.5", "checkpoint.every_steps=100"
+    )
+    assert not trainer.update.skips_on_device  # the scaler's own skip is read on the host
+    trainer.update.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # no overflow: the EMA moves
+    trainer.train_step(next(trainer.loader))
+    assert trainer.update.scaler.get_scale() == 1.0
+    weights_before = snapshot(trainer)
+    averages_before = {name: average.clone() for name, average in trainer.ema.averages.items()}
+    trainer.update.scaler.update(2.0**60)  # the next backward overflows fp16
+    trainer.train_step(next(trainer.loader))
+    assert_bit_identical(snapshot(trainer), weights_before)
+    assert all(torch.equal(trainer.ema.averages[name], avg) for name, avg in averages_before.items())
+    assert any(not torch.equal(avg, weights_before[name]) for name, avg in averages_before.items())
+    assert trainer.update.scaler.get_scale() == 2.0**59
+    assert (trainer.update.skipped_steps.total, trainer.update.skipped_steps.in_a_row) == (0, 0)
+    trainer.loader.close()
+
+
 def test_an_unlogged_step_reads_nothing_from_the_device_and_a_logged_step_three_values(
     digits, tmp_path, monkeypatch
 ):
