@@ -47,6 +47,12 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
         assert run["mfu"] == pytest.approx(run["tflops"] / loss["matmul_tflops"], rel=1e-9)
         assert run["of_matmul_rate"] == pytest.approx(run["mfu"], rel=1e-9)
 
+    (point,) = report["step"]["points"]  # the eager trainer's batch and chunks, beside its samples/s
+    assert (point["batch"], point["chunks"]) == (16, [0, 0])
+    assert point["samples_per_s"] == 16 / point["step_s"]
+    share = runs[0]["samples_per_s"] / point["samples_per_s"]
+    assert f"| 16 | 0/0 | {point['step_s']:.4f} |" in summary and f"| {share:.1%} |" in summary
+
     assert report["open_clip"]["ratio"] > 0 and report["open_clip"]["batch"] == 16
     profile = report["profile"]
     assert "one step at batch 16 with train.compile" in summary  # eager here (TORCHDYNAMO_DISABLE)
@@ -54,7 +60,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
     assert profile["shares"]["matmul"] > 0 and profile["shares"]["optimizer"] > 0
     assert 0 < len(profile["top_kernels"]) <= 15
     assert any(k["name"] in ("aten::mm", "aten::addmm") for k in profile["top_kernels"])
-    for heading in ("## loss", "## trainer", "## open_clip", "## profile"):
+    for heading in ("## loss", "## trainer", "## step", "## open_clip", "## profile"):
         assert heading in summary
 
 

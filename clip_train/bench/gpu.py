@@ -9,9 +9,11 @@ of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everythi
 2. trainer: ``clip-train train`` on synthetic 224 px shards, ViT-B/16 + BERT-base, per-GPU batch
    256 in one chunk and 1024 with Gradient Cache, eager and ``train.compile``: samples/s, model
    TFLOP/s, MFU, the share of the measured matmul rate, peak memory and the step split;
-3. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
+3. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
+   at the trainer's eager batches and chunks, and the trainer's samples/s as a share of its;
+4. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
    beside clip_train (``bench train``);
-4. profile: one training step with ``train.compile`` (the trainer's fastest setting) under
+5. profile: one training step with ``train.compile`` (the trainer's fastest setting) under
    ``torch.profiler``: the top 15 kernels by time and the shares of matmul, attention, elementwise
    (everything else), optimizer, copies and idle gaps.
 
@@ -46,7 +48,7 @@ import torch
 
 from clip_train.bench.runner import in_fresh_process
 
-SECTIONS = ("loss", "trainer", "open_clip", "profile")
+SECTIONS = ("loss", "trainer", "step", "open_clip", "profile")
 STEP, OPTIMIZER = "clip_train.step", "clip_train.optimizer"  # the profiled step's annotations
 TOP_KERNELS = 15
 FILES = ("gpu-bench.json", "gpu-bench.md", "gpu-bench.log")
@@ -68,6 +70,7 @@ class Sizes:
     steps: int
     warmup: int
     log_every: int  # the trainer's samples/s: over each window of this many steps (one waits to log)
+    step_repeats: int
     open_clip_batch: int
 
 
@@ -83,6 +86,7 @@ GPU = Sizes(
     steps=60,
     warmup=10,
     log_every=10,
+    step_repeats=10,
     open_clip_batch=256,
 )
 DRY_RUN = Sizes(
@@ -97,6 +101,7 @@ DRY_RUN = Sizes(
     steps=4,
     warmup=1,
     log_every=2,
+    step_repeats=1,
     open_clip_batch=16,
 )
 
@@ -281,6 +286,29 @@ class _Bench:
             "runs": runs,
         }
 
+    def step(self) -> dict[str, Any]:
+        """The bare step at each eager trainer setting, which bounds what the loop around it can do."""
+        points = []
+        for batch, image_chunk, text_chunk, compiled in self.sizes.trainer:
+            if compiled:  # bench step runs the towers eager
+                continue
+            out = self.work / f"step-{batch}.json"
+            self._clip_train(
+                "bench", "step", "--model", self.sizes.model, "--batch", str(batch),
+                "--image-chunk", str(image_chunk), "--text-chunk", str(text_chunk), "--precision", "bf16",
+                "--device", self.device, "--repeats", str(self.sizes.step_repeats), "--no-direct",
+                "--json", str(out), "--set", *self.overrides,
+            )  # fmt: skip
+            (point,) = json.loads(out.read_text())["points"]
+            if "error" in point:
+                raise RuntimeError(f"bench step at batch {batch}: {point['error']}")
+            step_s = point["median_s"]
+            points.append(
+                {"batch": batch, "chunks": [image_chunk, text_chunk], "step_s": step_s,
+                 "samples_per_s": batch / step_s, "peak_bytes": point["peak_bytes"]}
+            )  # fmt: skip
+        return {"repeats": self.sizes.step_repeats, "points": points}
+
     def open_clip(self) -> dict[str, Any]:
         sizes, out = self.sizes, self.work / "train.json"
         self._clip_train(
@@ -431,8 +459,11 @@ def summarise(report: dict[str, Any]) -> str:
         f"{machine['device']}, torch {machine['torch']}, CUDA {machine.get('cuda', '-')}, {machine['date']}, "
         f"{report['wall_s']:.0f} s",
     ]
-    for name, write in (("loss", _loss_tables), ("trainer", _trainer_table), ("open_clip", _open_clip_table),
-                        ("profile", _profile_tables)):  # fmt: skip
+    trainer_runs = report.get("trainer", {}).get("runs", [])
+    tables = {"loss": _loss_tables, "trainer": _trainer_table,
+              "step": lambda result: _step_table(result, trainer_runs),
+              "open_clip": _open_clip_table, "profile": _profile_tables}  # fmt: skip
+    for name, write in tables.items():
         if name not in report:
             continue
         lines += ["", f"## {name}", ""]
@@ -495,6 +526,30 @@ def _trainer_table(result: dict[str, Any]) -> list[str]:
         ]
         lines.append(
             f"{head} {r['samples_per_s']:.0f} | {' | '.join(rates)} | {_cell(peak, '.2f')} | {split} |"
+        )
+    return lines
+
+
+def _step_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> list[str]:
+    """Each bare step beside the eager trainer at its batch and chunks: the loop's share of it."""
+    trainer = {
+        (r["batch"], tuple(r["chunks"])): r for r in trainer_runs if not r["compile"] and "error" not in r
+    }
+    lines = [
+        f"`clip-train bench step`, bf16, eager, median of {result['repeats']} steps after a warm-up; "
+        "the loop: the eager trainer's samples/s over the step's",
+        "",
+        "| batch | chunks | step s | step samples/s | peak GiB | trainer samples/s | loop / step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in result["points"]:
+        run = trainer.get((p["batch"], tuple(p["chunks"])))
+        loop = run["samples_per_s"] if run else None
+        share = loop / p["samples_per_s"] if loop else None
+        lines.append(
+            f"| {p['batch']} | {'/'.join(map(str, p['chunks']))} | {p['step_s']:.4f} | "
+            f"{p['samples_per_s']:.0f} | {p['peak_bytes'] / 2**30:.2f} | {_cell(loop, '.0f')} | "
+            f"{_cell(share, '.1%')} |"
         )
     return lines
 
