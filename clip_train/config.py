@@ -155,7 +155,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
     dist_timeout_s: int = 600  # process-group init and collective timeout
     io_timeout_s: int = 3600  # how long the other ranks wait while rank 0 alone pulls, verifies or saves
-    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    max_bad_steps: int = 5  # consecutive skipped (non-finite) steps that stop the run, at a log or save step
     compile: bool = False  # torch.compile each tower block, FSDP too (random ops as eager: exact replay)
     parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
     ema_decay: float = 0.0  # EMA of the trainable weights, ema = d*ema + (1-d)*w after each step; 0: off
