@@ -46,6 +46,7 @@ class SkippedSteps:
         self._warn(f"step {step} skipped, non-finite (loss {float(loss)}, grad norm {float(grad_norm)})")
         self._stop_after(self.in_a_row, step)
 
+    @torch.no_grad()  # a loss with a graph must not chain the steps' graphs through the ledger
     def record(self, skipped: torch.Tensor, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A step skipped or not on the device (``skipped``, a bool tensor there): a few kernels on
         six numbers, and no read."""
