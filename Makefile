@@ -46,11 +46,12 @@ test: $(VENV)/.installed-dev+demo
 # It runs the tests of the code that leans on torch's version-dependent APIs: the collectives and
 # the store, the loss (its compiled tiles included), Gradient Cache's RNG replay (compiled too), the update,
 # checkpoints (weights_only loads, DCP), the trainer's resume and torchrun restarts, and of FSDP2
-# the sharding (from rank 0's weights), its gradient sync and a checkpoint resharded 2 -> 4 -> 1.
+# the sharding (from rank 0's weights), its gradient sync and a checkpoint resharded 2 -> 4 -> 1,
+# the NaN guard's skip on sharded parameters (fused AdamW's found_inf) and the EMA of their shards.
 # What is torch-version-neutral (the exit paths, DDP's comm hooks, signals) runs in `make test`.
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.py tests/test_gradcache.py \
-	tests/test_optim.py tests/test_checkpoint*.py tests/test_fsdp_config.py \
+	tests/test_optim.py tests/test_skipped_steps.py tests/test_checkpoint*.py tests/test_fsdp_config.py \
 	tests/test_compile.py::test_compiled_towers_replay_exactly_with_dropout \
 	tests/test_trainer.py::test_resume_from_mid_run_checkpoint_is_bit_identical \
 	tests/test_trainer.py::test_sigkill_worker_restarts_and_matches_uninterrupted_run \
@@ -58,7 +59,9 @@ FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.p
 	tests/test_fsdp_gradcache.py::test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk \
 	tests/test_fsdp_gradcache.py::test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps \
 	tests/test_fsdp_gradcache.py::test_ranks_that_build_on_meta_get_rank_zeros_weights_and_buffers \
-	tests/test_fsdp_trainer.py::test_a_two_rank_checkpoint_resumes_on_four_then_on_one_with_weights_and_optimizer_exact
+	tests/test_fsdp_trainer.py::test_a_two_rank_checkpoint_resumes_on_four_then_on_one_with_weights_and_optimizer_exact \
+	tests/test_fsdp_trainer.py::test_nan_guard_clipping_and_scale_clamp_on_two_ranks \
+	"tests/test_fine_tune_runs.py::test_the_ema_is_the_formula_over_the_weights_saved_at_every_step[fsdp]"
 # A .pth line that appends .venv's site-packages (and its .pth files: the editable install) to sys.path.
 export ADD_SITE_PTH := import site, sys; open(site.getsitepackages()[0] + "/zz-clip-train-venv.pth", "w").write(f"import site; site.addsitedir({sys.argv[1]!r})\n")
 
