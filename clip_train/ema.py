@@ -56,15 +56,18 @@ class WeightsEMA:
             name: p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True)
             for name, p in self.params.items()
         }
+        # Each rank's shards, taken once: loading a checkpoint copies into the averages in place, so
+        # these views hold until the next restart, and the step need not unwrap every DTensor anew.
+        self._local_averages = [_local(average) for average in self.averages.values()]
 
     @torch.no_grad()
     def update(self, step: int, stepped: torch.Tensor) -> None:
         """Fold in the weights after optimizer step ``step``: ``lerp`` computes ``d*ema + (1-d)*w``,
         with ``1 - d`` times ``stepped`` (a bool on the device), so a skipped step leaves the averages
         as they were without the host reading it. Each rank updates its own shards."""
-        targets = [_local(self.params[name].to(average.dtype)) for name, average in self.averages.items()]
-        averages = [_local(average) for average in self.averages.values()]
+        averages = self._local_averages
         dtype = averages[0].dtype  # every average's: float32 or float64
+        targets = [_local(p.to(dtype)) for p in self.params.values()]  # in the averages' order
         weight = stepped.to(dtype) * (1.0 - ema_decay_at(step, self.decay, self.warmup_power))
         torch._foreach_lerp_(averages, targets, [weight] * len(averages))
 
