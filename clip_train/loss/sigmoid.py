@@ -16,7 +16,7 @@ import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
 from clip_train.loss.ring import forward_pass, rank_coefficients, without_autocast
-from clip_train.loss.tiles_torch import sigmoid_forward_backward, tile_dtype
+from clip_train.loss.tiles_torch import sigmoid_forward_backward, tile_operands
 
 
 def _ring_pass(images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float) -> tuple[torch.Tensor, ...]:
@@ -56,9 +56,7 @@ class SigmoidLoss(torch.autograd.Function):
         batch: Batch,
         tile: int,
     ) -> torch.Tensor:
-        dtype = tile_dtype(image_features.dtype, image_features.device)
-        images = image_features.detach().to(dtype).contiguous()
-        texts = text_features.detach().to(dtype).contiguous()
+        images, texts = tile_operands(image_features, text_features)
         ctx.batch, ctx.tile = batch, tile
         ctx.scale, ctx.bias = float(logit_scale), float(logit_bias)
         # Gradients for a unit coefficient and without the factor s: G0 = sigmoid(X) - I.

@@ -16,7 +16,7 @@ import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
 from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
-from clip_train.loss.tiles_torch import softmax_backward, softmax_forward, tile_dtype
+from clip_train.loss.tiles_torch import softmax_backward, softmax_forward, tile_operands
 
 
 def _positives(batch: Batch, owner: int, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -39,10 +39,7 @@ class SoftmaxLoss(torch.autograd.Function):
         batch: Batch,
         tile: int,
     ) -> torch.Tensor:
-        # Contiguous copies (or the inputs themselves): the tiles and the ring's buffers need them.
-        dtype = tile_dtype(image_features.dtype, image_features.device)
-        images = image_features.detach().to(dtype).contiguous()
-        texts = text_features.detach().to(dtype).contiguous()
+        images, texts = tile_operands(image_features, text_features)
         acc_dtype = torch.promote_types(images.dtype, torch.float32)  # LSEs and gradient sums
         scale = float(logit_scale)
         (n, _), m = images.shape, texts.shape[0]

@@ -51,6 +51,19 @@ def tile_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype if keeps else torch.float32
 
 
+def tile_operands(
+    image_features: torch.Tensor, text_features: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The features as the tiles take them: detached, in :func:`tile_dtype`, contiguous (copies, or
+    the inputs themselves where they already are), as the tiles' matmuls and the ring's buffers need."""
+    dtype = tile_dtype(image_features.dtype, image_features.device)
+
+    def operand(features: torch.Tensor) -> torch.Tensor:
+        return features.detach().to(dtype).contiguous()
+
+    return operand(image_features), operand(text_features)
+
+
 def default_tile(device: torch.device) -> int:
     """Tile edge. Large tiles keep the BLAS matmuls efficient (4096² fp32 is 64 MiB per buffer,
     still O(1) in the batch); on CUDA, 8192² keeps cuBLAS near its peak."""
