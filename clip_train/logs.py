@@ -17,7 +17,6 @@ from typing import TypeVar
 from tqdm import tqdm
 
 LOGGER = "clip_train"
-LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PLAIN_EVERY_S = 30.0  # how often progress prints a plain line when stderr is not a terminal
 
 T = TypeVar("T")
