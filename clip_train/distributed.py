@@ -41,6 +41,13 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Wait until the device has run every kernel queued so far (CUDA queues them; the CPU runs each
+    at once), so that a clock read next times the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def local_gpu(local_rank: int, visible: int) -> torch.device:
     """This rank's GPU, ``cuda:LOCAL_RANK``; one line, not "invalid device ordinal", when the node
     started more ranks than CUDA_VISIBLE_DEVICES leaves GPUs."""

@@ -333,6 +333,7 @@ def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
 
     from clip_train.bench.step import synthetic_batch
     from clip_train.config import load_config
+    from clip_train.distributed import wait_for_device
     from clip_train.engine import GradCache
     from clip_train.model import build_model
     from clip_train.model.compiling import compile_towers
@@ -350,17 +351,15 @@ def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
     update = Update(model, cfg, device)
     batch = synthetic_batch(model, spec["batch"])
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def step() -> None:
         update.optimizer.zero_grad(set_to_none=True)
         stats = engine.step(*batch, scale_loss=update.scaler.scale)
-        synchronize()  # the optimizer reads nothing: without this, the backward's tail would count as its
+        # The optimizer reads nothing from the device: without this wait, the backward's kernels still
+        # running would count as the optimizer's share.
+        wait_for_device(device)
         with record_function(OPTIMIZER):
             update(stats.loss, 1)
-        synchronize()
+        wait_for_device(device)
 
     for _ in range(2):
         step()

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import LOSS_KINDS, RESOLVED_LOSS_IMPLS
-from clip_train.distributed import resolve_device
+from clip_train.distributed import resolve_device, wait_for_device
 from clip_train.loss import contrastive_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
 
@@ -311,8 +311,7 @@ def _make_step(spec: dict[str, Any], rank: int, world: int) -> Any:
 
 def _synchronizer(device: Any, world: int) -> Any:
     def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        wait_for_device(device)
         if world > 1:
             dist.barrier()
 

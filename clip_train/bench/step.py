@@ -25,7 +25,7 @@ from clip_train.bench.parallel_step import run_parallel
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import LOSS_IMPLS, PRECISIONS, ConfigError, load_config
-from clip_train.distributed import resolve_device
+from clip_train.distributed import resolve_device, wait_for_device
 from clip_train.engine import GradCache
 from clip_train.errors import UserError
 from clip_train.loss import contrastive_loss
@@ -155,8 +155,7 @@ def _timed(model, step, batch, device):
     model.zero_grad(set_to_none=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     out = step(*batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    wait_for_device(device)
     return time.perf_counter() - start, time.process_time() - cpu_start, out
 
 

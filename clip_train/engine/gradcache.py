@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clip_train.compat import ddp_no_buffer_sync_kwargs
 from clip_train.config import PRECISIONS, Config, Precision
-from clip_train.distributed import rank_and_world
+from clip_train.distributed import rank_and_world, wait_for_device
 from clip_train.engine.offload import ChunkStream, Rows, chunk_bounds
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
@@ -382,8 +382,7 @@ class GradCache:
         return self.gather_waits.take_seconds() if self.gather_waits is not None else 0.0
 
     def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        wait_for_device(self.device)
         return time.perf_counter()
 
 
