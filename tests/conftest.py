@@ -1,5 +1,4 @@
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,9 +14,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory) -> Path:
     """The embedded digits set at 16 px, written once per test session by the real CLI."""
+    from processes import run_to_end
+
     out = tmp_path_factory.mktemp("digits")
     command = [sys.executable, "-m", "clip_train", "make-shards", "digits", str(out), "--size", "16"]
-    subprocess.run(command, check=True, capture_output=True)
+    result = run_to_end(command)
+    assert result.returncode == 0, result.stderr
     return out
 
 

@@ -8,9 +8,11 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import forked_cli
 
 IDLE_LIMIT_S = 600.0
 
@@ -40,30 +42,45 @@ class Watched:
     """A running command whose stdout and stderr are read as they come (stderr into stdout when
     merged). ``last_output`` is when either last grew: the progress a wait is bounded by."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | forked_cli.ForkedProcess
     stdout: Stream = field(default_factory=Stream)
     stderr: Stream = field(default_factory=Stream)
     last_output: float = field(default_factory=time.monotonic)
     _readers: list[threading.Thread] = field(default_factory=list)
 
     @classmethod
-    def start(cls, command: Sequence[str], *, merge_stderr: bool = False, **popen_kwargs) -> Watched:
-        stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, **popen_kwargs)
+    def start(
+        cls,
+        command: Sequence[str],
+        *,
+        merge_stderr: bool = False,
+        env: Mapping[str, str] | None = None,
+        **popen_kwargs,
+    ) -> Watched:
+        """Start ``command``; ``python -m clip_train ...`` is forked from the worker's server
+        (``forked_cli``) where it can be."""
+        out_read, out_write = os.pipe()
+        err_read, err_write = (out_read, out_write) if merge_stderr else os.pipe()
+        env = os.environ if env is None else env
+        if forked_cli.can_fork(command, env, popen_kwargs):
+            process = forked_cli.start(command, env, popen_kwargs.get("cwd"), out_write, err_write)
+        else:
+            process = subprocess.Popen(command, stdout=out_write, stderr=err_write, env=env, **popen_kwargs)
+        for fd in {out_write, err_write}:
+            os.close(fd)
         watched = cls(process)
-        pipes = [(process.stdout, watched.stdout)]
-        if not merge_stderr:
-            pipes.append((process.stderr, watched.stderr))
-        for pipe, stream in pipes:
-            reader = threading.Thread(target=watched._read, args=(pipe.fileno(), stream), daemon=True)
+        pipes = [(out_read, watched.stdout)] + ([] if merge_stderr else [(err_read, watched.stderr)])
+        for fd, stream in pipes:
+            reader = threading.Thread(target=watched._read, args=(fd, stream), daemon=True)
             reader.start()
             watched._readers.append(reader)
         return watched
 
     def _read(self, fd: int, stream: Stream) -> None:
-        while chunk := os.read(fd, 65536):
-            self.last_output = time.monotonic()
-            stream.pieces.append((self.last_output, chunk.decode(errors="replace")))
+        with open(fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                self.last_output = time.monotonic()
+                stream.pieces.append((self.last_output, chunk.decode(errors="replace")))
 
     def wait_for(self, condition: Callable[[], bool], what: str, idle_limit_s: float = IDLE_LIMIT_S) -> None:
         """Poll ``condition()`` while the process runs and keeps writing output."""
