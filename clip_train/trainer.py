@@ -219,13 +219,14 @@ class Trainer:
             self.ema.update(self.step, self.update.stepped)  # a skipped step leaves it as it is
         return StepResult(stats, grad_norm)
 
-    def run(self) -> dict[str, float]:
+    def run(self, signals: SignalFlag | None = None) -> dict[str, float]:
         """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
 
         A SIGTERM or SIGUSR1 on any rank during a step checkpoints that step and raises ``Preempted``:
         the ranks agree on it at each step boundary. A periodic evaluation stops on every rank first
         (``StoppableEvaluation``). During the final evaluation, when the last step is saved, a signal
-        raises ``Preempted`` at once."""
+        raises ``Preempted`` at once. ``signals`` is the flag of handlers the caller holds (the train
+        command holds them from start-up to exit); without it, they are held for this call."""
         cfg, env = self.cfg, self.env
         monitor = None
         if env.is_main:
@@ -243,7 +244,7 @@ class Trainer:
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         try:
-            with preemption_signals() as signals:
+            with contextlib.nullcontext(signals) if signals is not None else preemption_signals() as signals:
                 self.signals = signals
                 window = LogWindow(time.perf_counter())
                 while all_ranks_true([signals.received is None])[0]:

@@ -1,5 +1,6 @@
 """Ranks stop together: an error that one rank alone meets, a SIGTERM to ranks blocked in a
-collective, a folder only one rank sees, a rank-0-only phase longer than the collective timeout.
+collective, torchrun's SIGTERM to a rank still ending, a SIGTERM during start-up, a folder only one
+rank sees, a rank-0-only phase longer than the collective timeout.
 
 The faults are injected inside one rank's process (``rank_faults``). Errors are run as Slurm's
 ``srun`` starts ranks, one process each without torchrun, so that nothing but the ranks themselves
@@ -311,6 +312,82 @@ trainer.Trainer.train_step = step_or_hang
     codes = {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", run.stdout.text)}
     assert EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}, run.stdout.text[-3000:]
     assert_last_checkpoint_intact(out, 2)
+
+
+def test_torchruns_sigterm_to_a_rank_still_ending_waits_for_its_line(digits, tmp_path):
+    """SIGTERM to rank 1 alone while rank 0 is in step 3: both save step 3 and end, rank 1 at once and
+    rank 0 slowly (its lock's release takes 5 s). torchrun sends rank 0 SIGTERM once rank 1 has
+    exited, during that release: rank 0 still prints rank 1's line and exits 75."""
+    stepping, releasing = tmp_path / "stepping", tmp_path / "releasing"
+    slow = f"""
+import pathlib
+import time
+from clip_train import run_lock, trainer
+
+real_step, real_release = trainer.Trainer.train_step, run_lock.RunLock.release
+
+def slow_step(self, batch):
+    if self.step == 2:
+        pathlib.Path({str(stepping)!r}).touch()
+        time.sleep(3)
+    return real_step(self, batch)
+
+def slow_release(self):
+    pathlib.Path({str(releasing)!r}).touch()
+    time.sleep(5)
+    real_release(self)
+
+trainer.Trainer.train_step = slow_step
+run_lock.RunLock.release = slow_release
+"""
+    out = tmp_path / "run"
+    run = torchrun(overrides(digits, out), patched_in_rank(0, slow, tmp_path / "fault"))
+    run.wait_for(stepping.exists, "rank 0 in step 3")
+    signal_ranks(run, signal.SIGTERM, ranks=(1,))
+    output = run.wait().stdout
+    assert releasing.exists()
+    assert "closing signal SIGTERM" in output, output[-4000:]  # torchrun stopping rank 0
+    line = (
+        "preempted: SIGTERM received: stopped after step 3; checkpoint.resume=auto continues from "
+        f"{complete_checkpoints(out)[-1]}"
+    )
+    assert cause_lines(output, "stopped after step") == [line, line], output[-4000:]  # rank 1's, then 0's
+    codes = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", output)
+    assert sorted(codes) == [("0", str(EXIT_PREEMPTED)), ("1", str(EXIT_PREEMPTED))], output[-3000:]
+    assert_last_checkpoint_intact(out, 3)
+
+
+def test_sigterm_during_start_up_stops_the_run_before_its_first_step(digits, tmp_path):
+    """SIGTERM while the trainer is being built: the run stops before step 1 with the preemption's
+    exit code and line, and saves nothing."""
+    building = tmp_path / "building"
+    slow = f"""
+import pathlib
+import time
+from clip_train import trainer
+
+real_init = trainer.Trainer.__init__
+
+def slow_init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    pathlib.Path({str(building)!r}).touch()
+    time.sleep(3)
+
+trainer.Trainer.__init__ = slow_init
+"""
+    out = tmp_path / "run"
+    env = {**patched_in_rank(0, slow, tmp_path / "fault"), "RANK": "0"}
+    command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides(digits, out)]
+    run = Watched.start(command, env=env, merge_stderr=True)
+    run.wait_for(building.exists, "the trainer built")
+    run.process.send_signal(signal.SIGTERM)
+    result = run.wait()
+    assert result.returncode == EXIT_PREEMPTED, result.stdout[-3000:]
+    assert cause_lines(result.stdout, "SIGTERM") == [
+        "preempted: SIGTERM received: stopped after step 0; checkpoint.resume=auto continues from the start"
+    ], result.stdout[-3000:]
+    assert "step: 1/" not in result.stdout
+    assert complete_checkpoints(out) == []
 
 
 def test_preempted_on_one_rank_in_the_final_evaluation_ends_both(digits, tmp_path):

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported only now: torch, timm and transformers take seconds to load.
     from clip_train.distributed import init_distributed, set_main_only_timeout, shutdown_distributed
+    from clip_train.preemption import preemption_signals
     from clip_train.run_lock import hold_out_dir
     from clip_train.startup_checks import check_paths
     from clip_train.stopping import StopWatch
@@ -42,12 +43,16 @@ def run(args: argparse.Namespace) -> int:
     set_main_only_timeout(cfg.train.io_timeout_s)
     setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
     watch = StopWatch(env, Path(cfg.train.out_dir))
-    try:
-        with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, before the model is built
-            Trainer(cfg, env).run()
-    except (Exception, KeyboardInterrupt) as err:  # every way out is one line, the same on every rank
-        return watch.ended_by(err)
-    finally:
-        watch.close()
-    shutdown_distributed()
+    # Held from here to the exit: a signal during start-up stops the run before its first step, and
+    # one during the ending (torchrun stops the other ranks once one has ended) cannot kill this rank
+    # before it prints its line.
+    with preemption_signals() as signals:
+        try:
+            with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, before the model is built
+                Trainer(cfg, env).run(signals)
+        except (Exception, KeyboardInterrupt) as err:  # every way out is one line, the same on every rank
+            return watch.ended_by(err)
+        finally:
+            watch.close()
+        shutdown_distributed()
     return 0
