@@ -314,22 +314,30 @@ trainer.Trainer.train_step = step_or_hang
     assert_last_checkpoint_intact(out, 2)
 
 
+PAUSE = """
+import pathlib
+import time
+
+def pause(reached, until):
+    pathlib.Path(reached).touch()
+    while not pathlib.Path(until).exists():
+        time.sleep(0.05)
+"""
+
+
 def test_torchruns_sigterm_to_a_rank_still_ending_waits_for_its_line(digits, tmp_path):
     """SIGTERM to rank 1 alone while rank 0 is in step 3: both save step 3 and end, rank 1 at once and
     rank 0 slowly (its lock's release takes 5 s). torchrun sends rank 0 SIGTERM once rank 1 has
     exited, during that release: rank 0 still prints rank 1's line and exits 75."""
-    stepping, releasing = tmp_path / "stepping", tmp_path / "releasing"
-    slow = f"""
-import pathlib
-import time
+    stepping, sent, releasing = tmp_path / "stepping", tmp_path / "sent", tmp_path / "releasing"
+    slow = f"""{PAUSE}
 from clip_train import run_lock, trainer
 
 real_step, real_release = trainer.Trainer.train_step, run_lock.RunLock.release
 
 def slow_step(self, batch):
     if self.step == 2:
-        pathlib.Path({str(stepping)!r}).touch()
-        time.sleep(3)
+        pause({str(stepping)!r}, {str(sent)!r})
     return real_step(self, batch)
 
 def slow_release(self):
@@ -344,6 +352,7 @@ run_lock.RunLock.release = slow_release
     run = torchrun(overrides(digits, out), patched_in_rank(0, slow, tmp_path / "fault"))
     run.wait_for(stepping.exists, "rank 0 in step 3")
     signal_ranks(run, signal.SIGTERM, ranks=(1,))
+    sent.touch()
     output = run.wait().stdout
     assert releasing.exists()
     assert "closing signal SIGTERM" in output, output[-4000:]  # torchrun stopping rank 0
@@ -360,18 +369,15 @@ run_lock.RunLock.release = slow_release
 def test_sigterm_during_start_up_stops_the_run_before_its_first_step(digits, tmp_path):
     """SIGTERM while the trainer is being built: the run stops before step 1 with the preemption's
     exit code and line, and saves nothing."""
-    building = tmp_path / "building"
-    slow = f"""
-import pathlib
-import time
+    building, sent = tmp_path / "building", tmp_path / "sent"
+    slow = f"""{PAUSE}
 from clip_train import trainer
 
 real_init = trainer.Trainer.__init__
 
 def slow_init(self, *args, **kwargs):
     real_init(self, *args, **kwargs)
-    pathlib.Path({str(building)!r}).touch()
-    time.sleep(3)
+    pause({str(building)!r}, {str(sent)!r})
 
 trainer.Trainer.__init__ = slow_init
 """
@@ -381,6 +387,7 @@ trainer.Trainer.__init__ = slow_init
     run = Watched.start(command, env=env, merge_stderr=True)
     run.wait_for(building.exists, "the trainer built")
     run.process.send_signal(signal.SIGTERM)
+    sent.touch()
     result = run.wait()
     assert result.returncode == EXIT_PREEMPTED, result.stdout[-3000:]
     assert cause_lines(result.stdout, "SIGTERM") == [
