@@ -326,43 +326,43 @@ def pause(reached, until):
 
 
 def test_torchruns_sigterm_to_a_rank_still_ending_waits_for_its_line(digits, tmp_path):
-    """SIGTERM to rank 1 alone while rank 0 is in step 3: both save step 3 and end, rank 1 at once and
-    rank 0 slowly (its lock's release takes 5 s). torchrun sends rank 0 SIGTERM once rank 1 has
-    exited, during that release: rank 0 still prints rank 1's line and exits 75."""
-    stepping, sent, releasing = tmp_path / "stepping", tmp_path / "sent", tmp_path / "releasing"
+    """SIGTERM to rank 1 alone while rank 0 is in step 3: both save step 3 and end. Rank 0 is held
+    just before it prints its line until torchrun, once rank 1 has exited, has sent it SIGTERM: it
+    then prints its line and exits 75."""
+    stepping, sent, ending = tmp_path / "stepping", tmp_path / "sent", tmp_path / "ending"
+    stopped = tmp_path / "stopped"
     slow = f"""{PAUSE}
-from clip_train import run_lock, trainer
+from clip_train import stopping, trainer
 
-real_step, real_release = trainer.Trainer.train_step, run_lock.RunLock.release
+real_step, real_log = trainer.Trainer.train_step, stopping.Ending.log
 
 def slow_step(self, batch):
     if self.step == 2:
         pause({str(stepping)!r}, {str(sent)!r})
     return real_step(self, batch)
 
-def slow_release(self):
-    pathlib.Path({str(releasing)!r}).touch()
-    time.sleep(5)
-    real_release(self)
+def late_log(self, rank):
+    pause({str(ending)!r}, {str(stopped)!r})
+    real_log(self, rank)
 
 trainer.Trainer.train_step = slow_step
-run_lock.RunLock.release = slow_release
+stopping.Ending.log = late_log
 """
     out = tmp_path / "run"
     run = torchrun(overrides(digits, out), patched_in_rank(0, slow, tmp_path / "fault"))
     run.wait_for(stepping.exists, "rank 0 in step 3")
     signal_ranks(run, signal.SIGTERM, ranks=(1,))
     sent.touch()
+    run.wait_for(lambda: ending.exists() and "closing signal SIGTERM" in run.stdout.text, "the SIGTERM")
+    stopped.touch()
     output = run.wait().stdout
-    assert releasing.exists()
-    assert "closing signal SIGTERM" in output, output[-4000:]  # torchrun stopping rank 0
-    line = (
-        "preempted: SIGTERM received: stopped after step 3; checkpoint.resume=auto continues from "
-        f"{complete_checkpoints(out)[-1]}"
-    )
-    assert cause_lines(output, "stopped after step") == [line, line], output[-4000:]  # rank 1's, then 0's
-    codes = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", output)
-    assert sorted(codes) == [("0", str(EXIT_PREEMPTED)), ("1", str(EXIT_PREEMPTED))], output[-3000:]
+    saved = complete_checkpoints(out)[-1]
+    assert cause_lines(output, "stopped after step") == [
+        f"preempted: {cause}: stopped after step 3; checkpoint.resume=auto continues from {saved}"
+        for cause in ("SIGTERM received", "another rank was signalled")  # rank 1's, then rank 0's
+    ], output[-4000:]
+    codes = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", output))
+    assert codes == {"0": str(EXIT_PREEMPTED), "1": str(EXIT_PREEMPTED)}, output[-3000:]
     assert_last_checkpoint_intact(out, 3)
 
 
