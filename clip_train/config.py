@@ -87,7 +87,7 @@ class DataConfig:
     train_weights: list[float] = field(default_factory=list)  # one per "::" source: a weighted mixture
     val: str = ""  # validation shards or a .csv/.tsv table (retrieval; zero-shot when shards carry labels)
     resampled: bool = True  # draw shards with replacement (multi-node); false: shuffle and split
-    num_samples: int = 0  # samples per epoch across all ranks; 0 = one pass over the shards
+    num_samples: int = 0  # samples per epoch across all ranks; 0 = sized to one pass over the shards
     workers: int = 2  # DataLoader worker processes per rank (decode, augment, tokenize)
     shuffle_buffer: int = 1000  # samples in each worker's shuffle buffer
     max_skip_fraction: float = 0.1  # abort when more than this share of samples is bad
@@ -224,6 +224,7 @@ class Config:
     def validate(self, world_size: int | None = None) -> Config:
         """Cross-field checks; ``world_size`` defaults to ``$WORLD_SIZE`` (1 without a launcher)."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        _check_finite(self)
         _check_batch(self.batch, world)
         for name in ("image", "text"):
             tower = getattr(self.model, name)
@@ -250,6 +251,17 @@ class Config:
         ):
             if (value := operator.attrgetter(key)(self)) <= 0:
                 raise ConfigError(f"{key}={value} must be > 0")
+        for key in (
+            "optim.warmup_steps",
+            "optim.weight_decay",
+            "optim.grad_clip",
+            "optim.eps",
+            "data.num_samples",
+            "data.workers",
+            "data.shuffle_buffer",
+        ):
+            if (value := operator.attrgetter(key)(self)) < 0:
+                raise ConfigError(f"{key}={value} must be >= 0")
         if self.log.peak_tflops < 0:
             raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the table)")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
@@ -339,6 +351,18 @@ def _check_data_sources(data: DataConfig) -> None:
                 f"data.caption_key={data.caption_key!r}: each key is a member of the samples (txt, caption) "
                 "or json:FIELD, a field of their json"
             )
+
+
+def _check_finite(section: Any, prefix: str = "") -> None:
+    """Every number in the config is finite. NaN compares false with every bound, so it would pass
+    the range checks unseen (``min(decay, nan)`` is ``decay``); an infinite rate or clip is a typo."""
+    for f in dataclasses.fields(section):
+        key, value = prefix + f.name, getattr(section, f.name)
+        numbers = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, float)]
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key + ".")
+        elif not all(math.isfinite(v) for v in numbers):
+            raise ConfigError(f"{key}={value} must be a finite number")
 
 
 def _check_schedule(optim: OptimConfig, max_steps: int) -> None:

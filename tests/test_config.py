@@ -161,6 +161,17 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["data.rrc_scale=[0.08,0.5,1.0]"], 1, r"data\.rrc_scale=\[0\.08, 0\.5, 1\.0\] must be two numbers"),
         (["data.rrc_ratio=[1.33,0.75]"], 1, r"data\.rrc_ratio=\[1\.33, 0\.75\] must be two numbers"),
         (["data.rrc_scale=[0,1]"], 1, r"data\.rrc_scale"),
+        (["optim.warmup_steps=-5"], 1, r"^optim\.warmup_steps=-5 must be >= 0$"),
+        (["optim.weight_decay=-0.1"], 1, r"^optim\.weight_decay=-0\.1 must be >= 0$"),
+        (["optim.grad_clip=-1"], 1, r"^optim\.grad_clip=-1\.0 must be >= 0$"),
+        (["data.num_samples=-800"], 1, r"^data\.num_samples=-800 must be >= 0$"),
+        (["data.workers=-1"], 1, r"^data\.workers=-1 must be >= 0$"),
+        (["data.shuffle_buffer=-8"], 1, r"^data\.shuffle_buffer=-8 must be >= 0$"),
+        # NaN passes every range check by comparing false, infinity is never meant: both named
+        (["optim.lr=.inf"], 1, r"^optim\.lr=inf must be a finite number$"),
+        (["optim.text_lr=.nan"], 1, r"^optim\.text_lr=nan must be a finite number$"),
+        (["train.ema_decay=0.9", "train.ema_warmup_power=.nan"], 1, r"^train\.ema_warmup_power=nan must be"),
+        (["optim.betas=[0.9,.nan]"], 1, r"^optim\.betas=\[0\.9, nan\] must be a finite number$"),
     ],
 )
 def test_cross_field_validation(overrides, world, message):
