@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+from transformers.pytorch_utils import Conv1D
 
 from clip_train.config import Config, ConfigError, OptimConfig
 from clip_train.distributed import and_over_ranks
@@ -19,9 +20,10 @@ from clip_train.skipped_steps import SkippedSteps
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
 
-# Only the weight matrices of these layers decay. Norms, biases, embeddings, position and class
-# tokens and the logit scale do not: shrinking them toward zero only hurts (as in CLIP/OpenCLIP).
-_DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# Only the weight matrices of these layers decay (transformers' ``Conv1D`` is GPT-2's linear layer).
+# Norms, biases, embeddings, position and class tokens and the logit scale do not: shrinking them
+# toward zero only hurts (as in CLIP/OpenCLIP).
+_DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D)
 # The towers' parameter prefixes and their names in the config (model.image, optim.image_lr, ...).
 _TOWERS = {"visual.": "image", "text.": "text"}
 # A transformer block's parameter: timm ViTs' ``blocks.N.``, BERT's ``encoder.layer.N.``, CLIP's

@@ -35,6 +35,25 @@ def test_only_layer_weights_decay_and_frozen_are_left_out():
     assert id(model.frozen.weight) not in everything and id(model.frozen.bias) not in everything
 
 
+def test_a_gpt2_text_towers_linear_layers_decay_as_bert_ones_do():
+    """GPT-2's linear layers are transformers' ``Conv1D``, not ``nn.Linear``: their weights decay
+    too, while its token and position embeddings and norms do not."""
+    gpt2 = "model.text.hf_config={model_type: gpt2, n_embd: 32, n_layer: 2, n_head: 2, n_positions: 16}"
+    cfg = load_config(TINY_MODEL_CONFIG, [gpt2, "model.text.pooling=mean", "model.text.context_length=16"])
+    model = build_model(cfg.model)
+    decayed, plain = parameter_groups(model, OptimConfig(weight_decay=0.1))
+    decayed_names = {
+        name for name, p in model.text.named_parameters() if any(p is q for q in decayed["params"])
+    }
+    layers = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert decayed_names == {"proj.weight"} | {
+        f"encoder.h.{i}.{layer}.weight" for i in (0, 1) for layer in layers
+    }
+    assert {id(model.text.encoder.wte.weight), id(model.text.encoder.wpe.weight)} <= {
+        id(p) for p in plain["params"]
+    }
+
+
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
 def test_optimizers_step_and_skip_frozen(name):
     model = Toy()
