@@ -306,6 +306,23 @@ def test_skip_rate_above_the_limit_stops_with_a_clear_error(corrupt_shards):
     take(loader_for(relaxed, global_batch=2), 20)
 
 
+@pytest.mark.timeout(120)  # without the rule the loader cycles the shards forever
+def test_a_stream_with_no_usable_sample_stops_even_when_every_skip_is_allowed(tmp_path):
+    """data.max_skip_fraction=1 allows any share of bad samples, but a training stream with no
+    usable one (here a caption key that no sample has) would never yield a batch: it stops."""
+    write_tar(tmp_path / "shard-000.tar", good("a") + good("b") + good("c"))
+    # In the process (workers=0): the rule is the worker's tally, and no worker outlives the error.
+    cfg = config(str(tmp_path), workers=0, num_samples=64, max_skip_fraction=1.0, caption_key="json:title")
+    with pytest.raises(
+        DataError, match=r"none of the first 1000 samples could be used; reasons: \{'missing_caption': 1000\}"
+    ):
+        take(loader_for(cfg, global_batch=2), 1)
+    evaluation = SkipTally.counting_only()  # one finite pass: counts, never stops
+    for _ in range(100):
+        evaluation.add_bad(BadSample("missing_caption"), {})
+    assert evaluation.total == {"missing_caption": 100}
+
+
 # --------------------------------------------------------------------------------------------
 # Exact resume
 # --------------------------------------------------------------------------------------------
@@ -390,6 +407,21 @@ def table(tmp_path_factory) -> Table:
     lines[23] = "images/23.png\tbad_row\tthree fields"
     (root / "table.tsv").write_text("\n".join(lines) + "\n")
     return Table(root / "table.tsv", [sample_key(row) for row in range(1, 25) if row not in (5, 11, 17, 23)])
+
+
+def test_a_table_reads_the_image_formats_pil_decodes(tmp_path):
+    """OpenCLIP's CSV reader opens any image PIL can: BMP, GIF and TIFF rows train too."""
+    lines = ["filepath,title"]
+    for number, fmt in enumerate(("BMP", "GIF", "TIFF", "PNG")):
+        path = tmp_path / f"{number}.{fmt.lower()}"
+        Image.open(io.BytesIO(png(number))).save(path, format=fmt)
+        lines.append(f"{path.name},a {fmt} image")
+    (tmp_path / "table.csv").write_text("\n".join(lines) + "\n")
+    cfg = config(
+        str(tmp_path / "table.csv"), resampled=False, workers=0, num_samples=4, max_skip_fraction=0.0
+    )
+    (batch,) = take(loader_for(cfg, global_batch=4), 1)
+    assert sorted(batch.keys) == [sample_key(row) for row in range(1, 5)] and batch.skipped == {}
 
 
 def test_a_table_trains_on_the_same_samples_as_shards_made_from_it(table, tmp_path):
@@ -695,6 +727,21 @@ def test_decoding_rules_for_caption_keys():
     for bad in ("json", "'json:'", "[]", "[txt, '']"):
         with pytest.raises(ConfigError, match=r"data\.caption_key=.*json:FIELD"):
             load_config(None, [*base, f"data.caption_key={bad}"]).validate()
+
+
+def test_a_zero_byte_caption_is_a_blank_one_and_unread_members_do_not_count():
+    """A zero-byte .txt beside a json caption: the json's caption trains (as for a blank .txt);
+    alone it is an empty caption. A zero-byte image or json is an empty file; a zero-byte member
+    that no caption key names is never read."""
+    sample = {"__key__": "k", "__url__": "u", "png": png(1, 8), "txt": b"", "json": b'{"caption": "j"}'}
+    assert decode_sample(sample, ("txt", "json:caption")).caption == "j"
+    assert decode_sample(sample, ("json:caption",)).caption == "j"
+    with pytest.raises(BadSample, match="empty_caption"):
+        decode_sample(sample, ("txt",))
+    assert decode_sample(sample | {"txt": b"t", "cls": b""}).caption == "t"
+    for member in ("png", "json"):
+        with pytest.raises(BadSample, match=f"empty_file: zero-byte {member}"):
+            decode_sample(sample | {"txt": b"t", member: b""})
 
 
 def test_caption_key_and_csv_caption_key_are_not_mixed_up(table, caption_shards):

@@ -510,7 +510,7 @@ class EvalStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        tally = SkipTally(max_fraction=1.0, min_seen=1)
+        tally = SkipTally.counting_only()
         batch: list[tuple[Decoded, torch.Tensor]] = []
 
         def decode(raw: RawSample, _: int) -> Decoded:

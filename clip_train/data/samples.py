@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -20,14 +21,16 @@ from clip_train.errors import UserError
 
 log = logging.getLogger("clip_train.data")
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+# What a sample's image member, a table's image file or make-shards' folder image may be: the
+# formats of OpenCLIP's shards, and the others PIL decodes that image sets come in.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 JSON_PREFIX = "json:"  # a caption key naming a field of the sample's json
 DEFAULT_CAPTION_KEYS = ("txt",)
 SKIP_REASONS = (
     "shard_open",  # the shard could not be opened or held no readable tar member
     "truncated_tar",  # the tar ended or broke mid-way; the sample in progress is dropped
     "duplicate_key",  # a key seen before in the same shard, or a file repeated within a sample
-    "empty_file",  # a zero-byte member
+    "empty_file",  # a zero-byte image or json (a zero-byte caption is an empty_caption)
     "missing_image",
     "missing_caption",  # none of data.caption_key's members or json fields
     "empty_caption",  # whitespace only
@@ -121,11 +124,13 @@ def decode_sample(
     if "__bad__" in raw:
         raise BadSample(raw["__bad__"], raw.get("__error__", ""))
     members = {k: v for k, v in raw.items() if not k.startswith("__")}
-    if any(len(v) == 0 for v in members.values()):
-        raise BadSample("empty_file")
     ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
     if ext is None:
         raise BadSample("missing_image")
+    # A zero-byte caption member is a blank caption, passed over for another key; members no key
+    # names are not read at all.
+    if empty := [name for name in (ext, "json") if members.get(name) == b""]:
+        raise BadSample("empty_file", f"zero-byte {empty[0]}")
     meta: dict[str, Any] = {}
     if "json" in members:
         try:
@@ -148,10 +153,13 @@ class SkipTally:
     """Skipped samples in one worker: counts by reason, a rate-limited warning, the abort rule.
 
     The rate is checked only once ``min_seen`` samples were looked at, so one bad sample among
-    the very first ones cannot stop a run; an all-bad stream still stops after ``min_seen``.
+    the very first ones cannot stop a run; an all-bad stream still stops after ``min_seen``. At
+    ``max_fraction=1`` it stops once ``NONE_USABLE_AFTER`` samples gave not one usable sample: a
+    training stream cycles its shards, so it would never yield a batch.
     """
 
     WARN_EVERY_S = 30.0
+    NONE_USABLE_AFTER = 1000
 
     def __init__(self, max_fraction: float, min_seen: int) -> None:
         self.max_fraction = max_fraction
@@ -160,6 +168,11 @@ class SkipTally:
         self.total: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()
         self._last_warning = -float("inf")
+
+    @classmethod
+    def counting_only(cls) -> SkipTally:
+        """A tally that never stops its stream: evaluation's, one finite pass that counts."""
+        return cls(max_fraction=1.0, min_seen=sys.maxsize)
 
     def add_good(self) -> None:
         self.good += 1
@@ -184,6 +197,11 @@ class SkipTally:
                 f"{skipped} of {seen} samples ({skipped / seen:.1%}) were skipped, more than "
                 f"data.max_skip_fraction={self.max_fraction}; reasons: {dict(self.total)}. Fix or drop "
                 f"the bad shards (the log names them), or raise data.max_skip_fraction"
+            )
+        if seen >= max(self.min_seen, self.NONE_USABLE_AFTER) and not self.good:
+            raise DataError(
+                f"none of the first {seen} samples could be used; reasons: {dict(self.total)}. Check "
+                "data.caption_key and the shards (the log names them)"
             )
 
     def take_pending(self) -> dict[str, int]:
