@@ -6,14 +6,16 @@ remote one first.
 A checkpoint goes up in the background after it is saved, its manifest last: as on the local disk,
 a remote checkpoint without a manifest is incomplete and is never pulled, and a pulled one is
 verified against its manifest like any other. The remote keeps what the local run keeps (older
-ones are deleted after each upload). A failed upload is a warning and is retried with the next
-checkpoint: a week-long run does not stop for a storage hiccup.
+ones are deleted after each upload); a save never prunes the checkpoint whose upload is in flight.
+A failed upload is a warning and is retried with the next checkpoint: a week-long run does not
+stop for a storage hiccup.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+import shutil
 import threading
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import fsspec
 from clip_train.checkpoint import (
     MANIFEST_FILE,
     RUN_CONFIG_FILE,
+    checkpoint_problem,
     checkpoint_root,
     checkpoint_step,
     complete_checkpoints,
@@ -51,6 +54,13 @@ class RemoteMirror:
         kept = [path.name for path in complete_checkpoints(self.run_dir)]
         self._upload = threading.Thread(target=self._push, args=(checkpoint, kept), daemon=True)
         self._upload.start()
+
+    def before_save(self, keep: int) -> None:
+        """Call before each save, which prunes all but the newest ``keep`` checkpoints. The upload in
+        flight is of the newest one: with ``keep=1`` the save would delete it mid-upload, so that upload
+        ends first; with more the save keeps it, and the upload goes on beside the save."""
+        if keep < 2:
+            self.wait()
 
     def wait(self) -> None:
         """Block until the upload in flight (if any) is done: before the next one, and at the end."""
@@ -86,7 +96,8 @@ class RemoteMirror:
 
     def pull_newest(self) -> Path | None:
         """Download the newest complete remote checkpoint into the run's checkpoint folder (through a
-        temporary folder renamed into place) and return it; ``None`` when the remote has none."""
+        temporary folder renamed into place) and return it; ``None`` when the remote has none. A local
+        copy of that step is there only when it is damaged (resume found none sound): it is replaced."""
         complete = [name for name in self._remote_steps() if self._has_manifest(name)]
         if not complete:
             return None
@@ -101,8 +112,26 @@ class RemoteMirror:
             raise UserError(
                 f"checkpoint.remote={self.url}: pulling {name} failed ({type(err).__name__}: {err})"
             ) from None
-        partial.rename(local)
+        if local.exists():
+            self._replace(local, partial)
+        else:
+            partial.rename(local)
         return local
+
+    def _replace(self, local: Path, pulled: Path) -> None:
+        """Put ``pulled`` in place of the damaged ``local`` copy of its step once it verifies, the local
+        copy moved aside until then: a bad download or a crash never leaves less than there was (the
+        folders aside are temporary ones, which start-up removes)."""
+        if problem := checkpoint_problem(pulled, checksums=True):
+            shutil.rmtree(pulled, ignore_errors=True)
+            raise UserError(
+                f"checkpoint.remote={self.url}: the pulled {local.name} does not verify: {problem}; "
+                f"the local {local} is left as it was"
+            )
+        aside = pulled.with_name(f"{pulled.name}_replaced")
+        local.rename(aside)
+        pulled.rename(local)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def _checkpoints(self) -> str:
         return f"{self.root}/checkpoints"

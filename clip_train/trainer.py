@@ -295,7 +295,9 @@ class Trainer:
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
 
     def _save(self) -> None:
-        with writing_checkpoint():
+        with writing_checkpoint():  # waiting for an upload first is part of the save, not a stall
+            if self.remote is not None:  # the save prunes: never a checkpoint still going up
+                self.remote.before_save(self.cfg.checkpoint.keep)
             self.checkpointer.save(self.step)
         self.saved_step = self.step
         if self.remote is not None:

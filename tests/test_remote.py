@@ -6,17 +6,30 @@ from __future__ import annotations
 import filecmp
 import shutil
 import sys
+import threading
 import uuid
 from pathlib import Path
 
 import fsspec
 import pytest
+import torch
 from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
 
-from clip_train.checkpoint import MANIFEST_FILE, checkpoint_problem, checkpoint_root, complete_checkpoints
+from clip_train import load_config
+from clip_train.checkpoint import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TEMP_PREFIX,
+    checkpoint_problem,
+    checkpoint_root,
+    complete_checkpoints,
+    resolve_resume,
+)
+from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
 from clip_train.remote import RemoteMirror
+from clip_train.trainer import Trainer
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -113,3 +126,87 @@ def test_a_run_on_a_fresh_disk_resumes_from_the_remote(digits, tmp_path):
         "step_00000004",
         "step_00000006",
     }
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:1000])
+
+
+def test_a_pull_replaces_a_damaged_local_copy_of_its_step(run_copy, remote_url, tmp_path):
+    """A disk that kept a damaged copy of the newest step (resume=auto passes over it) is the case
+    the remote copy is for: the pulled copy takes its place, verified, and the run resumes from it."""
+    newest = complete_checkpoints(run_copy)[-1]
+    mirror = RemoteMirror(remote_url, run_copy)
+    mirror.push(newest)
+    mirror.wait()
+    disk = Path(shutil.copytree(run_copy, tmp_path / "disk"))
+    _truncate(disk / "checkpoints" / newest.name / MODEL_FILE)
+    pulled = RemoteMirror(remote_url, disk).pull_newest()
+    assert pulled == checkpoint_root(disk) / newest.name
+    assert _same_tree(pulled, newest)
+    assert resolve_resume("auto", disk, verify=True) == pulled
+    assert not list(checkpoint_root(disk).glob(f"{TEMP_PREFIX}*"))  # nothing left aside
+
+
+def test_a_pulled_copy_that_fails_verification_leaves_the_local_one_as_it_was(run_copy, tmp_path):
+    newest = complete_checkpoints(run_copy)[-1]
+    bucket = tmp_path / "bucket" / "run"
+    mirror = RemoteMirror(f"file://{bucket}", run_copy)
+    mirror.push(newest)
+    mirror.wait()
+    remote_weights = bucket / "checkpoints" / newest.name / MODEL_FILE
+    remote_weights.write_bytes(bytes(remote_weights.stat().st_size))  # its size, not its content
+    disk = Path(shutil.copytree(run_copy, tmp_path / "disk"))
+    _truncate(disk / "checkpoints" / newest.name / MODEL_FILE)
+    before = Path(shutil.copytree(checkpoint_root(disk) / newest.name, tmp_path / "before"))
+    refused = rf"pulled {newest.name} does not verify: {MODEL_FILE} does not match"
+    with pytest.raises(UserError, match=refused):
+        RemoteMirror(f"file://{bucket}", disk).pull_newest()
+    assert _same_tree(checkpoint_root(disk) / newest.name, before)
+    assert not list(checkpoint_root(disk).glob(f"{TEMP_PREFIX}*"))
+
+
+def _hold_uploads(monkeypatch) -> None:
+    """Uploads slower than the training between saves, made deterministic: each upload starts only
+    once the run waits for it."""
+    released = threading.Event()
+    push, wait = RemoteMirror._push, RemoteMirror.wait
+
+    def held_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+        released.wait()
+        released.clear()
+        push(self, checkpoint, kept)
+
+    def releasing_wait(self: RemoteMirror) -> None:
+        if self._upload is not None:
+            released.set()
+        wait(self)
+
+    monkeypatch.setattr(RemoteMirror, "_push", held_push)
+    monkeypatch.setattr(RemoteMirror, "wait", releasing_wait)
+
+
+def _complete_remote_checkpoints(url: str) -> list[str]:
+    fs, root = fsspec.core.url_to_fs(url)
+    return sorted(Path(p).parent.name for p in fs.glob(f"{root}/checkpoints/*/{MANIFEST_FILE}"))
+
+
+def test_with_keep_1_a_save_never_prunes_the_checkpoint_still_uploading(digits, tmp_path, monkeypatch):
+    """keep=1: each save would delete the previous checkpoint, whose upload may be in flight; the
+    save waits for it instead, so after each upload the remote holds that complete checkpoint."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    _hold_uploads(monkeypatch)
+    held: list[list[str]] = []
+    push = RemoteMirror._push
+
+    def recorded_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+        push(self, checkpoint, kept)
+        held.append(_complete_remote_checkpoints(remote))
+
+    monkeypatch.setattr(RemoteMirror, "_push", recorded_push)
+    overrides = run_overrides(
+        digits, tmp_path / "run", 3, "data.workers=0", "checkpoint.every_steps=1", "checkpoint.keep=1"
+    )
+    cfg = load_config(DEMO_CONFIG, [*overrides, f"checkpoint.remote={remote}"]).validate(world_size=1)
+    Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).run()
+    assert held == [[f"step_{step:08d}"] for step in (1, 2, 3)]
