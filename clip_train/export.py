@@ -31,7 +31,7 @@ from open_clip.hf_configs import arch_dict
 from open_clip.push_to_hf_hub import generate_readme
 from timm.models._hub import save_config_for_hf  # timm's own writer; timm.models does not re-export it
 
-from clip_train.checkpoint import save_weights
+from clip_train.checkpoint import WRITE_ERRORS, save_weights, write_failure
 from clip_train.errors import UserError
 from clip_train.model import CLIP, HFTokenizer
 from clip_train.model.clip_text_names import PROJECTION, encoder_names, open_clip_text_cfg
@@ -214,31 +214,53 @@ def check_target(out: Path) -> None:
         raise ExportError(
             f"{out} holds files and is not an earlier export (it has no {MARKER}); pick a new or empty folder"
         )
+    blocking = next(p for p in out.parents if p.exists())  # exists() is False below a file
+    if not blocking.is_dir():
+        raise ExportError(f"cannot export to {out}: {blocking} is a file, not a folder")
 
 
 def write_export(model: CLIP, out: Path) -> None:
-    """Write the export into a temporary sibling of ``out`` and swap it into place."""
+    """Write the export into a temporary sibling of ``out`` and swap it into place: a failed write (a
+    full disk) is one line, leaves no temporary folder and leaves what was at ``out`` as it was."""
     check_target(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / MARKER).write_text(
+    earlier = out.is_dir() and any(out.iterdir())
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_export_files(model, tmp, Location.folder(out))
+        replace_folder(tmp, out)
+    except WRITE_ERRORS as err:
+        kept = "the earlier export there is unchanged" if earlier else "nothing was written there"
+        raise ExportError(f"cannot export to {out}: {write_failure(err)}; {kept}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once swapped into place
+
+
+def write_export_files(model: CLIP, folder: Path, at: Location) -> None:
+    """Every file of the export, into ``folder``, naming itself ``at``."""
+    (folder / MARKER).write_text(
         "written by clip-train export, which replaces this folder when exporting into it\n"
     )
-    save_weights(open_clip_weights(model), tmp / HF_SAFE_WEIGHTS_NAME)
-    write_towers_config(model, tmp / TOWERS_CONFIG)
-    model.tokenizer.save_pretrained(tmp)
-    for name, content in location_files(model, Location.folder(out)).items():
-        (tmp / name).write_bytes(content)
-    replace_folder(tmp, out)
+    save_weights(open_clip_weights(model), folder / HF_SAFE_WEIGHTS_NAME)
+    write_towers_config(model, folder / TOWERS_CONFIG)
+    model.tokenizer.save_pretrained(folder)
+    for name, content in location_files(model, at).items():
+        (folder / name).write_bytes(content)
 
 
 def replace_folder(new: Path, out: Path) -> None:
-    """Move ``new`` to ``out``; what was there is set aside first and deleted last."""
+    """Move ``new`` to ``out``; what was there is set aside first, put back if the move fails, and
+    deleted last."""
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.replace(out, old)
-    os.replace(new, out)
+    try:
+        os.replace(new, out)
+    except OSError:
+        if old.exists():
+            os.replace(old, out)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -253,7 +275,8 @@ def verify(model: CLIP, at: Location) -> tuple[float, float]:
     )
     with torch.no_grad():
         image = model.encode_image(images) - theirs.encode_image(model.visual.prepare(images), normalize=True)
-        text = model.encode_text(**model.tokenizer(PROBE_CAPTIONS))
+        tokens = model.tokenizer(PROBE_CAPTIONS)
+        text = model.encode_text(tokens["input_ids"], attention_mask=tokens["attention_mask"])
         text -= theirs.encode_text(tokenizer(PROBE_CAPTIONS), normalize=True)
     return float(image.abs().max()), float(text.abs().max())
 

@@ -16,34 +16,36 @@ from clip_train.model.tokenizer import IdsTokenizer
 
 
 class LoadedCLIP(CLIP):
-    """A CLIP called as an open_clip model is: ``encode_text(ids)`` without a mask, ``normalize=``
-    accepted, ``model(images, ids)`` returning the logit bias too when there is one. A subclass, not
-    a wrapper, so the weights, ``state_dict`` keys and towers are the trained model's own (eval and
-    export take it as they take a CLIP); training keeps the plain CLIP, whose callers unpack 3 values."""
+    """A CLIP called as an open_clip model is: ``encode_image(image, normalize=False)``,
+    ``encode_text(text, normalize=False)`` without a mask, and ``model(image=None, text=None)``
+    returning the logit bias too when there is one. A subclass, not a wrapper, so the weights,
+    ``state_dict`` keys and towers are the trained model's own (eval and export take it as they take
+    a CLIP, passing ``attention_mask=`` by name); training keeps the plain CLIP, whose callers unpack
+    3 values."""
 
-    def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+    def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         """L2-normalised whatever ``normalize`` says: the image tower ends in the norm."""
-        return super().encode_image(images)
+        return super().encode_image(image)
 
     def encode_text(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = False
+        self, text: torch.Tensor, normalize: bool = False, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """L2-normalised whatever ``normalize`` says; without ``attention_mask``, the one the tokenizer's
         padding implies for these ids."""
         if attention_mask is None:
-            attention_mask = self.tokenizer.attention_mask(input_ids)
-        return super().encode_text(input_ids, attention_mask)
+            attention_mask = self.tokenizer.attention_mask(text)
+        return super().encode_text(text, attention_mask)
 
     def forward(
         self,
-        images: torch.Tensor | None = None,
-        input_ids: torch.Tensor | None = None,
+        image: torch.Tensor | None = None,
+        text: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """open_clip's tuple: image features, text features (None for an input not given), the logit
         scale as a multiplier, and the logit bias when the model has one (sigmoid loss)."""
-        image_features = None if images is None else self.encode_image(images)
-        text_features = None if input_ids is None else self.encode_text(input_ids, attention_mask)
+        image_features = None if image is None else self.encode_image(image)
+        text_features = None if text is None else self.encode_text(text, attention_mask=attention_mask)
         outputs = (image_features, text_features, self.logit_scale.exp())
         return outputs if self.logit_bias is None else (*outputs, self.logit_bias)
 

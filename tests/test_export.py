@@ -6,6 +6,7 @@ captions, so it covers resize, normalisation, tokenization, masks, pooling and p
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from test_model import write_bert_dir
 from timm.layers import DropPath
 
 import clip_train
+import clip_train.export
 from clip_train import load_config
 from clip_train.checkpoint import save_checkpoint
 from clip_train.cli import main as cli_main
@@ -294,6 +296,60 @@ def test_anything_but_an_earlier_export_is_left_untouched(tmp_path, capsys, targ
     before = files_under(tmp_path)
     assert cli_main(["export", str(checkpoint), str(out)]) == 2
     assert errors(capsys.readouterr().err) == [f"clip-train: error: {message.format(out=out)}"]
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("below", ["out", "sub/out"])
+def test_an_out_below_a_file_is_one_line_before_anything_is_written(tmp_path, capsys, below):
+    """``clip-train export CKPT afile/out``: refused before loading, naming OUT and the file in its way."""
+    checkpoint, afile = checkpoint_of(tmp_path / "source"), tmp_path / "afile"
+    afile.write_text("mine")
+    out = afile / below
+    before = files_under(tmp_path)
+    assert cli_main(["export", str(checkpoint), str(out)]) == 2
+    assert errors(capsys.readouterr().err) == [
+        f"clip-train: error: cannot export to {out}: {afile} is a file, not a folder"
+    ]
+    assert files_under(tmp_path) == before
+
+
+def full_disk(monkeypatch, when: str) -> None:
+    """A full disk while the weights are written (half a file left), or at the swap into place."""
+
+    def fail(path: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def write_half(weights: dict, file: Path, metadata: dict | None = None) -> None:
+        file.write_bytes(b"half of the weights")
+        fail(file)
+
+    def replace(src: os.PathLike, dst: os.PathLike) -> None:
+        if ".tmp-" in Path(src).name:
+            fail(dst)
+        real_replace(src, dst)
+
+    real_replace = os.replace
+    if when == "weights":
+        monkeypatch.setattr(clip_train.export, "save_weights", write_half)
+    else:
+        monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("when", ["weights", "swap"])
+@pytest.mark.parametrize("earlier", [False, True], ids=["new folder", "over an earlier export"])
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path, capsys, monkeypatch, earlier, when):
+    checkpoint, out = checkpoint_of(tmp_path / "source"), tmp_path / "out"
+    if earlier:
+        assert cli_main(["export", str(checkpoint), str(out)]) == 0
+        capsys.readouterr()
+    before = files_under(tmp_path)
+    full_disk(monkeypatch, when)
+    assert cli_main(["export", str(checkpoint), str(out)]) == 2
+    kept = "the earlier export there is unchanged" if earlier else "nothing was written there"
+    assert errors(capsys.readouterr().err) == [
+        f"clip-train: error: cannot export to {out}: No space left on device; {kept}"
+    ]
+    # no .out.tmp-<pid>/ or .out.old-<pid>/ left, and an earlier export as it was
     assert files_under(tmp_path) == before
 
 

@@ -212,7 +212,9 @@ def test_features_are_the_trained_models_with_the_mask_the_tokenizer_made(demo_r
         text_features = reference.encode_text(**reference.tokenizer(CAPTIONS))
         assert torch.equal(model.encode_image(images, normalize=True), image_features)
         assert torch.equal(model.encode_text(ids, normalize=True), text_features)
-        assert torch.equal(model.encode_text(input_ids=ids), text_features)
+        assert torch.equal(
+            model.encode_text(ids, attention_mask=tokenizer.attention_mask(ids)), text_features
+        )
         got_images, got_texts, logit_scale = model(images, ids)
     assert torch.equal(got_images, image_features) and torch.equal(got_texts, text_features)
     assert logit_scale == reference.logit_scale.exp()
@@ -229,7 +231,7 @@ def test_padding_in_the_ids_is_masked(demo_run):
         together = model.encode_text(batch)
         unpadded = tokenizer(short, context_length=5)  # [sot] seven ! ( [eot]
         alone = torch.cat([model.encode_text(unpadded), model.encode_text(tokenizer(long))])
-        unmasked = model.encode_text(batch, torch.ones_like(batch))
+        unmasked = model.encode_text(batch, attention_mask=torch.ones_like(batch))
     torch.testing.assert_close(together, alone, rtol=0, atol=1e-6)
     assert not torch.allclose(unmasked[0], together[0], atol=1e-2)  # the padding, if attended, shows
 
@@ -245,6 +247,32 @@ def test_a_model_with_a_logit_bias_returns_it_as_open_clip_does(tmp_path):
     assert image_features.shape == (2, 16) and text_features.shape == (3, 16)
     assert logit_scale == pytest.approx(10.0) and logit_bias is model.logit_bias and logit_bias == -10.0
     assert only_images[1] is None and torch.equal(only_images[0], image_features)
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_open_clips_keyword_and_one_sided_calls_give_the_positional_results(tmp_path, loss):
+    """``model(image=, text=)``, ``model(text=)``, ``encode_image(image=)``, ``encode_text(text=)`` and
+    ``encode_text(text, True)`` as open_clip's CLIP takes them: what the positional calls give, None
+    for the input not given, and the logit bias only for a sigmoid-loss model."""
+    model_cfg = load_config(TINY_MODEL_CONFIG, [*TINY_MODEL, f"loss.kind={loss}"]).model
+    checkpoint = save_checkpoint(tmp_path / "run", 1, build_model(model_cfg), model_cfg, {"step": 1}, keep=1)
+    model, _, tokenizer = clip_train.load(checkpoint)
+    images, ids = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8), tokenizer(CAPTIONS)
+    with torch.no_grad():
+        image_features, text_features, *scales = model(images, ids)
+        assert len(scales) == (2 if loss == "sigmoid" else 1)
+        assert torch.equal(model.encode_image(image=images, normalize=True), image_features)
+        assert torch.equal(model.encode_text(text=ids, normalize=True), text_features)
+        assert torch.equal(model.encode_text(ids, True), text_features)
+        both = model(image=images, text=ids)
+        only_text = model(text=ids)
+        only_images = model(image=images)
+    assert torch.equal(both[0], image_features) and torch.equal(both[1], text_features)
+    assert only_text[0] is None and torch.equal(only_text[1], text_features)
+    assert torch.equal(only_images[0], image_features) and only_images[1] is None
+    for outputs in (both, only_text, only_images):
+        assert len(outputs) == 2 + len(scales)
+        assert all(torch.equal(got, want) for got, want in zip(outputs[2:], scales, strict=True))
 
 
 def test_ids_alone_cannot_mask_a_pad_token_that_every_caption_also_has(tmp_path):

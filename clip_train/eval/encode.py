@@ -66,7 +66,7 @@ def encode_split(
             if text:
                 ids = batch.input_ids.to(device, non_blocking=True)
                 mask = batch.attention_mask.to(device, non_blocking=True)
-                texts.append(model.encode_text(ids, mask).to(dtype))
+                texts.append(model.encode_text(ids, attention_mask=mask).to(dtype))
             if labels:
                 if batch.labels is None:
                     raise EvalError(

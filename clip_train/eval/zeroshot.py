@@ -77,7 +77,9 @@ def build_zeroshot_classifier(
         for start in range(first, stop, per_forward):
             names = classnames[start : min(start + per_forward, stop)]
             tokens = model.tokenizer([template(name) for name in names for template in fill])
-            features = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
+            features = model.encode_text(
+                tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device)
+            )
             features = features.to(dtype).view(len(names), len(fill), -1).mean(1)
             rows.append(F.normalize(features, dim=-1))
             shown.update(len(names))
