@@ -28,13 +28,24 @@ class LoadedCLIP(CLIP):
         return super().encode_image(image)
 
     def encode_text(
-        self, text: torch.Tensor, normalize: bool = False, attention_mask: torch.Tensor | None = None
+        self,
+        text: torch.Tensor | None = None,
+        normalize: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """L2-normalised whatever ``normalize`` says; without ``attention_mask``, the one the tokenizer's
-        padding implies for these ids."""
+        padding implies for these ids. The ids are open_clip's ``text``, or ``input_ids`` as
+        ``model.tokenizer`` names them (``encode_text(**model.tokenizer(captions))``)."""
+        if isinstance(normalize, torch.Tensor):  # a CLIP's encode_text(ids, mask): here it is by name
+            raise TypeError("encode_text(text, normalize=False, attention_mask=None): pass the mask by name")
+        if (text is None) == (input_ids is None):
+            raise TypeError("encode_text() takes the ids once, as text or as input_ids")
+        ids = text if input_ids is None else input_ids
         if attention_mask is None:
-            attention_mask = self.tokenizer.attention_mask(text)
-        return super().encode_text(text, attention_mask)
+            attention_mask = self.tokenizer.attention_mask(ids)
+        return super().encode_text(ids, attention_mask)
 
     def forward(
         self,

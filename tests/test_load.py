@@ -264,6 +264,11 @@ def test_open_clips_keyword_and_one_sided_calls_give_the_positional_results(tmp_
         assert torch.equal(model.encode_image(image=images, normalize=True), image_features)
         assert torch.equal(model.encode_text(text=ids, normalize=True), text_features)
         assert torch.equal(model.encode_text(ids, True), text_features)
+        assert torch.equal(
+            model.encode_text(**model.tokenizer(CAPTIONS)), text_features
+        )  # clip_train's names
+        with pytest.raises(TypeError, match="pass the mask by name"):
+            model.encode_text(ids, tokenizer.attention_mask(ids))
         both = model(image=images, text=ids)
         only_text = model(text=ids)
         only_images = model(image=images)
