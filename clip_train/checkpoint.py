@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,6 +52,7 @@ SHARDS_DIR = (
 )
 HASH = "sha256"  # hashlib's name, and the manifest's key for each file's checksum
 TEMP_PREFIX = ".tmp_step_"  # a save in progress, or one whose process died
+SUPERSEDED_DIR = "superseded"  # checkpoints newer than a resume's, moved aside (never deleted)
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config the trainer writes into the run directory
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # What a failed write raises: Python's OSError, torch.save's RuntimeError, safetensors' own error.
@@ -349,6 +351,24 @@ def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
     return stale
 
 
+def set_aside_newer(out_dir: str | os.PathLike, resumed: Path) -> list[Path]:
+    """Move the run's checkpoints newer than ``resumed`` (an older one resumed on purpose, or the
+    newest sound one below damaged ones) under ``checkpoints/superseded/<time>/`` and return their
+    new places. Left where they were, they would be another history's newest: ``resume=auto``,
+    ``load`` and ``export`` would pick them, and pruning would delete the resumed run's own saves
+    while keeping them. Only at a run's start-up, on one rank."""
+    if not _STEP_DIR.match(resumed.name):
+        return []
+    newer = [d for d in step_dirs(out_dir) if checkpoint_step(d) > checkpoint_step(resumed)]
+    if not newer:
+        return []
+    aside = checkpoint_root(out_dir) / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    moved = [Path(shutil.move(d, aside / d.name)) for d in newer]
+    _fsync(checkpoint_root(out_dir))
+    return moved
+
+
 def find_weights(path: str | os.PathLike, *, verify: bool = False) -> Path:
     """The weights of a checkpoint directory or of a run directory's newest checkpoint, or ``path``
     itself when it is a weights file. A checkpoint's files (all but ``train_state.pt``) are compared
@@ -516,7 +536,8 @@ class Checkpointer:
 
     def _resume_point(self) -> Path | None:
         """At start-up, on rank 0: remove dead saves' temporary folders, then pick the checkpoint to
-        resume and verify its checksums; refuse to write over another run's or over damaged ones."""
+        resume and verify its checksums; refuse to write over another run's or over damaged ones, and
+        set aside the newer ones the run goes on without."""
         for stale in remove_stale_temp_dirs(self.run_dir):
             get_logger().warning(f"removed {stale}, left by a save that did not finish")
         path = resolve_resume(self.cfg.resume, self.run_dir, verify=True)
@@ -530,4 +551,10 @@ class Checkpointer:
                 f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
                 "with checkpoint.resume=auto or pick a new train.out_dir"
             )
+        if path is not None:
+            for moved in set_aside_newer(self.run_dir, path):
+                get_logger().warning(
+                    f"{moved.name}, newer than the resumed {path.name}, moved to {moved.parent}: the run "
+                    f"goes on from {path.name} (delete it there once it is not wanted)"
+                )
         return path

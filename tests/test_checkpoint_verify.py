@@ -25,11 +25,14 @@ from clip_train.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
     STATE_FILE,
+    SUPERSEDED_DIR,
     checkpoint_problem,
+    find_weights,
     latest_checkpoint,
     load_train_state,
     read_manifest,
     resolve_resume,
+    step_dirs,
     write_manifest,
 )
 from clip_train.cli import main as cli_main
@@ -127,6 +130,37 @@ def test_resume_auto_stops_when_no_checkpoint_is_sound(run_copy, digits, capsys)
         "sound (see above); resume from one with checkpoint.resume=PATH, or move them away to start afresh"
     ]
     assert (run_copy / STEP_20).is_dir() and (run_copy / STEP_40).is_dir()
+
+
+@pytest.mark.parametrize("resume", ["older_step", "auto_below_a_damaged_one"])
+def test_a_resume_below_the_newest_checkpoint_sets_the_newer_ones_aside_and_keeps_its_own_saves(
+    run_copy, digits, capsys, resume
+):
+    """A rollback (``resume=PATH`` to an older step, e.g. before a loss spike) or ``resume=auto`` passing
+    over a damaged newest checkpoint: with ``keep=1`` pruning kept the newer step_40 and deleted each
+    of the resumed run's own saves, and the next ``resume=auto``, ``load`` or ``export`` took step_40."""
+    if resume == "older_step":
+        chosen = str(run_copy / STEP_20)
+    else:
+        flip_a_byte(run_copy / STEP_40 / MODEL_FILE)  # only the checksum tells
+        chosen = "auto"
+    extra = ("checkpoint.every_steps=1", "checkpoint.keep=1", f"checkpoint.resume={chosen}")
+    assert cli_main(["train", str(DEMO_CONFIG), *run_overrides(digits, run_copy, 22, *extra)]) == 0
+    err = capsys.readouterr().err
+    assert f"resumed from {run_copy / STEP_20} at step 20" in err
+    assert [path.name for path in step_dirs(run_copy)] == ["step_00000022"]
+    (aside,) = (run_copy / "checkpoints" / SUPERSEDED_DIR).iterdir()
+    moved = (
+        f"clip-train: step_00000040, newer than the resumed step_00000020, moved to {aside}: the run goes "
+        "on from step_00000020 (delete it there once it is not wanted)"
+    )
+    assert moved in err.splitlines()
+    assert (
+        latest_checkpoint(run_copy) == find_weights(run_copy).parent == run_copy / "checkpoints/step_00000022"
+    )
+    assert checkpoint_problem(run_copy / "checkpoints/step_00000022", checksums=True) is None
+    problem = checkpoint_problem(aside / "step_00000040", checksums=True)  # moved whole, damage and all
+    assert (problem is None) == (resume == "older_step")
 
 
 @pytest.mark.parametrize(
