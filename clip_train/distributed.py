@@ -196,11 +196,13 @@ def sum_over_ranks(counts: torch.Tensor, group: dist.ProcessGroup | None = None)
     return counts
 
 
-def sum_counts_over_ranks(counts: Mapping[str, int], keys: Sequence[str]) -> dict[str, int]:
-    """``counts[key]`` (0 where missing) summed over all ranks, for every key; a collective on the
-    host, which waits for no GPU work."""
+def sum_counts_over_ranks(
+    counts: Mapping[str, int], keys: Sequence[str], group: dist.ProcessGroup | None = None
+) -> dict[str, int]:
+    """``counts[key]`` (0 where missing) summed over the ranks of ``group``, for every key; a
+    collective on the host, which waits for no GPU work."""
     values = torch.tensor([counts.get(key, 0) for key in keys], dtype=torch.long, device="cpu")
-    return dict(zip(keys, sum_over_ranks(values).tolist(), strict=True))
+    return dict(zip(keys, sum_over_ranks(values, group).tolist(), strict=True))
 
 
 def decided_by_main(decide: Callable[[], T]) -> T:

@@ -40,6 +40,7 @@ from clip_train.eval import (
     zeroshot_accuracy,
     zeroshot_metadata,
 )
+from clip_train.logs import setup_logging
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_SCALE = 10.0  # the toy model's logit scale, for the validation loss
@@ -111,12 +112,16 @@ def toy_image(label: int, sample_id: int, size: int = IMAGE_SIZE) -> Image.Image
     return Image.fromarray(pixels)
 
 
-def write_shards(directory: Path, captions: list[str], image_size: int = IMAGE_SIZE) -> str:
-    """Real WebDataset tars of png + txt + json; returns the brace-expanded URL."""
+def write_shards(
+    directory: Path, captions: list[str], image_size: int = IMAGE_SIZE, bad_first: int = 0, bad_last: int = 0
+) -> str:
+    """Real WebDataset tars of png + txt + json; returns the brace-expanded URL. ``bad_first`` samples
+    whose png does not decode open the first shard, ``bad_last`` close the last one."""
     directory.mkdir(parents=True, exist_ok=True)
     sample_id = 0
     for shard, size in enumerate(SHARD_SIZES):
         with wds.TarWriter(str(directory / f"val-{shard:06d}.tar")) as sink:
+            write_bad_samples(sink, "first", bad_first if shard == 0 else 0)
             for _ in range(size):
                 png = io.BytesIO()
                 toy_image(LABELS[sample_id], sample_id, image_size).save(png, format="PNG")
@@ -129,7 +134,15 @@ def write_shards(directory: Path, captions: list[str], image_size: int = IMAGE_S
                     }
                 )
                 sample_id += 1
+            write_bad_samples(sink, "last", bad_last if shard == len(SHARD_SIZES) - 1 else 0)
     return f"{directory}/val-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
+
+
+def write_bad_samples(sink: wds.TarWriter, where: str, count: int) -> None:
+    for n in range(count):
+        sink.write(
+            {"__key__": f"bad_{where}{n}", "png": b"not a png", "txt": "sample 0", "json": {"label": 0}}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +159,7 @@ def data(tmp_path_factory) -> dict[str, str]:
     (root / "zeroshot.json").write_text(json.dumps({"classnames": CLASSNAMES, "templates": TEMPLATES}))
     return {
         "exact": write_shards(root / "exact", exact),
+        "exact_with_bad": write_shards(root / "exact_with_bad", exact, bad_first=2, bad_last=3),
         "mixed": write_shards(root / "mixed", mixed),
         "folder": str(root / "folder"),
         "zeroshot": str(root / "zeroshot.json"),
@@ -198,9 +212,11 @@ def test_evaluate_reports_both_and_restores_train_mode(data):
         {
             **recall,
             "retrieval/n": NUM_SAMPLES,
+            "retrieval/skipped": 0,
             "zeroshot/top1": 1 - swapped,
             "zeroshot/top5": 1 - swapped * (1 - 0.8),  # a swapped image: 1 class above, 4 tied
             "zeroshot/n": NUM_SAMPLES,
+            "zeroshot/skipped": 0,
         },
         abs=1e-12,
     )
@@ -213,7 +229,12 @@ def test_zeroshot_shards_count_whatever_caption_key_the_training_shards_use(data
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["exact"], retrieval=False)
     data_cfg = DataConfig(caption_key="json:caption", workers=0)
     metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, data_cfg, device=CPU, precision="fp32")
-    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": NUM_SAMPLES}
+    assert metrics == {
+        "zeroshot/top1": 1.0,
+        "zeroshot/top5": 1.0,
+        "zeroshot/n": NUM_SAMPLES,
+        "zeroshot/skipped": 0,
+    }
 
 
 def test_retrieval_on_a_table_with_named_columns_equals_its_shards(data, tmp_path):
@@ -236,7 +257,12 @@ def test_retrieval_on_a_table_with_named_columns_equals_its_shards(data, tmp_pat
 def test_zeroshot_on_an_image_folder(data):
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["folder"], retrieval=False)
     metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": NUM_SAMPLES}
+    assert metrics == {
+        "zeroshot/top1": 1.0,
+        "zeroshot/top5": 1.0,
+        "zeroshot/n": NUM_SAMPLES,
+        "zeroshot/skipped": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -328,6 +354,39 @@ def test_retrieval_recall_perfect_and_collapsed():
 # --------------------------------------------------------------------------------------------
 
 FEATURE_SPLIT = (20, 17)  # random features: rank 0 and rank 1 hold this many pairs (uneven)
+
+
+def eval_with_bad_samples(rank: int, world_size: int, data: dict[str, str]) -> dict[str, float]:
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], batch_size=7)  # 2 full batches of good samples
+    data_cfg = DataConfig(val=data["exact_with_bad"], workers=0)
+    return evaluate(ToyCLIP([0, 2, 1, 3, 4, 4]), eval_cfg, data_cfg, device=CPU, precision="fp32")
+
+
+def test_bad_eval_samples_are_left_out_counted_and_reported(data, capsys):
+    """2 bad samples before the first good one, 3 after the last: in one process the second batch of 7
+    ends at the last good sample, so only a last batch held back until the stream ends carries the 3."""
+    setup_logging()
+    clean = evaluate(
+        ToyCLIP([0, 2, 1, 3, 4, 4]),
+        EvalConfig(zeroshot=data["zeroshot"], batch_size=7),
+        DataConfig(val=data["exact"], workers=0),
+        device=CPU,
+        precision="fp32",
+    )
+    assert clean["retrieval/skipped"] == clean["zeroshot/skipped"] == 0
+    counted = {**clean, "retrieval/skipped": 5, "zeroshot/skipped": 5}
+    assert eval_with_bad_samples(0, 1, data) == pytest.approx(counted, rel=1e-12, abs=1e-12)
+    line = (
+        f"clip-train: eval: 5 bad samples of {data['exact_with_bad']} skipped ({{'bad_image': 5}}); its "
+        "metrics leave them out"
+    )
+    said = [said for said in capsys.readouterr().err.splitlines() if said.startswith("clip-train: eval:")]
+    assert said == [line]  # one line for the pass both metrics share
+    for result in run_distributed(eval_with_bad_samples, 2, data):  # each rank holds a share of the bad ones
+        assert result.pop("val/loss") == pytest.approx(counted["val/loss"], rel=1e-6)
+        assert result == pytest.approx(
+            {k: v for k, v in counted.items() if k != "val/loss"}, rel=1e-12, abs=1e-12
+        )
 
 
 def sharded_eval(rank: int, world_size: int, data: dict[str, str]) -> dict:
@@ -425,7 +484,8 @@ def test_eval_cli_without_a_config_uses_the_checkpoints_own(demo_run):
     assert reported.pop("checkpoint") == str(demo_run / "checkpoints" / "step_00000040" / "model.safetensors")
     logged = [json.loads(line) for line in (demo_run / "metrics.jsonl").read_text().splitlines()]
     final = [metrics for metrics in logged if "zeroshot/top1" in metrics][-1]
-    assert reported == {key: final[key] for key in ("zeroshot/top1", "zeroshot/top5", "zeroshot/n")}
+    keys = ("zeroshot/top1", "zeroshot/top5", "zeroshot/n", "zeroshot/skipped")
+    assert reported == {key: final[key] for key in keys}
 
 
 def test_eval_cli_without_a_config_keeps_the_checkpoints_model(demo_run, capsys):

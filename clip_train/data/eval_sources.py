@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ class LabelledImages:
 
     images: torch.Tensor
     labels: torch.Tensor
+    skipped: dict[str, int] = field(default_factory=dict)  # always empty: an ImageFolder skips no file
 
 
 def labelled_images(eval_cfg: EvalConfig, data_cfg: DataConfig) -> str:

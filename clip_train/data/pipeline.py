@@ -519,10 +519,12 @@ class EvalStream(IterableDataset):
         for url in self.urls[worker::workers]:
             mine = itertools.islice(read_source(url), self.rank, None, self.world_size)
             for _, sample in _usable(mine, tally, decode):
-                batch.append((sample, self.transform(sample.image)))
+                # A full batch goes once the next sample is usable: the last one then counts the
+                # samples skipped after it too.
                 if len(batch) == self.batch_size:
                     yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
                     batch = []
+                batch.append((sample, self.transform(sample.image)))
         if batch:
             yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
 

@@ -52,7 +52,8 @@ def evaluate(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """Zero-shot and retrieval metrics (``zeroshot/top1``, ``retrieval/image_to_text_R@1``, …),
-    and with retrieval the loss over ``data.val`` as one batch (``val/loss``).
+    with retrieval the loss over ``data.val`` as one batch (``val/loss``), and for each the samples
+    counted (``/n``) and the bad ones skipped (``/skipped``).
 
     Call on every rank with the unwrapped model (not the DDP wrapper). When zero-shot reads
     ``data.val`` too, one pass over it serves both.
@@ -87,6 +88,7 @@ def evaluate(
         val_split = encode_split(model, batches, text=True, labels=shared_pass, source=data_cfg.val, **encode)
         recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
         metrics |= {f"retrieval/{k}": v for k, v in recall.items()}
+        metrics["retrieval/skipped"] = sum(val_split.skipped.values())
         scale, bias = model.logit_scale.exp(), model.logit_bias
         features = val_split.image_features, val_split.text_features
         metrics["val/loss"] = validation_loss(*features, scale, bias, group=group)
@@ -102,6 +104,7 @@ def evaluate(
             )
         accuracy = zeroshot_from_features(split.image_features, split.labels, classifier, group=group)
         metrics |= {f"zeroshot/{k}": v for k, v in accuracy.items()}
+        metrics["zeroshot/skipped"] = sum(split.skipped.values())
     return metrics
 
 
