@@ -571,6 +571,38 @@ def test_a_weighted_mixture_draws_each_source_in_proportion(two_sources):
     assert len(set(drawn)) == 60 + 45  # every shard of both sources was reached
 
 
+@pytest.mark.timeout(120)  # without the rule the stream trains on source a alone, forever
+@pytest.mark.parametrize(
+    ("max_skip_fraction", "dead_weight", "message"),
+    [
+        (
+            0.5,
+            0.1,
+            r"source 1-dead of data.train: 8 of 8 samples \(100.0%\) were skipped, more than data.max",
+        ),
+        (1.0, 0.5, r"source 1-dead of data.train: none of the first 1000 samples could be used"),
+    ],
+)
+def test_a_mixture_source_with_no_usable_sample_stops_the_run_naming_it(
+    two_sources, tmp_path, max_skip_fraction, dead_weight, message
+):
+    """Some of the draws come from a source whose images do not decode: the whole stream's skip rate
+    stays under the limit, so without a rule per source it trained on source a alone."""
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    samples = [(f"d{i}.{ext}", b"not an image") for i in range(10) for ext in ("png", "txt")]
+    write_tar(dead / "shard-000.tar", samples)
+    cfg = config(
+        f"{two_sources}/a::{dead}",
+        train_weights=[1 - dead_weight, dead_weight],
+        num_samples=1000,
+        workers=0,
+        max_skip_fraction=max_skip_fraction,
+    )
+    with pytest.raises(DataError, match=message):
+        take(loader_for(cfg, global_batch=8), 200)
+
+
 def test_mixture_options_are_checked_at_start_up_naming_the_key():
     base = ["model.text.hf=bert-base-uncased", "data.train=/a::/b"]
     assert load_config(None, [*base, "data.train_weights=[0.7,0.3]"]).validate().data.train_weights == [

@@ -198,7 +198,7 @@ def _usable(
         except BadSample as bad:
             tally.add_bad(bad, raw)
             continue
-        tally.add_good()
+        tally.add_good(sample.source)
         yield taken, sample
 
 
@@ -228,7 +228,8 @@ class TrainStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         role = ((info.id if info is not None else 0) + self.start_step) % self.spec.roles
-        tally = SkipTally(self.spec.max_skip_fraction, min_seen=self.spec.batch_size)
+        sources = tuple(source.name for source in self.spec.mixture)
+        tally = SkipTally(self.spec.max_skip_fraction, min_seen=self.spec.batch_size, sources=sources)
         epoch, done, consumed = self.starts[role]
         while True:
             yield from self._epoch(role, epoch, done, consumed, tally)

@@ -155,18 +155,24 @@ class SkipTally:
     The rate is checked only once ``min_seen`` samples were looked at, so one bad sample among
     the very first ones cannot stop a run; an all-bad stream still stops after ``min_seen``. At
     ``max_fraction=1`` it stops once ``NONE_USABLE_AFTER`` samples gave not one usable sample: a
-    training stream cycles its shards, so it would never yield a batch.
+    training stream cycles its shards, so it would never yield a batch. A weighted mixture's
+    ``sources`` are held to the same rule each: bad samples are dropped after the draw, so a
+    source's share of the batches falls below its weight by its own skip rate, to 0 for a source
+    that has no usable sample, however sound the others keep the whole stream.
     """
 
     WARN_EVERY_S = 30.0
     NONE_USABLE_AFTER = 1000
 
-    def __init__(self, max_fraction: float, min_seen: int) -> None:
+    def __init__(self, max_fraction: float, min_seen: int, sources: tuple[str, ...] = ()) -> None:
         self.max_fraction = max_fraction
         self.min_seen = min_seen
+        self.sources = sources
         self.good = 0
         self.total: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()
+        self._good_by_source: Counter[int] = Counter()
+        self._bad_by_source: Counter[int] = Counter()
         self._last_warning = -float("inf")
 
     @classmethod
@@ -174,8 +180,9 @@ class SkipTally:
         """A tally that never stops its stream: evaluation's, one finite pass that counts."""
         return cls(max_fraction=1.0, min_seen=sys.maxsize)
 
-    def add_good(self) -> None:
+    def add_good(self, source: int = 0) -> None:
         self.good += 1
+        self._good_by_source[source] += 1
 
     def add_bad(self, bad: BadSample, raw: dict[str, Any]) -> None:
         self.total[bad.reason] += 1
@@ -190,18 +197,27 @@ class SkipTally:
                 bad,
                 dict(self.total),
             )
-        skipped = sum(self.total.values())
-        seen = skipped + self.good
+        self._check(sum(self.total.values()), self.good, "")
+        if self.sources:
+            source = raw.get("__source__", 0)
+            self._bad_by_source[source] += 1
+            where = f"source {self.sources[source]} of data.train: "
+            self._check(self._bad_by_source[source], self._good_by_source[source], where)
+
+    def _check(self, skipped: int, good: int, where: str) -> None:
+        """Stop when too many of the samples looked at (of the whole stream, or of one source) were bad."""
+        seen = skipped + good
         if seen >= self.min_seen and skipped > self.max_fraction * seen:
+            share = " (its share of the batches falls below its weight as much)" if where else ""
             raise DataError(
-                f"{skipped} of {seen} samples ({skipped / seen:.1%}) were skipped, more than "
-                f"data.max_skip_fraction={self.max_fraction}; reasons: {dict(self.total)}. Fix or drop "
-                f"the bad shards (the log names them), or raise data.max_skip_fraction"
+                f"{where}{skipped} of {seen} samples ({skipped / seen:.1%}) were skipped, more than "
+                f"data.max_skip_fraction={self.max_fraction}{share}; reasons: {dict(self.total)}. "
+                "Fix or drop the bad shards (the log names them), or raise data.max_skip_fraction"
             )
-        if seen >= max(self.min_seen, self.NONE_USABLE_AFTER) and not self.good:
+        if seen >= max(self.min_seen, self.NONE_USABLE_AFTER) and not good:
             raise DataError(
-                f"none of the first {seen} samples could be used; reasons: {dict(self.total)}. Check "
-                "data.caption_key and the shards (the log names them)"
+                f"{where}none of the first {seen} samples could be used; reasons: "
+                f"{dict(self.total)}. Check data.caption_key and the shards (the log names them)"
             )
 
     def take_pending(self) -> dict[str, int]:
