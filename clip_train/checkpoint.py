@@ -123,14 +123,28 @@ def temp_checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
 def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: int, keep_every: int) -> Path:
     """Rename a complete ``tmp`` into place and prune all but the newest ``keep`` and the milestones."""
     root, final = checkpoint_root(out_dir), checkpoint_dir(out_dir, step)
-    if final.exists():  # a rerun of the same step after a restart replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    # A rerun of the same step after a restart replaces it; the old copy goes aside under a temporary
+    # name, which start-up removes if this process dies before it does.
+    replace_folder(tmp, final, aside=tmp.with_name(f"{tmp.name}_replaced"))
     _fsync(root)  # the rename itself reaches the disk
     for old in complete_checkpoints(out_dir)[:-keep]:
         if not (keep_every and checkpoint_step(old) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def replace_folder(new: Path, out: Path, *, aside: Path) -> None:
+    """Move ``new`` to ``out``. What was at ``out`` is moved to ``aside`` first, put back if the move
+    fails and deleted last, so no failure or crash leaves less than there was."""
+    if out.exists():
+        os.replace(out, aside)
+    try:
+        os.replace(new, out)
+    except OSError:
+        if aside.exists():
+            os.replace(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_checkpoint_files(

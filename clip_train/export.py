@@ -31,7 +31,7 @@ from open_clip.hf_configs import arch_dict
 from open_clip.push_to_hf_hub import generate_readme
 from timm.models._hub import save_config_for_hf  # timm's own writer; timm.models does not re-export it
 
-from clip_train.checkpoint import WRITE_ERRORS, save_weights, write_failure
+from clip_train.checkpoint import WRITE_ERRORS, replace_folder, save_weights, write_failure
 from clip_train.errors import UserError
 from clip_train.model import CLIP, HFTokenizer
 from clip_train.model.clip_text_names import PROJECTION, encoder_names, open_clip_text_cfg
@@ -229,7 +229,7 @@ def write_export(model: CLIP, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write_export_files(model, tmp, Location.folder(out))
-        replace_folder(tmp, out)
+        replace_folder(tmp, out, aside=out.with_name(f".{out.name}.old-{os.getpid()}"))
     except WRITE_ERRORS as err:
         kept = "the earlier export there is unchanged" if earlier else "nothing was written there"
         raise ExportError(f"cannot export to {out}: {write_failure(err)}; {kept}") from None
@@ -247,21 +247,6 @@ def write_export_files(model: CLIP, folder: Path, at: Location) -> None:
     model.tokenizer.save_pretrained(folder)
     for name, content in location_files(model, at).items():
         (folder / name).write_bytes(content)
-
-
-def replace_folder(new: Path, out: Path) -> None:
-    """Move ``new`` to ``out``; what was there is set aside first, put back if the move fails, and
-    deleted last."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except OSError:
-        if old.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def verify(model: CLIP, at: Location) -> tuple[float, float]:

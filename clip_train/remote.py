@@ -28,6 +28,7 @@ from clip_train.checkpoint import (
     checkpoint_root,
     checkpoint_step,
     complete_checkpoints,
+    replace_folder,
     temp_checkpoint_dir,
 )
 from clip_train.errors import UserError
@@ -128,10 +129,7 @@ class RemoteMirror:
                 f"checkpoint.remote={self.url}: the pulled {local.name} does not verify: {problem}; "
                 f"the local {local} is left as it was"
             )
-        aside = pulled.with_name(f"{pulled.name}_replaced")
-        local.rename(aside)
-        pulled.rename(local)
-        shutil.rmtree(aside, ignore_errors=True)
+        replace_folder(pulled, local, aside=pulled.with_name(f"{pulled.name}_replaced"))
 
     def _checkpoints(self) -> str:
         return f"{self.root}/checkpoints"

@@ -23,6 +23,7 @@ from clip_train.checkpoint import (
     load_train_state,
     load_weights,
     remove_stale_temp_dirs,
+    replace_folder,
     resolve_resume,
     save_checkpoint,
 )
@@ -100,6 +101,19 @@ def test_milestones_are_kept_beside_the_newest(tmp_path, model):
     for step in range(2, 13, 2):
         save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=2, keep_every=4)
     assert [checkpoint_step(p) for p in complete_checkpoints(tmp_path)] == [4, 8, 10, 12]
+
+
+def test_a_rerun_of_a_step_replaces_its_checkpoint_and_a_failed_swap_keeps_the_old_one(tmp_path, model):
+    """A restarted run saves a step again (``publish_checkpoint``); exports and remote pulls swap
+    folders the same way (``replace_folder``)."""
+    first = save_checkpoint(tmp_path, 5, model, MODEL_CFG, _state(5), keep=2)
+    again = save_checkpoint(tmp_path, 5, model, MODEL_CFG, {**_state(5), "again": True}, keep=2)
+    assert again == first and load_train_state(again)["again"] is True
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005"]  # nothing aside
+    aside = tmp_path / "aside"
+    with pytest.raises(FileNotFoundError):  # the new folder cannot be moved in (here: it is gone)
+        replace_folder(tmp_path / "vanished", again, aside=aside)
+    assert load_train_state(again)["again"] is True and not aside.exists()
 
 
 def test_find_weights_names_what_is_missing(tmp_path):
