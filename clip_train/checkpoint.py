@@ -262,7 +262,7 @@ def run_config_file(checkpoint: Path) -> Path | None:
 def step_dirs(out_dir: str | os.PathLike) -> list[Path]:
     """Every ``step_NNNNNNNN`` directory of a run, oldest first, whatever state its files are in."""
     root = checkpoint_root(out_dir)
-    found = [d for d in root.iterdir() if _STEP_DIR.match(d.name)] if root.is_dir() else []
+    found = [d for d in root.iterdir() if is_step_name(d.name)] if root.is_dir() else []
     return sorted(found, key=checkpoint_step)
 
 
@@ -276,6 +276,11 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run directory, if it has one."""
     found = complete_checkpoints(out_dir)
     return found[-1] if found else None
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's folder name, ``step_NNNNNNNN``."""
+    return _STEP_DIR.match(name) is not None
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -371,7 +376,7 @@ def set_aside_newer(out_dir: str | os.PathLike, resumed: Path) -> list[Path]:
     new places. Left where they were, they would be another history's newest: ``resume=auto``,
     ``load`` and ``export`` would pick them, and pruning would delete the resumed run's own saves
     while keeping them. Only at a run's start-up, on one rank."""
-    if not _STEP_DIR.match(resumed.name):
+    if not is_step_name(resumed.name):
         return []
     newer = [d for d in step_dirs(out_dir) if checkpoint_step(d) > checkpoint_step(resumed)]
     if not newer:

@@ -1,7 +1,7 @@
 """``checkpoint.remote``: the run's checkpoints mirrored to any fsspec URL (``s3://``, ``gs://``,
 ``hf://``, a mounted path), so a run on a machine that loses its disk (a spot instance, a node
-swap) resumes elsewhere: ``checkpoint.resume=auto`` with no local checkpoint pulls the newest
-remote one first.
+swap) resumes elsewhere: ``checkpoint.resume=auto`` pulls the newest remote checkpoint first when
+the disk lacks it or holds it damaged.
 
 A checkpoint goes up in the background after it is saved, its manifest last: as on the local disk,
 a remote checkpoint without a manifest is incomplete and is never pulled, and a pulled one is
@@ -28,6 +28,7 @@ from clip_train.checkpoint import (
     checkpoint_root,
     checkpoint_step,
     complete_checkpoints,
+    is_step_name,
     replace_folder,
     temp_checkpoint_dir,
 )
@@ -97,12 +98,17 @@ class RemoteMirror:
 
     def pull_newest(self) -> Path | None:
         """Download the newest complete remote checkpoint into the run's checkpoint folder (through a
-        temporary folder renamed into place) and return it; ``None`` when the remote has none. A local
-        copy of that step is there only when it is damaged (resume found none sound): it is replaced."""
+        temporary folder renamed into place) and return it; ``None`` when the remote has none or the
+        disk holds it or a newer one (sizes checked; the same step's checksums too). A damaged local
+        copy of that step (truncated, or changed since the save) is replaced once the pulled one
+        verifies: resuming would pass over it to an older step and lose what the remote kept."""
         complete = [name for name in self._remote_steps() if self._has_manifest(name)]
         if not complete:
             return None
         name = max(complete)
+        held = [path for path in complete_checkpoints(self.run_dir) if path.name >= name]
+        if held and (held[-1].name > name or checkpoint_problem(held[-1], checksums=True) is None):
+            return None
         local = checkpoint_root(self.run_dir) / name
         partial = temp_checkpoint_dir(self.run_dir, checkpoint_step(local))  # cleaned up if we die
         get_logger().info(f"checkpoint.remote={self.url}: pulling {name}")
@@ -118,6 +124,19 @@ class RemoteMirror:
         else:
             partial.rename(local)
         return local
+
+    def drop_newer_than(self, step: int) -> None:
+        """Delete the remote checkpoints newer than the resumed ``step``, which the checkpointer set
+        aside on the disk: pulled, they would resume the history the run went back from."""
+        try:
+            for stale in (name for name in self._remote_steps() if checkpoint_step(Path(name)) > step):
+                self.fs.rm(f"{self._checkpoints()}/{stale}", recursive=True)
+                get_logger().info(f"checkpoint.remote={self.url}: deleted {stale}, newer than step {step}")
+        except Exception as err:  # any storage error: warn; the next upload prunes them too
+            get_logger().warning(
+                f"warning: checkpoint.remote={self.url}: deleting the checkpoints newer than step {step} "
+                f"failed ({type(err).__name__}: {err}); the next upload tries again"
+            )
 
     def _replace(self, local: Path, pulled: Path) -> None:
         """Put ``pulled`` in place of the damaged ``local`` copy of its step once it verifies, the local
@@ -138,7 +157,7 @@ class RemoteMirror:
         if not self.fs.isdir(self._checkpoints()):
             return []
         names = (Path(entry).name for entry in self.fs.ls(self._checkpoints(), detail=False))
-        return [name for name in names if name.startswith("step_")]
+        return [name for name in names if is_step_name(name)]
 
     def _has_manifest(self, name: str) -> bool:
         return self.fs.isfile(f"{self._checkpoints()}/{name}/{MANIFEST_FILE}")

@@ -131,6 +131,8 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         self.resumed_from = self.checkpointer.restore()
+        if self.remote is not None and self.resumed_from is not None:
+            self.remote.drop_newer_than(self.step)
         if self.step > cfg.train.max_steps:
             raise UserError(
                 f"train.max_steps={cfg.train.max_steps} is below step {self.step} of the checkpoint "
@@ -148,13 +150,13 @@ class Trainer:
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
 
     def _remote_mirror(self) -> RemoteMirror | None:
-        """``checkpoint.remote`` on rank 0; on a disk without checkpoints, ``resume=auto`` first
-        pulls the newest remote one, which the checkpointer then verifies and resumes."""
+        """``checkpoint.remote`` on rank 0; with ``resume=auto`` a newest remote checkpoint that the
+        disk lacks, or holds damaged, is pulled first; the checkpointer then verifies and resumes it."""
         remote = self.cfg.checkpoint.remote
         if not (remote and self.env.is_main):
             return None
         mirror = RemoteMirror(remote, self.run_dir)
-        if self.cfg.checkpoint.resume == "auto" and latest_checkpoint(self.run_dir) is None:
+        if self.cfg.checkpoint.resume == "auto":
             mirror.pull_newest()
         return mirror
 

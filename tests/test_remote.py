@@ -166,6 +166,40 @@ def test_a_pulled_copy_that_fails_verification_leaves_the_local_one_as_it_was(ru
     assert not list(checkpoint_root(disk).glob(f"{TEMP_PREFIX}*"))
 
 
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _train_in_process(digits: Path, run: Path, steps: int, resume: str, remote: str) -> None:
+    overrides = [f"checkpoint.resume={resume}", f"checkpoint.remote={remote}", "checkpoint.every_steps=100"]
+    cfg = load_config(DEMO_CONFIG, run_overrides(digits, run, steps, *overrides)).validate()
+    Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).run()
+
+
+def test_resume_auto_pulls_the_remote_copy_of_a_newest_checkpoint_damaged_on_the_disk(
+    run_copy, digits, tmp_path, capsys
+):
+    """Same size, changed bytes: the disk's step 40 passed the size check, so no pull was tried and
+    the run went back to step 20 (and the next upload deleted the remote's sound step 40). Going back
+    on purpose (resume=PATH) then deletes the remote's newer checkpoints even before any upload:
+    resume=auto would pull them otherwise."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    mirror = RemoteMirror(remote, run_copy)
+    for checkpoint in complete_checkpoints(run_copy):
+        mirror.push(checkpoint)
+        mirror.wait()
+    _flip_a_byte(run_copy / "checkpoints" / "step_00000040" / MODEL_FILE)
+    _train_in_process(digits, run_copy, 41, "auto", remote)
+    err = capsys.readouterr().err
+    assert f"resumed from {run_copy / 'checkpoints' / 'step_00000040'} at step 40" in err
+    assert checkpoint_problem(run_copy / "checkpoints" / "step_00000040", checksums=True) is None
+    assert _complete_remote_checkpoints(remote) == ["step_00000040", "step_00000041"]  # keep=2
+    _train_in_process(digits, run_copy, 40, str(run_copy / "checkpoints" / "step_00000040"), remote)
+    assert _complete_remote_checkpoints(remote) == ["step_00000040"]  # nothing saved, step 41 gone
+
+
 def _hold_uploads(monkeypatch) -> None:
     """Uploads slower than the training between saves, made deterministic: each upload starts only
     once the run waits for it."""
