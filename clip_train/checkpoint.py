@@ -291,8 +291,9 @@ def checkpoint_step(checkpoint: Path) -> int:
 def checkpoint_problem(checkpoint: Path, *, checksums: bool, with_state: bool = True) -> str | None:
     """Why ``checkpoint`` must not be used, or None: a file missing, or differing in size (with
     ``checksums``, in content too) from the manifest. ``with_state=False`` leaves out
-    ``train_state.pt``, which only resuming reads. A checkpoint from before manifests only needs its
-    files to be there."""
+    ``train_state.pt`` and a sharded checkpoint's ``shards/`` (its optimizer states are most of its
+    bytes), which only resuming reads. A checkpoint from before manifests only needs its files to be
+    there."""
     if not checkpoint.is_dir():
         return "is not a directory" if checkpoint.exists() else "does not exist"
     required = [MODEL_FILE, STATE_FILE] if with_state else [MODEL_FILE]
@@ -305,7 +306,10 @@ def checkpoint_problem(checkpoint: Path, *, checksums: bool, with_state: bool = 
         return f"{MANIFEST_FILE} is damaged ({type(err).__name__}: {err})"
     if unlisted := [name for name in required if name not in recorded]:
         return f"{unlisted[0]} is not in {MANIFEST_FILE}"
-    checked = {name: entry for name, entry in recorded.items() if with_state or name != STATE_FILE}
+    resumes_only = (STATE_FILE, f"{SHARDS_DIR}/")
+    checked = {
+        name: entry for name, entry in recorded.items() if with_state or not name.startswith(resumes_only)
+    }
     for name, (size, digest) in checked.items():
         if problem := _file_problem(checkpoint / name, size, digest if checksums else None):
             return f"{name} {problem}"

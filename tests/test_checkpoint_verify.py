@@ -24,6 +24,7 @@ import clip_train
 from clip_train.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
+    SHARDS_DIR,
     STATE_FILE,
     SUPERSEDED_DIR,
     checkpoint_problem,
@@ -217,11 +218,20 @@ def test_readers_refuse_a_truncated_checkpoint_in_one_line(run_copy, tmp_path, c
     assert not (tmp_path / "export").exists()
 
 
-def test_readers_of_the_weights_ignore_a_damaged_train_state(run_copy):
-    """Only resuming reads train_state.pt: the weights of its checkpoint still load."""
-    truncate(run_copy / STEP_40 / STATE_FILE)
-    model, _, _ = clip_train.load(run_copy / STEP_40)
+def test_readers_of_the_weights_ignore_a_damaged_train_state_and_shards(run_copy):
+    """Only resuming reads train_state.pt and a sharded checkpoint's shards/ (weights and optimizer
+    states, several times the weights' bytes, which readers would hash for nothing): the weights of
+    its checkpoint still load."""
+    checkpoint = run_copy / STEP_40
+    (checkpoint / SHARDS_DIR).mkdir()
+    (checkpoint / SHARDS_DIR / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    write_manifest(checkpoint)
+    flip_a_byte(checkpoint / SHARDS_DIR / "__0_0.distcp")
+    truncate(checkpoint / STATE_FILE)
+    model, _, _ = clip_train.load(checkpoint)
     assert not model.training
+    assert checkpoint_problem(checkpoint, checksums=True, with_state=False) is None
+    assert checkpoint_problem(checkpoint, checksums=True).startswith(f"{SHARDS_DIR}/__0_0.distcp does not")
 
 
 def test_a_checkpoint_from_before_manifests_loads_unverified_and_damage_is_one_line(run_copy):
