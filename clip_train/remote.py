@@ -34,6 +34,7 @@ from clip_train.checkpoint import (
 )
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
+from clip_train.stopping import waiting_for_own_work
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -65,9 +66,12 @@ class RemoteMirror:
             self.wait()
 
     def wait(self) -> None:
-        """Block until the upload in flight (if any) is done: before the next one, and at the end."""
+        """Block until the upload in flight (if any) is done: before the next one, and at the end.
+        Neither a signal nor another rank's ending cuts the wait short: the checkpoint going up is
+        often the one a preemption saved."""
         if self._upload is not None:
-            self._upload.join()
+            with waiting_for_own_work():
+                self._upload.join()
             self._upload = None
 
     def _push(self, checkpoint: Path, kept: list[str]) -> None:

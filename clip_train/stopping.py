@@ -13,7 +13,9 @@ a rank blocked in a collective only trips a flag that its Python code never gets
   the main thread is blocked), a main thread that has not moved for ``STALLED_AFTER_SIGNAL_S`` ends
   the run that way with exit code 75, unless it is writing a checkpoint: it is blocked in a
   collective that a stalled or dead rank never joins. Checkpoints are published atomically, so the
-  newest complete one is intact.
+  newest complete one is intact;
+* a main thread waiting for its own work (rank 0's checkpoint upload, ``waiting_for_own_work``) is
+  left to finish it: the launcher's shutdown timeout bounds that wait.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ EXIT_INTERRUPTED = 130
 T = TypeVar("T")
 
 _writing_checkpoint = [0]
+_own_work = [0]
 _evaluations = itertools.count()
 _evaluating: list[StoppableEvaluation | None] = [None]
 
@@ -80,6 +83,17 @@ def writing_checkpoint() -> Iterator[None]:
         yield
     finally:
         _writing_checkpoint[0] -= 1
+
+
+@contextmanager
+def waiting_for_own_work() -> Iterator[None]:
+    """The main thread waits for work of this rank alone (a checkpoint's upload), in no collective: no
+    peer can be what it waits for, so neither another rank's ending nor a signal cuts it short."""
+    _own_work[0] += 1
+    try:
+        yield
+    finally:
+        _own_work[0] -= 1
 
 
 class StoppableEvaluation:
@@ -222,10 +236,17 @@ class StopWatch:
                     signalled = (signal.Signals(received[0]).name, time.monotonic())
             if self._ending_begun.is_set() or self._closed.is_set():
                 continue
+            if _own_work[0]:
+                still = None
+                continue
             recorded = announced_ending()
             if recorded is not None:
                 ending = pickle.loads(recorded)
-                if ending.rank != self.env.rank and not self._ending_begun.wait(FOLLOW_S):
+                if (
+                    ending.rank != self.env.rank
+                    and not self._ending_begun.wait(FOLLOW_S)
+                    and not _own_work[0]
+                ):
                     return self._stop(ending)
                 continue
             if (evaluation := _evaluating[0]) is not None:

@@ -306,7 +306,8 @@ class Trainer:
             self.remote.push(latest_checkpoint(self.run_dir))
 
     def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
-        """The last step is saved, so a signal now stops the process without saving anything."""
+        """The last step is saved, so a signal now stops the process without saving anything. One
+        after it (during the last upload) is only recorded: the run has finished."""
         signals.interrupting = True
         try:
             return self._evaluate(monitor)
@@ -315,6 +316,8 @@ class Trainer:
                 f"{stop} during the final evaluation: nothing new saved; the last step's checkpoint "
                 f"{latest_checkpoint(self.run_dir)} is complete (clip-train eval evaluates it)"
             ) from None
+        finally:
+            signals.interrupting = False
 
     def _preempted(self, signals: SignalFlag) -> Preempted:
         cause = f"{signals.received.name} received" if signals.received else "another rank was signalled"

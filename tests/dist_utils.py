@@ -25,7 +25,7 @@ multiprocessing.set_forkserver_preload(["dist_utils", "clip_train.trainer"])
 # connectFullMesh failed ... Connection closed by peer", once in CI's floor run) before the code
 # under test has run. A rank whose set-up failed exits with this code and the group is started
 # again, up to SETUP_TRIES times; a failure of the tested function itself is never retried.
-SETUP_FAILED_EXIT = 75
+SETUP_FAILED_EXIT = 86  # none of the trainer's own exit codes (1, 2, 75, 130)
 SETUP_TRIES = 3
 
 
@@ -61,7 +61,8 @@ def _worker(
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a function that ends its run (``StopWatch.ended_by``) aborts it itself
+            dist.destroy_process_group()
     # The result is on disk. Skip interpreter teardown: there a C++ thread destructor sometimes
     # aborts ("terminate called without an active exception") after everything has succeeded.
     sys.stdout.flush()

@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import filecmp
+import os
 import shutil
+import signal
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
+from dist_utils import run_distributed
 from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
 
-from clip_train import load_config
+from clip_train import load_config, stopping
 from clip_train.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -28,6 +32,7 @@ from clip_train.checkpoint import (
 )
 from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
+from clip_train.preemption import Preempted, preemption_signals
 from clip_train.remote import RemoteMirror
 from clip_train.trainer import Trainer
 
@@ -175,7 +180,8 @@ def _flip_a_byte(file: Path) -> None:
 def _train_in_process(digits: Path, run: Path, steps: int, resume: str, remote: str) -> None:
     overrides = [f"checkpoint.resume={resume}", f"checkpoint.remote={remote}", "checkpoint.every_steps=100"]
     cfg = load_config(DEMO_CONFIG, run_overrides(digits, run, steps, *overrides)).validate()
-    Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).run()
+    with preemption_signals() as signals:  # held to the exit, as `clip-train train` holds them
+        Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).run(signals)
 
 
 def test_resume_auto_pulls_the_remote_copy_of_a_newest_checkpoint_damaged_on_the_disk(
@@ -244,3 +250,63 @@ def test_with_keep_1_a_save_never_prunes_the_checkpoint_still_uploading(digits, 
     cfg = load_config(DEMO_CONFIG, [*overrides, f"checkpoint.remote={remote}"]).validate(world_size=1)
     Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).run()
     assert held == [[f"step_{step:08d}"] for step in (1, 2, 3)]
+
+
+def test_a_signal_after_the_final_evaluation_leaves_the_last_upload_to_finish(digits, tmp_path, monkeypatch):
+    """The run has finished (its last step saved and evaluated) when Slurm's signal arrives during
+    the last checkpoint's upload: it is recorded, the upload completes and the run ends as finished.
+    The signal used to raise inside the wait, abandoning the upload, and the requeued run, resumed
+    at train.max_steps, never saves again: the remote kept no final checkpoint."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    push = RemoteMirror._push
+
+    def signalled_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, which waits for this upload
+        push(self, checkpoint, kept)
+
+    monkeypatch.setattr(RemoteMirror, "_push", signalled_push)
+    _hold_uploads(monkeypatch)  # the upload starts once the run waits for it, at its very end
+    _train_in_process(digits, tmp_path / "run", 3, "auto", remote)  # one save, at the last step
+    assert _complete_remote_checkpoints(remote) == ["step_00000003"]
+
+
+_put = RemoteMirror._put
+
+
+def _slow_put(self: RemoteMirror, file: Path, target: str) -> None:
+    time.sleep(0.4)
+    _put(self, file, target)
+
+
+def _upload_while_the_other_rank_ends(
+    rank: int, world_size: int, run_dir: Path, remote: str
+) -> tuple[int, list]:
+    """Rank 1 ends preempted at once; rank 0 first waits for its checkpoint's upload (about 3 s), as
+    ``Trainer.run`` does on the way out. The watch follows another rank's ending within 0.4 s here
+    (this rank's process alone: it is a fresh fork)."""
+    stopping.POLL_S, stopping.FOLLOW_S, stopping.EXIT_WAIT_S = 0.05, 0.2, 0.2
+    RemoteMirror._put = _slow_put
+    watch = stopping.StopWatch(DistEnv(rank, world_size, rank, torch.device("cpu")), run_dir)
+    try:
+        with preemption_signals():
+            try:
+                if rank == 0:
+                    mirror = RemoteMirror(remote, run_dir)
+                    mirror.push(complete_checkpoints(run_dir)[-1])
+                    mirror.wait()
+                raise Preempted("SIGTERM received")
+            except Preempted as err:
+                return watch.ended_by(err), _complete_remote_checkpoints(remote)
+    finally:
+        watch.close()
+
+
+def test_another_ranks_ending_leaves_rank_zeros_upload_to_finish(run_copy, tmp_path):
+    """Preempted on several ranks: the others end first (they upload nothing), and rank 0's watch,
+    seeing their ending, ended rank 0 mid-upload (os._exit after 3 + 5 s), so the checkpoint saved
+    for the preemption never reached the remote, the case checkpoint.remote exists for."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    results = run_distributed(_upload_while_the_other_rank_ends, 2, run_copy, remote, timeout_s=60)
+    newest = complete_checkpoints(run_copy)[-1].name
+    assert results[0] == (75, [newest])
+    assert results[1][0] == 75
