@@ -7,7 +7,8 @@
 #   NNODES          number of nodes (required)
 #   NODE_RANK       this node's index, 0 on the node at MASTER_ADDR (required)
 #   MASTER_ADDR     host that serves the rendezvous, reachable from every node (required)
-#   MASTER_PORT     its TCP port (default 29500)
+#   MASTER_PORT     its TCP port (default 29500): give concurrent jobs on one MASTER_ADDR their own
+#                   port and RDZV_ID, or they meet at one rendezvous and one's end crashes the other
 #   NPROC_PER_NODE  processes per node (default: number of GPUs, or 1 without GPUs)
 #   RDZV_ID         a job id shared by all nodes (default: clip_train)
 #   MAX_RESTARTS    group restarts torchrun may do after a failure (default 0)

@@ -106,8 +106,8 @@ FAKE_TORCHRUN_PYTHON = """#!/usr/bin/env bash
 echo "$@"
 """
 RECORDING_SRUN = """#!/usr/bin/env bash
-# srun that starts nothing
-exit 0
+# srun that starts nothing and prints its options
+echo "srun ${*:1:3}"
 """
 
 
@@ -175,14 +175,18 @@ def test_sbatch_script_starts_one_process_per_gpu_slurm_left_visible(
     env |= {
         "FAKE_SLURM_HOSTS": "node1",
         "SLURM_JOB_NODELIST": "node1",
-        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_ID": "15007",
         "SLURM_NNODES": "1",
+        "SLURM_CPUS_PER_TASK": "64",
     }
+    env.pop("MASTER_PORT", None)
     if gpus_on_node is not None:
         env["SLURM_GPUS_ON_NODE"] = gpus_on_node
     command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    assert f"job 7: 1 node(s) x {processes} process(es)" in result.stdout
+    # a rendezvous port of the job's own; srun's tasks get the job's CPUs (Slurm >= 22.05 drops them)
+    assert f"job 15007: 1 node(s) x {processes} process(es), rendezvous at node1:15007" in result.stdout
+    assert "srun --cpus-per-task 64 --kill-on-bad-exit=1" in result.stdout
 
 
 SLURM_TASK = {
