@@ -15,7 +15,9 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from transformers.pytorch_utils import Conv1D
 
 from clip_train.config import Config, ConfigError, OptimConfig
-from clip_train.distributed import and_over_ranks
+from clip_train.distributed import and_over_ranks, rank_and_world
+from clip_train.errors import UserError
+from clip_train.logs import get_logger
 from clip_train.skipped_steps import SkippedSteps
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
@@ -157,6 +159,7 @@ class Update:
         self.skips_on_device = fused and not self.scaler.is_enabled()
         self.stepped = torch.ones((), dtype=torch.bool, device=device)  # the last step's, on the device
         self.base_lr = cfg.optim.lr
+        self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]  # this config's
 
     @property
     def lr(self) -> float:
@@ -215,7 +218,27 @@ class Update:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """The optimizer's moments, the schedule's position and the guards' counts. The rates stay
+        this config's, as the schedule's shape does: the saved groups' rates would otherwise win over
+        a changed ``optim.lr``, ``image_lr``, ``text_lr`` or ``layer_decay`` while ``train/lr``
+        showed the new one. A change is said in one line."""
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as err:  # torch's: other groups, or groups of other sizes
+            raise UserError(
+                f"the checkpoint's optimizer state does not fit this run's parameter groups ({err}): "
+                "set optim.image_lr, optim.text_lr, optim.layer_decay and the towers' locking "
+                "(model.image.lock, unlocked_layers) as the run that saved it did"
+            ) from None
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps.total = state["bad_total"]
+        if self.scheduler.base_lrs != self.peak_lrs and rank_and_world()[0] == 0:
+            get_logger().info(
+                "the learning rates differ from the checkpoint's (optim.lr, image_lr, text_lr or "
+                "layer_decay changed): the run goes on at this config's"
+            )
+        self.scheduler.base_lrs = list(self.peak_lrs)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, peak in zip(self.optimizer.param_groups, self.peak_lrs, strict=True):
+            group["initial_lr"], group["lr"] = peak, peak * factor

@@ -8,8 +8,17 @@ from small_runs import TINY_MODEL_CONFIG
 from torch import nn
 
 from clip_train.config import ConfigError, OptimConfig, load_config
+from clip_train.errors import UserError
+from clip_train.logs import setup_logging
 from clip_train.model import build_model
-from clip_train.optim import block_index, build_optimizer, build_scheduler, lr_factor, parameter_groups
+from clip_train.optim import (
+    Update,
+    block_index,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    parameter_groups,
+)
 
 
 class Toy(nn.Module):
@@ -240,6 +249,38 @@ def test_the_schedule_scales_each_group_own_rate(schedule):
         scheduler.step()
     # each group ends at the same fraction min_lr / lr of its own rate
     assert [g["lr"] for g in optimizer.param_groups] == [p * (cfg.min_lr / LR) for p in peaks]
+
+
+def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
+    """Three steps at one set of rates, resumed with others: the moments and the schedule's position
+    come back, the rates are the new config's (the saved ones won, while train/lr showed the new)."""
+    model = tiny_model()
+    grads = {name: torch.randn_like(p) for name, p in model.named_parameters() if p.requires_grad}
+
+    def update_for(*rates: str) -> Update:
+        overrides = ["optim.warmup_steps=2", "train.max_steps=10", "train.device=cpu", *rates]
+        return Update(model, load_config(TINY_MODEL_CONFIG, overrides), torch.device("cpu"))
+
+    first = update_for(f"optim.lr={LR}", f"optim.image_lr={IMAGE_LR}", f"optim.layer_decay={DECAY}")
+    for step in range(1, 4):
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.grad = grads[name].clone()
+        first(torch.tensor(1.0), step)
+    state = first.state_dict()
+    resumed = update_for(f"optim.lr={LR / 2}", f"optim.image_lr={IMAGE_LR / 3}", f"optim.layer_decay={DECAY}")
+    peaks = [group["initial_lr"] for group in resumed.optimizer.param_groups]  # this config's
+    setup_logging()
+    resumed.load_state_dict(state)
+    factor = lr_factor(3, resumed_cfg := OptimConfig(lr=LR / 2, warmup_steps=2), max_steps=10)
+    assert resumed_cfg.lr == resumed.base_lr and resumed.lr == LR / 2 * factor
+    assert [group["lr"] for group in resumed.optimizer.param_groups] == [peak * factor for peak in peaks]
+    assert resumed.scheduler.last_epoch == 3
+    saved, loaded = first.optimizer.state.values(), resumed.optimizer.state.values()
+    assert loaded and all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(saved, loaded, strict=True))
+    assert "the learning rates differ from the checkpoint's" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"optimizer state does not fit this run's parameter groups \(loaded"):
+        update_for(f"optim.lr={LR}").load_state_dict(state)  # no layer decay: other groups
 
 
 @pytest.mark.parametrize(
