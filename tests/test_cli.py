@@ -179,7 +179,9 @@ def test_report_shows_the_steps_loss_and_zero_shot_of_a_run(demo_run, capsys):
     assert main(["report", str(demo_run), "--prefix", "demo"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert all(line.startswith("demo: ") for line in lines)
-    assert "40 steps in " in lines[2] and lines[3].startswith("demo: loss            step 10: ")
+    windows = [json.loads(line).get("time/window_s", 0) for line in (demo_run / "metrics.jsonl").open()]
+    assert f"40 steps in {sum(windows):.0f} s, " in lines[2]  # the steps' own time, every window's
+    assert lines[3].startswith("demo: loss            step 10: ")
     assert "step_00000040" in lines[1] and "step 40: " in lines[3]
     assert lines[-1] == f"demo: zero-shot top-1 = {final_eval(demo_run)['zeroshot/top1']:.3f}"
 
