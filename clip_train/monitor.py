@@ -24,7 +24,8 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 class RunMonitor:
     def __init__(self, cfg: Config, run_dir: Path, start_step: int) -> None:
         metrics = run_dir / "metrics.jsonl"
-        drop_records_after(metrics, start_step)
+        # A finished run started again only evaluates its last step again: that evaluation goes too.
+        drop_records_after(metrics, start_step, evaluations_too=start_step == cfg.train.max_steps)
         self.metrics_file = metrics.open("a")
         self.progress = Progress("step", cfg.train.max_steps, initial=start_step, every_s=None)
         self.wandb_run = _start_wandb(cfg, run_dir) if cfg.log.wandb.mode != "disabled" else None
@@ -51,13 +52,14 @@ class RunMonitor:
             self.wandb_run.finish()
 
 
-def drop_records_after(metrics: Path, step: int) -> None:
+def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = False) -> None:
     """Remove the records logged after ``step`` from ``metrics`` (and a last line cut short by a
-    crash): a run resumed at ``step`` logs those steps again. Rewritten atomically, if at all."""
+    crash): a run resumed at ``step`` logs those steps again. With ``evaluations_too`` the
+    evaluation records of ``step`` itself go as well. Rewritten atomically, if at all."""
     if not metrics.is_file():
         return
     lines = metrics.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _logged_step(line) <= step]
+    kept = [line for line in lines if _kept(line, step, evaluations_too)]
     if len(kept) == len(lines):
         return
     rewritten = metrics.with_name(metrics.name + ".tmp")
@@ -65,14 +67,17 @@ def drop_records_after(metrics: Path, step: int) -> None:
     os.replace(rewritten, metrics)
 
 
-def _logged_step(line: str) -> float:
-    """A record's step; infinity for a line that is not a whole record (cut short by a crash)."""
+def _kept(line: str, step: int, evaluations_too: bool) -> bool:
+    """Whether a record stays: one of an earlier step, or of ``step`` unless it is an evaluation's (no
+    training loss) to drop; never a line that is not a whole record (cut short by a crash)."""
     if not line.endswith("\n"):
-        return math.inf
+        return False
     try:
-        return json.loads(line)["step"]
+        record = json.loads(line)
+        logged = record["step"]
     except (ValueError, KeyError, TypeError):
-        return math.inf
+        return False
+    return logged < step or (logged == step and not (evaluations_too and "train/loss" not in record))
 
 
 def _start_wandb(cfg: Config, run_dir: Path):

@@ -33,6 +33,18 @@ def test_records_after_the_step_and_a_line_cut_short_are_dropped(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # the temporary file was renamed
 
 
+def test_a_finished_run_started_again_drops_its_last_evaluation_which_it_repeats(tmp_path):
+    """Resumed at train.max_steps the run only evaluates again: the evaluation it logged before goes,
+    its training record stays, so every step's evaluation appears once."""
+    metrics = tmp_path / "metrics.jsonl"
+    training = [record(2), record(2, **{"zeroshot/top1": 0.4}), record(4)]  # a periodic eval at 2
+    evaluation = json.dumps({"step": 4, "time": 0.0, "zeroshot/top1": 0.5}) + "\n"
+    metrics.write_text("".join([*training, evaluation]))
+    cfg = load_config(DEMO_CONFIG, ["log.wandb.mode=disabled", "train.max_steps=4"])
+    RunMonitor(cfg, tmp_path, start_step=4).close()
+    assert metrics.read_text() == "".join(training)
+
+
 def test_nothing_to_drop_leaves_the_file_as_it_was(tmp_path):
     drop_records_after(tmp_path / "metrics.jsonl", 0)  # a fresh run: no file yet
     assert not list(tmp_path.iterdir())
