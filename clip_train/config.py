@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import operator
@@ -259,6 +260,7 @@ class Config:
             "data.num_samples",
             "data.workers",
             "data.shuffle_buffer",
+            "eval.every_steps",
         ):
             if (value := operator.attrgetter(key)(self)) < 0:
                 raise ConfigError(f"{key}={value} must be >= 0")
@@ -464,7 +466,7 @@ def load_config(
             raise ConfigError(
                 f"override {item!r} is not of the form key=value (e.g. batch.global_size=65536)"
             )
-        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+        _set_dotted(raw, key.strip(), _override_value(key.strip(), text))
     if retired := _pop_retired(raw):
         raise ConfigError(f"{retired} was removed: {RETIRED_KEYS[retired]}; delete the key")
     config = _build(Config, raw, prefix="")
@@ -476,6 +478,41 @@ def load_config(
     if sigmoid and config.model.init_logit_bias is None:
         config.model.init_logit_bias = -10.0
     return config
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML as configs are written: ``1e-4`` is a float also where no type says so (in
+    ``model.text.hf_config``, ``model.image.timm_kwargs``); PyYAML's YAML 1.1 wants ``1.0e-4``."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader: no Python objects
+
+
+def _override_value(key: str, text: str) -> Any:
+    """An override's value: a text key's (a path, a name, a separator such as ``,`` or ``|``) as
+    typed, since YAML would cut it at ``#``, read ``012`` as octal or fail on ``,``; any other read
+    as YAML, a value it cannot read being a one-line error naming the key."""
+    text = text.strip()
+    if _text_keys().get(key) or not text:
+        return text
+    try:
+        return _read_yaml(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"override {key}={text}: cannot read the value as YAML ({problem})") from None
+
+
+@functools.cache
+def _text_keys() -> dict[str, bool]:
+    return {key.name: key.hint is str for key in config_keys()}
 
 
 def config_yaml(config: Config) -> str:
@@ -539,7 +576,7 @@ def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[st
     if path in seen:
         raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _read_yaml(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as err:  # a directory, no read permission, an I/O error
@@ -607,7 +644,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"{key}={value!r}: expected {hint}")
     if origin is list:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _read_yaml(value)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[1,2]")
         return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -626,7 +663,9 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
         raise ConfigError(f"{key}: unsupported config type {hint!r}")
     bad = ConfigError(f"{key}={value!r}: expected {hint.__name__}")
     if hint is type(None):
-        if value is None:
+        if value is None or (
+            isinstance(value, str) and value.lower() == "none"
+        ):  # as docs/config.md shows it
             return None
         raise bad
     if hint is bool:

@@ -44,6 +44,27 @@ def test_yaml_round_trip(tmp_path):
         ("model.text.hf_config={hidden_size: 64}", lambda c: c.model.text.hf_config, {"hidden_size": 64}),
         ("loss.impl=inf", lambda c: c.loss.impl, "inf"),
         ("model.image.lock=True", lambda c: c.model.image.lock, True),
+        # a text key takes its value as typed: YAML would fail on ",", cut at "#", read octal, base 60
+        ("data.csv_separator=,", lambda c: c.data.csv_separator, ","),
+        ("data.csv_separator=|", lambda c: c.data.csv_separator, "|"),
+        ("train.out_dir=runs/exp #2", lambda c: c.train.out_dir, "runs/exp #2"),
+        ("log.wandb.name=012", lambda c: c.log.wandb.name, "012"),
+        ("log.wandb.name=12:30", lambda c: c.log.wandb.name, "12:30"),
+        ("data.train={00000..00001}.tar", lambda c: c.data.train, "{00000..00001}.tar"),
+        # 1e-5 is a number wherever it goes, also where no type says so; a whole one fits an int
+        (
+            "model.text.hf_config.layer_norm_eps=1e-5",
+            lambda c: c.model.text.hf_config,
+            {"layer_norm_eps": 1e-5},
+        ),
+        (
+            "model.image.timm_kwargs.drop_path_rate=1e-1",
+            lambda c: c.model.image.timm_kwargs["drop_path_rate"],
+            0.1,
+        ),
+        ("batch.global_size=1e5", lambda c: c.batch.global_size, 100000),
+        ("optim.image_lr=None", lambda c: c.optim.image_lr, None),  # as docs/config.md shows the default
+        ("data.caption_key=[txt, json:caption]", lambda c: c.data.caption_key, ["txt", "json:caption"]),
     ],
 )
 def test_override_types(override, getter, expected):
@@ -136,6 +157,10 @@ def test_bad_type_names_key(override):
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["batch.global_size"])
+    with pytest.raises(
+        ConfigError, match=r"^override data.train_weights=\[1,: cannot read the value as YAML \("
+    ):
+        load_config(None, ["data.train_weights=[1,"])
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
@@ -167,6 +192,7 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["data.num_samples=-800"], 1, r"^data\.num_samples=-800 must be >= 0$"),
         (["data.workers=-1"], 1, r"^data\.workers=-1 must be >= 0$"),
         (["data.shuffle_buffer=-8"], 1, r"^data\.shuffle_buffer=-8 must be >= 0$"),
+        (["eval.every_steps=-1"], 1, r"^eval\.every_steps=-1 must be >= 0$"),  # step % -1 == 0: every step
         # NaN passes every range check by comparing false, infinity is never meant: both named
         (["optim.lr=.inf"], 1, r"^optim\.lr=inf must be a finite number$"),
         (["optim.text_lr=.nan"], 1, r"^optim\.text_lr=nan must be a finite number$"),
