@@ -25,11 +25,11 @@ def check_paths(cfg: Config) -> None:
         val = source_urls(cfg.data.val, cfg.data, what="data.val")
         check_readable(val, what="data.val")
     check_caption_options(cfg.data, train + val)
-    if cfg.eval.zeroshot_data and not is_image_folder(cfg.eval.zeroshot_data):
-        expand_urls(cfg.eval.zeroshot_data, what="eval.zeroshot_data")
-    if cfg.eval.zeroshot:
+    if cfg.eval.zeroshot:  # eval.zeroshot_data is read only then
         zeroshot_metadata(cfg.eval.zeroshot)
         labelled_images(cfg.eval, cfg.data)
+        if cfg.eval.zeroshot_data and not is_image_folder(cfg.eval.zeroshot_data):
+            expand_urls(cfg.eval.zeroshot_data, what="eval.zeroshot_data")
     _check_model_sources(cfg.model)
     resume_from = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir)
     if cfg.model.init_from and resume_from is None:  # a resumed run never reads init_from

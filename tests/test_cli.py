@@ -152,6 +152,24 @@ def test_config_reference_rewrites_only_the_marked_section(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["bench", "loss", "--batch", "64,abc"],
+            "--batch '64,abc' must be comma-separated positive integers",
+        ),
+        (["bench", "loss", "--batch", "0"], "--batch '0' must be comma-separated positive integers"),
+        (["bench", "step", "--batch", "256,"], "--batch '256,' must be comma-separated positive integers"),
+        (["bench", "train", "--procs", "two"], "--procs 'two' must be comma-separated positive integers"),
+        (["config", "--reference", "/no/such/config.md"], "--reference /no/such/config.md: No such file"),
+    ],
+)
+def test_bad_command_arguments_are_one_line(argv, line, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"clip-train: error: {line}")
+
+
+@pytest.mark.parametrize(
     ("workers", "before", "after"), [(1, None, "PASSIVE"), (0, None, None), (1, "ACTIVE", "ACTIVE")]
 )
 def test_train_lets_idle_openmp_threads_sleep_when_loader_workers_share_the_cores(

@@ -285,6 +285,10 @@ def test_ids_alone_cannot_mask_a_pad_token_that_every_caption_also_has(tmp_path)
     _, hf_tokenizer = write_bert_dir(tmp_path / "bert")
     hf_tokenizer.pad_token = "[SEP]"
     hf_tokenizer.save_pretrained(tmp_path / "bert")
-    tokenizer = IdsTokenizer(HFTokenizer(str(tmp_path / "bert"), context_length=12))
+    hf = HFTokenizer(str(tmp_path / "bert"), context_length=12)
+    assert torch.equal(
+        hf(CAPTIONS[0])["input_ids"], hf(CAPTIONS[:1])["input_ids"]
+    )  # one caption: a batch of one
+    tokenizer = IdsTokenizer(hf)
     with pytest.raises(ValueError, match="pad id 3 also stands for a token of every caption"):
         tokenizer.attention_mask(tokenizer(CAPTIONS))

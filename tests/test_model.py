@@ -460,3 +460,5 @@ def test_open_clip_tokenizer_pads_truncates_and_masks():
     assert mask.tolist()[3] == [1, 1, 0, 0, 0, 0, 0, 0]
     clone = pickle.loads(pickle.dumps(tokenizer))
     assert all(torch.equal(clone(["a seven"])[k], tokenizer(["a seven"])[k]) for k in out)
+    # one caption is a batch of one, as open_clip takes it (it was a batch of its 7 characters)
+    assert all(torch.equal(tokenizer("a seven")[k], tokenizer(["a seven"])[k]) for k in out)

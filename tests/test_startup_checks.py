@@ -26,7 +26,10 @@ MISSING = [  # (overrides, the error's start); DIGITS stands for the digits set'
         ["eval.zeroshot=/no/such/classes.json", "data.val=DIGITS/val"],
         "eval.zeroshot='/no/such/classes.json': no such file",
     ),
-    (["eval.zeroshot_data=/no/such/imagenet/val"], "eval.zeroshot_data: no such file or directory"),
+    (
+        ["eval.zeroshot=DIGITS/zeroshot.json", "eval.zeroshot_data=/no/such/imagenet/val"],
+        "eval.zeroshot_data: no such file or directory",
+    ),
     (
         ["eval.zeroshot=DIGITS/zeroshot.json"],
         "eval.zeroshot is set but neither eval.zeroshot_data nor data.val names labelled images",
@@ -53,6 +56,11 @@ def test_a_missing_path_is_named(digits, tmp_path, overrides, message):
     with pytest.raises(UserError) as err:
         check_paths(cfg)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_zeroshot_data_is_not_checked_while_zeroshot_is_off(digits, tmp_path):
+    """Only zero-shot reads it: a run without eval.zeroshot (as run_overrides sets) starts whatever."""
+    check_paths(run_config(digits, tmp_path, "eval.zeroshot_data=/no/such/imagenet/val"))
 
 
 def test_a_val_table_header_is_checked_at_start_up(digits, tmp_path):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from clip_train.bench import positive_ints
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import LOSS_KINDS, RESOLVED_LOSS_IMPLS
@@ -84,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device).type
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = positive_ints(args.batch, "--batch")
     choices = IMPLS[args.kind]
     impls = [i.strip() for i in args.impl.split(",")] if args.impl else list(choices)
     for impl in impls:

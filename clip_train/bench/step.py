@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from clip_train.bench import positive_ints
 from clip_train.bench.parallel_step import run_parallel
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
@@ -78,12 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        sizes = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        raise UserError(f"--batch {args.batch!r} must be comma-separated integers, e.g. 256,512") from None
-    if min(sizes) <= 0 or args.repeats <= 0 or min(args.image_chunk, args.text_chunk, args.threads) < 0:
-        raise UserError("--batch sizes and --repeats must be positive; chunks and --threads >= 0")
+    sizes = positive_ints(args.batch, "--batch")
+    if args.repeats <= 0 or min(args.image_chunk, args.text_chunk, args.threads) < 0:
+        raise UserError("--repeats must be positive; chunks and --threads >= 0")
     try:  # fail here, with a one-line message, rather than in every worker
         load_config(args.model, args.set)
     except ConfigError as err:

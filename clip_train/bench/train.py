@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from clip_train.bench import positive_ints
 from clip_train.bench.plotting import pyplot
 from clip_train.config import ConfigError, load_config
 from clip_train.errors import UserError
@@ -55,15 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    batches, procs = positive_ints(args.batch, "--batch"), positive_ints(args.procs, "--procs")
     try:
-        batches, procs = ([int(x) for x in spec.split(",")] for spec in (args.batch, args.procs))
         cfg = load_config(args.config, args.set)
-    except ValueError:
-        raise UserError("--batch and --procs are comma-separated integers, e.g. 256,1024") from None
     except ConfigError as err:
         raise UserError(str(err)) from None
-    if min(batches + procs) <= 0 or args.steps <= args.warmup or args.pairs <= 0:
-        raise UserError("--batch and --procs must be positive, --steps > --warmup, --pairs >= 1")
+    if args.steps <= args.warmup or args.pairs <= 0:
+        raise UserError("--steps must be > --warmup and --pairs >= 1")
     if not (args.shards / "train").is_dir():
         subprocess.run(
             [sys.executable, "-m", "clip_train", "make-shards", "digits", str(args.shards)], check=True

@@ -76,7 +76,10 @@ def markdown_table() -> str:
 
 def update_reference(page: Path) -> bool:
     """Rewrite the marked section; True if the file changed."""
-    text = page.read_text()
+    try:
+        text = page.read_text()
+    except OSError as err:
+        raise UserError(f"--reference {page}: {err.strerror or err}") from None
     if REFERENCE_BEGIN not in text or REFERENCE_END not in text:
         raise UserError(f"{page} has no {REFERENCE_BEGIN} ... {REFERENCE_END} section")
     head, _, rest = text.partition(REFERENCE_BEGIN)

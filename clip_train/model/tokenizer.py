@@ -29,8 +29,10 @@ class OpenCLIPTokenizer:
         self._bpe = SimpleTokenizer(context_length=context_length)
         self.vocab_size: int = self._bpe.vocab_size
 
-    def __call__(self, texts: list[str], context_length: int | None = None) -> dict[str, torch.Tensor]:
-        input_ids = self._bpe(list(texts), context_length=context_length or self.context_length)
+    def __call__(
+        self, texts: str | Sequence[str], context_length: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        input_ids = self._bpe(_text_list(texts), context_length=context_length or self.context_length)
         return {"input_ids": input_ids, "attention_mask": self.attention_mask(input_ids)}
 
     def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -59,9 +61,11 @@ class HFTokenizer:
         self.vocab_size: int = len(self._tok)
         self.pad_token_id: int | None = self._tok.pad_token_id
 
-    def __call__(self, texts: list[str], context_length: int | None = None) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, texts: str | Sequence[str], context_length: int | None = None
+    ) -> dict[str, torch.Tensor]:
         out = self._tok(
-            [self._clean(text) for text in texts],
+            [self._clean(text) for text in _text_list(texts)],
             padding="max_length",
             truncation=True,
             max_length=context_length or self.context_length,
@@ -98,7 +102,6 @@ class IdsTokenizer:
         self.context_length = tokenizer.context_length
 
     def __call__(self, texts: str | Sequence[str], context_length: int | None = None) -> torch.Tensor:
-        texts = [texts] if isinstance(texts, str) else list(texts)
         return self.tokenizer(texts, context_length)["input_ids"]
 
     def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -110,3 +113,8 @@ def build_tokenizer(name: str, context_length: int, key: str = "model.text.token
     if name == OPEN_CLIP:
         return OpenCLIPTokenizer(context_length)
     return HFTokenizer(name, context_length, key)
+
+
+def _text_list(texts: str | Sequence[str]) -> list[str]:
+    """One caption is a batch of one, as open_clip's tokenizers take it (not one per character)."""
+    return [texts] if isinstance(texts, str) else list(texts)
