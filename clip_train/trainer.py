@@ -24,6 +24,7 @@ from clip_train.distributed import (
     failing_together,
     main_done,
     sum_counts_over_ranks,
+    wait_for_device,
 )
 from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache, StepStats
@@ -205,20 +206,23 @@ class Trainer:
         self.restored_chunks = state.get("chunks")
         self.loader.start_at(self.step)
 
-    def train_step(self, batch: Batch) -> StepResult:
-        """One optimizer step on this rank's share of the global batch."""
+    def train_step(self, batch: Batch, logged: bool = False) -> StepResult:
+        """One optimizer step on this rank's share of the global batch. A ``logged`` one waits for the
+        device at each stage and at its end, so that its time split is its own."""
         self.update.optimizer.zero_grad(set_to_none=True)
         stats = self.engine.step(
             batch.images,
             batch.input_ids,
             batch.attention_mask,
             scale_loss=self.update.scaler.scale,
-            timed=self._logs_at(self.step + 1),  # the time split's device syncs: logged steps only
+            timed=logged,
         )
         grad_norm = self.update(stats.loss, self.step + 1)
         self.step += 1
         if self.ema is not None:
             self.ema.update(self.step, self.update.stepped)  # a skipped step leaves it as it is
+        if logged:  # the optimizer's and the EMA's queued kernels are this step's time
+            wait_for_device(self.env.device)
         return StepResult(stats, grad_norm)
 
     def run(self, signals: SignalFlag | None = None) -> dict[str, float]:
@@ -252,11 +256,14 @@ class Trainer:
                 while all_ranks_true([signals.received is None])[0]:
                     if self.step >= cfg.train.max_steps:
                         return self._final_evaluation(signals, monitor)
+                    logged = self._logs_at(self.step + 1)  # only logged steps wait for the device
+                    if logged:  # the earlier steps' queued kernels are not this step's time
+                        wait_for_device(env.device)
                     started = time.perf_counter()
                     with failing_together():  # a rank's data error stops all at once
                         batch = next(self.loader)
                     data_s = time.perf_counter() - started
-                    result = self.train_step(batch)
+                    result = self.train_step(batch, logged)
                     ended = time.perf_counter()
                     window.add_step(ended)
                     self._after_step(result, monitor, data_s, ended - started, window)

@@ -29,12 +29,15 @@ from small_runs import DEMO_CONFIG, run_overrides
 from test_loss_tiles import _CountOps, _host_read
 
 import clip_train.loss
+import clip_train.trainer
 from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
 from clip_train.cli import main as cli_main
 from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
+from clip_train.ema import WeightsEMA
 from clip_train.logs import get_logger
+from clip_train.optim import Update
 from clip_train.preemption import EXIT_PREEMPTED
 from clip_train.skipped_steps import TrainingAborted
 from clip_train.trainer import Trainer
@@ -446,6 +449,39 @@ def test_an_unlogged_step_reads_nothing_from_the_device_and_a_logged_step_three_
     trainer.train_step, trainer._after_step = counted(trainer.train_step), counted(trainer._after_step)
     trainer.run()
     assert {step: reads[step] for step in (1, 2, 3, 4)} == {1: 0, 2: 3, 3: 0, 4: 3}
+
+
+def test_a_logged_step_waits_for_the_device_before_and_after_it_and_no_other_step_does(
+    digits, tmp_path, monkeypatch
+):
+    """On a GPU the kernels are queued: a logged step's time split must neither take in the queued
+    work of the unlogged steps before it nor leave out its own optimizer and EMA work, which ran on
+    the device after the last stage's wait (the "opt" share was another step's). The waits are
+    recorded here (on the CPU they return at once), between the updates."""
+    trainer = in_process_trainer(
+        digits,
+        tmp_path,
+        "train.max_steps=4",
+        "log.every_steps=2",
+        "checkpoint.every_steps=100",
+        "train.ema_decay=0.9",
+    )
+    events: list[str] = []
+
+    def recorded(name: str, real: Callable) -> Callable:
+        def call(*args, **kwargs):
+            events.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(clip_train.trainer, "wait_for_device", lambda device: events.append(f"wait {device}"))
+    monkeypatch.setattr(Update, "__call__", recorded("update", Update.__call__))
+    monkeypatch.setattr(WeightsEMA, "update", recorded("ema", WeightsEMA.update))
+    trainer.run()
+    step = ["update", "ema"]
+    logged = ["wait cpu", *step, "wait cpu"]
+    assert events == [*step, *logged, *step, *logged]
 
 
 # -- clear failures --------------------------------------------------------------------------------
