@@ -163,9 +163,9 @@ class Update:
 
     @property
     def lr(self) -> float:
-        """``optim.lr`` as scheduled for the next step (``train/lr``); each group's rate is its own
-        multiple of it."""
-        return self.base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        """``optim.lr`` as the last step ran at it (``train/lr``, logged with that step's loss, as
+        OpenCLIP logs it); each group's rate is its own multiple of it."""
+        return self.base_lr * self.scheduler.lr_lambdas[0](max(self.scheduler.last_epoch - 1, 0))
 
     def __call__(self, loss: torch.Tensor | float, step: int) -> torch.Tensor:
         """Unscale, clip and take optimizer step ``step`` (1 for the first), or skip it; returns the

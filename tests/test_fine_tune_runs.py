@@ -117,8 +117,8 @@ def test_a_resumed_run_ends_bit_identical_in_weights_ema_and_learning_rates(runs
     peaks = {group["initial_lr"] for group in groups[0]}
     logged = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
-    for record in logged:  # optim.lr as scheduled for the next step, whatever the groups' own rates
-        assert record["train/lr"] == LR * lr_factor(record["step"], optim, STEPS)
+    for record in logged:  # optim.lr as the step ran at it (step N is the scheduler's N - 1)
+        assert record["train/lr"] == LR * lr_factor(record["step"] - 1, optim, STEPS)
     names = param_groups(reference)[1]
     if names is not None:  # FSDP: the shards name each group's parameters
         for group in groups[0]:

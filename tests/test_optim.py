@@ -272,8 +272,9 @@ def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
     peaks = [group["initial_lr"] for group in resumed.optimizer.param_groups]  # this config's
     setup_logging()
     resumed.load_state_dict(state)
-    factor = lr_factor(3, resumed_cfg := OptimConfig(lr=LR / 2, warmup_steps=2), max_steps=10)
-    assert resumed_cfg.lr == resumed.base_lr and resumed.lr == LR / 2 * factor
+    resumed_cfg = OptimConfig(lr=LR / 2, warmup_steps=2)
+    factor = lr_factor(3, resumed_cfg, max_steps=10)  # the next step's, the 4th
+    assert resumed.base_lr == LR / 2 and resumed.lr == LR / 2 * lr_factor(2, resumed_cfg, max_steps=10)
     assert [group["lr"] for group in resumed.optimizer.param_groups] == [peak * factor for peak in peaks]
     assert resumed.scheduler.last_epoch == 3
     saved, loaded = first.optimizer.state.values(), resumed.optimizer.state.values()
