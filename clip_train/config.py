@@ -501,7 +501,7 @@ def _override_value(key: str, text: str) -> Any:
     typed, since YAML would cut it at ``#``, read ``012`` as octal or fail on ``,``; any other read
     as YAML, a value it cannot read being a one-line error naming the key."""
     text = text.strip()
-    if _text_keys().get(key) or not text:
+    if key in _text_keys() or not text:
         return text
     try:
         return _read_yaml(text)
@@ -511,8 +511,8 @@ def _override_value(key: str, text: str) -> Any:
 
 
 @functools.cache
-def _text_keys() -> dict[str, bool]:
-    return {key.name: key.hint is str for key in config_keys()}
+def _text_keys() -> frozenset[str]:
+    return frozenset(key.name for key in config_keys() if key.hint is str)
 
 
 def config_yaml(config: Config) -> str:
@@ -662,10 +662,8 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
     if hint not in (bool, int, float, str, type(None)):
         raise ConfigError(f"{key}: unsupported config type {hint!r}")
     bad = ConfigError(f"{key}={value!r}: expected {hint.__name__}")
-    if hint is type(None):
-        if value is None or (
-            isinstance(value, str) and value.lower() == "none"
-        ):  # as docs/config.md shows it
+    if hint is type(None):  # null, or None as docs/config.md shows such a default
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
             return None
         raise bad
     if hint is bool:
