@@ -224,8 +224,8 @@ def test_a_skipped_step_leaves_the_ema_as_it_was(digits, tmp_path):
             stats.loss = torch.full_like(stats.loss, float("nan"))
         return stats
 
-    def train_step(batch):
-        result = Trainer.train_step(trainer, batch)
+    def train_step(batch, logged=False):
+        result = Trainer.train_step(trainer, batch, logged)
         after_steps.append({name: average.clone() for name, average in trainer.ema.averages.items()})
         return result
 

@@ -301,8 +301,9 @@ def test_a_pretrained_tag_brings_its_image_normalisation(tmp_path, monkeypatch, 
 
 
 def test_a_config_value_of_the_wrong_type_is_a_config_error():
-    """YAML reads 1e-6 (no dot) as a string; transformers' config refuses it, naming the field."""
-    cfg = load_config(TINY_MODEL_CONFIG, [*clip_text_run(False), "model.text.hf_config.layer_norm_eps=1e-6"])
+    """A string where transformers' config wants a float: refused, naming the field (1e-6, which
+    PyYAML reads as a string, is a float here: test_config)."""
+    cfg = load_config(TINY_MODEL_CONFIG, [*clip_text_run(False), "model.text.hf_config.layer_norm_eps=small"])
     with pytest.raises(UserError, match=r"^model.text.hf_config: .*'layer_norm_eps'.*expected float"):
         build_model(cfg.model)
 

@@ -136,10 +136,10 @@ from clip_train import trainer
 
 real_step = trainer.Trainer.train_step
 
-def step_or_fail(self, batch):
+def step_or_fail(self, batch, logged=False):
     if self.step == 2:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-    return real_step(self, batch)
+    return real_step(self, batch, logged)
 
 trainer.Trainer.train_step = step_or_fail
 """
@@ -285,11 +285,11 @@ from clip_train import trainer
 
 real_step = trainer.Trainer.train_step
 
-def step_or_hang(self, batch):
+def step_or_hang(self, batch, logged=False):
     if self.step == 2:
         pathlib.Path({str(hanging)!r}).touch()
         time.sleep(3600)
-    return real_step(self, batch)
+    return real_step(self, batch, logged)
 
 trainer.Trainer.train_step = step_or_hang
 """
@@ -336,10 +336,10 @@ from clip_train import stopping, trainer
 
 real_step, real_log = trainer.Trainer.train_step, stopping.Ending.log
 
-def slow_step(self, batch):
+def slow_step(self, batch, logged=False):
     if self.step == 2:
         pause({str(stepping)!r}, {str(sent)!r})
-    return real_step(self, batch)
+    return real_step(self, batch, logged)
 
 def late_log(self, rank):
     pause({str(ending)!r}, {str(stopped)!r})
