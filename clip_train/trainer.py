@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
-from clip_train.config import Config, save_config
+from clip_train.config import BatchConfig, Config, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import (
     DistEnv,
@@ -67,6 +67,22 @@ class LogWindow:
 class StepResult:
     stats: StepStats
     grad_norm: torch.Tensor  # on the device, like ``stats.loss``: read on logged steps only
+
+
+def chunks_kept_from(
+    saved: dict[str, Any] | None, batch: BatchConfig, world_size: int
+) -> tuple[int, int] | None:
+    """The chunks a checkpoint's run chose, when they were chosen for this run's setting: the same
+    world size, global batch and chunk settings (a tower's fixed chunk lowered at a resume must not
+    give way to the saved one). None: choose again. A checkpoint from before the settings were saved
+    counts as made with this run's."""
+    if saved is None or saved["world_size"] != world_size:
+        return None
+    asked = (saved.get("asked", list(batch.chunks)), saved.get("global_size", batch.global_size))
+    if asked != (list(batch.chunks), batch.global_size):
+        return None
+    image, text = saved["chunks"]
+    return image, text
 
 
 class Trainer:
@@ -189,15 +205,17 @@ class Trainer:
         per_rank = batch.global_size // world
         if "auto" not in batch.chunks:
             return (batch.image_chunk or per_rank, batch.text_chunk or per_rank), ""
-        if self.restored_chunks is not None and self.restored_chunks["world_size"] == world:
-            image, text = self.restored_chunks["chunks"]
-            note = f"auto chunks: image {image} / text {text} per rank, as chosen before the resume"
-            return (image, text), note
+        if kept := chunks_kept_from(self.restored_chunks, batch, world):
+            note = f"auto chunks: image {kept[0]} / text {kept[1]} per rank, as chosen before the resume"
+            return kept, note
         choice = measured or self._measure_chunks()
         return (choice.image, choice.text), choice.describe()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "chunks": {"chunks": list(self.chunks), "world_size": self.env.world_size}}
+        batch = self.cfg.batch
+        chunks = {"chunks": list(self.chunks), "world_size": self.env.world_size}
+        chunks |= {"asked": list(batch.chunks), "global_size": batch.global_size}  # what they were chosen for
+        return {"step": self.step, "chunks": chunks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The step (and the chunks auto chose); a loader whose own position was not restored replays

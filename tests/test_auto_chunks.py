@@ -11,10 +11,11 @@ import torch
 from processes import run_to_end
 from small_runs import DEMO_CONFIG, TINY_MODEL_CONFIG
 
-from clip_train.config import ConfigError, load_config
+from clip_train.config import BatchConfig, ConfigError, load_config
 from clip_train.model import build_model
 from clip_train.plan import breakdown, choose_chunks, largest_fitting_chunks, profile_model
 from clip_train.plan.auto_chunks import run_setting
+from clip_train.trainer import chunks_kept_from
 
 SMALL = ("model.image.timm_kwargs.depth=2", "model.text.hf_config.num_hidden_layers=1")
 PER_RANK = 64
@@ -131,3 +132,23 @@ def test_runs_log_the_choice_fit_a_small_budget_and_keep_it_on_resume(digits, tm
     resumed = _train(digits, tmp_path / "tight", 3, "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"auto chunks: image {image} / text {text} per rank, as chosen before the resume" in resumed.stderr
+
+
+@pytest.mark.parametrize(
+    ("now", "kept"),
+    [
+        ({}, (64, 256)),  # the setting the choice was made for
+        ({"text_chunk": 32}, None),  # a fixed chunk lowered at the resume (to fit memory) wins
+        ({"global_size": 1024}, None),  # another per-rank batch: choose again
+        ({"world_size": 4}, None),
+    ],
+)
+def test_a_resume_keeps_the_saved_chunks_only_for_the_setting_they_were_chosen_for(now, kept):
+    saved = {"chunks": [64, 256], "world_size": 2, "asked": ["auto", 256], "global_size": 512}
+    settings = {"global_size": 512, "image_chunk": "auto", "text_chunk": 256} | now
+    world = settings.pop("world_size", 2)
+    assert chunks_kept_from(saved, BatchConfig(**settings), world) == kept
+    old_checkpoint = {"chunks": [64, 256], "world_size": 2}  # saved before the settings were
+    assert chunks_kept_from(old_checkpoint, BatchConfig(**settings), world) == (
+        None if world != 2 else (64, 256)
+    )
