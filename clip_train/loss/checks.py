@@ -106,14 +106,15 @@ def _agree(
     """The first rank's problem, or a disagreement about shapes, the same on every rank ("" if none)."""
     shape = (0, 0, 0) if problem else (*image_features.shape, text_features.shape[0])
     mine = torch.tensor([bool(problem), *shape], device=image_features.device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    if any(int(t[0]) for t in every):
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    every = torch.stack(gathered).tolist()  # one read of the device, whatever the world size
+    if any(row[0] for row in every):
         problems: list[str] = [""] * world
         dist.all_gather_object(problems, problem, group=group)
         rank, first = next((r, p) for r, p in enumerate(problems) if p)
         return f"rank {rank}: {first}"
-    shapes = [tuple(t[1:].tolist()) for t in every]  # (n, d, m)
+    shapes = [tuple(row[1:]) for row in every]  # (n, d, m)
     if len(set(shapes)) > 1:
         described = ", ".join(f"rank {r}: n={s[0]} m={s[2]} d={s[1]}" for r, s in enumerate(shapes))
         return f"every rank must hold the same number of rows and dim, got {described}"
