@@ -77,6 +77,18 @@ def test_choosing_leaves_the_rng_streams_and_gradients_as_they_were(tmp_path):
     assert (choice.image, choice.text) == (32, 32) and choice.usable == pytest.approx(64 * 2**30 * 0.9)
 
 
+def test_choosing_leaves_a_batch_norms_running_statistics_as_they_were():
+    """Rank 0 alone measures, in train mode on random images: a ResNet tower's running statistics
+    would move there and nowhere else."""
+    overrides = ["model.image.timm=resnet18", "model.image.timm_kwargs={}", "batch.global_size=8"]
+    cfg = load_config(TINY_MODEL_CONFIG, [*SMALL, *overrides, "batch.memory_budget=64"])
+    model = build_model(cfg.model).train()
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    assert any(name.endswith("running_mean") for name in before)
+    choose_chunks(model, cfg, 1)
+    assert all(torch.equal(buffer, before[name]) for name, buffer in model.named_buffers())
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -106,12 +106,17 @@ def _read_int(path: Path) -> int | None:
 
 
 def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice:
-    """Measure the towers (without touching the RNG streams or leaving gradients behind) and pick
-    the chunks: each ``auto`` one as large as the budget allows, the whole batch first."""
+    """Measure the towers (without touching the RNG streams, leaving gradients behind or moving a
+    batch norm's running statistics toward the probe's random images: rank 0 alone measures) and
+    pick the chunks: each ``auto`` one as large as the budget allows, the whole batch first."""
     device = model.logit_scale.device
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with preserved_rng(device):
         profile = profile_built_model(model, cfg.model, cfg.train.precision, MEASURED_CHUNKS, [])
     model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks)
     setting = run_setting(cfg, world_size, device.type)
