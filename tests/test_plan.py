@@ -195,7 +195,10 @@ def test_kept_graph_is_the_last_training_towers_forward_beside_the_loss(tiny_pro
     frozen_text = ("model.text.lock=true", "model.text.lock_head=true")
     profile = profile_model(load_config(TINY, (*SMALL, *frozen_text)).model, "fp32", (2, 4), "cpu")
     assert not profile.text.replays
-    assert 0 < breakdown(profile, setting()).kept_graph == profile.image.graph.at(64)
+    frozen = breakdown(profile, setting())
+    assert 0 < frozen.kept_graph == profile.image.graph.at(64)
+    # the image tower's kept graph lives on through the frozen text tower's encode, encoded after it
+    assert frozen.backbone >= frozen.kept_graph + profile.text.encode.at(128)
 
 
 FSDP = {"sharded": True, "gather_itemsize": 2}  # train.precision=bf16's auto: bf16 gathers, fp32 sums

@@ -144,7 +144,7 @@ class Breakdown:
     cache: float  # M_cache: fp32 features and their gradients, and a LiT tower's frozen-trunk output
     loss: float  # M_loss: b×b (vanilla), n×b (local) or O(n·d) + tile² (inf) for n = b / gpus
     kept_graph: float  # M_kept: inf only, the graphs kept through the loss (see graph_keepers)
-    backbone: float  # M_backbone: the peak of one chunk's graph-less encode or with-grad replay
+    backbone: float  # M_backbone: one chunk's graph-less encode or with-grad replay (beside a kept graph)
     optimizer_step: float  # foreach optimizers hold one parameter-sized temporary during step()
 
     @property
@@ -212,7 +212,9 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     backbone = max(
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )
-    kept_graph = sum(t.graph.at(setting.chunk(t.name)) for t in graph_keepers(replaying, setting))
+    keepers = graph_keepers(replaying, setting)
+    kept_graph = sum(t.graph.at(setting.chunk(t.name)) for t in keepers)
+    backbone = max(backbone, _encode_beside_kept_graphs(profile, setting, keepers))
     loss = loss_workspace(
         setting.impl, setting.batch, setting.gpus, dim, setting.tile, setting.kind, setting.device
     )
@@ -271,6 +273,18 @@ def accumulated_grads(profile: ModelProfile, setting: Setting) -> float:
         t.trainable_numel for t in profile.towers if t.replays and setting.chunk(t.name) < setting.per_rank
     ]
     return max(chunked, default=0) * setting.accumulate_itemsize
+
+
+def _encode_beside_kept_graphs(profile: ModelProfile, setting: Setting, keepers: list[TowerProfile]) -> float:
+    """A tower encoded after one that keeps its graph (a frozen text tower after the image tower's
+    kept last chunk) encodes beside that graph: the two add up."""
+    kept, peak = 0.0, 0.0
+    for tower in profile.towers:  # in the order the step encodes them
+        if any(tower is keeper for keeper in keepers):
+            kept += tower.graph.at(setting.chunk(tower.name))
+        elif kept:
+            peak = max(peak, kept + tower.encode.at(setting.chunk(tower.name)))
+    return peak
 
 
 def graph_keepers(replaying: list[TowerProfile], setting: Setting) -> list[TowerProfile]:
