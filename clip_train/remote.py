@@ -3,12 +3,12 @@
 swap) resumes elsewhere: ``checkpoint.resume=auto`` pulls the newest remote checkpoint first when
 the disk lacks it or holds it damaged.
 
-A checkpoint goes up in the background after it is saved, its manifest last: as on the local disk,
-a remote checkpoint without a manifest is incomplete and is never pulled, and a pulled one is
-verified against its manifest like any other. The remote keeps what the local run keeps (older
-ones are deleted after each upload); a save never prunes the checkpoint whose upload is in flight.
-A failed upload is a warning and is retried with the next checkpoint: a week-long run does not
-stop for a storage hiccup.
+A checkpoint goes up in the background after it is saved, its manifest last (a step uploaded again
+loses its old manifest first): as on the local disk, a remote checkpoint without a manifest is
+incomplete and is never pulled, and a pulled one is verified against its manifest like any other.
+The remote keeps what the local run keeps (older ones are deleted after each upload); a save never
+prunes the checkpoint whose upload is in flight. A failed upload is a warning and is retried with
+the next checkpoint: a week-long run does not stop for a storage hiccup.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class RemoteMirror:
 
     def _upload_checkpoint(self, checkpoint: Path) -> None:
         target = f"{self._checkpoints()}/{checkpoint.name}"
+        if self.fs.isfile(f"{target}/{MANIFEST_FILE}"):  # a step saved again: incomplete until it is up
+            self.fs.rm(f"{target}/{MANIFEST_FILE}")
         files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
         for file in files:
             self._put(file, f"{target}/{file.relative_to(checkpoint).as_posix()}")

@@ -92,6 +92,29 @@ def test_the_remote_keeps_what_the_run_keeps_and_never_pulls_an_incomplete_check
     assert RemoteMirror(remote_url, tmp_path / "fresh").pull_newest() is None
 
 
+def test_a_step_uploaded_again_is_incomplete_until_its_new_files_are_up(run_copy, remote_url, monkeypatch):
+    """A restarted run saves a step again and uploads it over the remote copy: while its files go
+    up, the old manifest must not vouch for a mix of old and new files."""
+    newest = complete_checkpoints(run_copy)[-1]
+    mirror = RemoteMirror(remote_url, run_copy)
+    mirror.push(newest)
+    mirror.wait()
+    assert _complete_remote_checkpoints(remote_url) == [newest.name]
+    seen_while_uploading = []
+    put = RemoteMirror._put
+
+    def watched_put(self: RemoteMirror, file: Path, target: str) -> None:
+        seen_while_uploading.append(_complete_remote_checkpoints(remote_url))
+        put(self, file, target)
+
+    monkeypatch.setattr(RemoteMirror, "_put", watched_put)
+    mirror.push(newest)
+    mirror.wait()
+    files = [p for p in newest.rglob("*") if p.is_file() and p.name != MANIFEST_FILE]
+    assert seen_while_uploading[: len(files)] == [[]] * len(files)  # no manifest before the last file
+    assert _complete_remote_checkpoints(remote_url) == [newest.name]
+
+
 def test_a_failed_upload_warns_and_the_run_goes_on(run_copy, tmp_path, capsys):
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the remote folder should be")
