@@ -40,6 +40,7 @@ from clip_train.model.tokenizer import OPEN_CLIP
 
 if TYPE_CHECKING:
     from clip_train.ema import WeightsEMA
+    from clip_train.remote import RemoteMirror
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -375,13 +376,12 @@ def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def set_aside_newer(out_dir: str | os.PathLike, resumed: Path) -> list[Path]:
-    """Move the run's checkpoints newer than ``resumed`` (an older one resumed on purpose, or the
-    newest sound one below damaged ones) under ``checkpoints/superseded/<time>/`` and return their
-    new places. Left where they were, they would be another history's newest: ``resume=auto``,
-    ``load`` and ``export`` would pick them, and pruning would delete the resumed run's own saves
-    while keeping them. Only at a run's start-up, on one rank."""
-    if not is_step_name(resumed.name):
-        return []
+    """Move the run's checkpoints newer than ``resumed`` (a ``step_NNNNNNNN`` folder: an older one
+    resumed on purpose, or the newest sound one below damaged ones) under
+    ``checkpoints/superseded/<time>/`` and return their new places. Left where they were, they would
+    be another history's newest: ``resume=auto``, ``load`` and ``export`` would pick them, and
+    pruning would delete the resumed run's own saves while keeping them. Only at a run's start-up,
+    on one rank."""
     newer = [d for d in step_dirs(out_dir) if checkpoint_step(d) > checkpoint_step(resumed)]
     if not newer:
         return []
@@ -492,6 +492,7 @@ class Checkpointer:
     shared: dict[str, Stateful]
     per_rank: dict[str, Stateful]
     ema: WeightsEMA | None = None  # saved beside the weights, in ema.safetensors
+    remote: RemoteMirror | None = None  # checkpoint.remote, on rank 0: resume=auto pulls from it
 
     def save(self, step: int) -> None:
         """Every rank contributes its own state; rank 0 writes. A collective: a save that fails raises
@@ -559,11 +560,14 @@ class Checkpointer:
 
     def _resume_point(self) -> Path | None:
         """At start-up, on rank 0: remove dead saves' temporary folders, then pick the checkpoint to
-        resume and verify its checksums; refuse to write over another run's or over damaged ones, and
-        set aside the newer ones the run goes on without."""
+        resume and verify its checksums (``resume=auto`` pulls a newer one from ``checkpoint.remote``);
+        refuse to write over another run's or over damaged ones, and set aside the newer ones the run
+        goes on without, on the disk and on the remote."""
         for stale in remove_stale_temp_dirs(self.run_dir):
             get_logger().warning(f"removed {stale}, left by a save that did not finish")
         path = resolve_resume(self.cfg.resume, self.run_dir, verify=True)
+        if self.remote is not None and self.cfg.resume == "auto":
+            path = self.remote.pull_newer_than(path) or path
         if path is None and step_dirs(self.run_dir):
             if self.cfg.resume == "auto":
                 raise UserError(
@@ -574,10 +578,12 @@ class Checkpointer:
                 f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
                 "with checkpoint.resume=auto or pick a new train.out_dir"
             )
-        if path is not None:
+        if path is not None and is_step_name(path.name):
             for moved in set_aside_newer(self.run_dir, path):
                 get_logger().warning(
                     f"{moved.name}, newer than the resumed {path.name}, moved to {moved.parent}: the run "
                     f"goes on from {path.name} (delete it there once it is not wanted)"
                 )
+            if self.remote is not None:  # pulled by a later resume=auto, they would resume that history
+                self.remote.drop_newer_than(checkpoint_step(path))
         return path

@@ -1,7 +1,7 @@
 """``checkpoint.remote``: the run's checkpoints mirrored to any fsspec URL (``s3://``, ``gs://``,
 ``hf://``, a mounted path), so a run on a machine that loses its disk (a spot instance, a node
-swap) resumes elsewhere: ``checkpoint.resume=auto`` pulls the newest remote checkpoint first when
-the disk lacks it or holds it damaged.
+swap) resumes elsewhere: ``checkpoint.resume=auto`` pulls the newest remote checkpoint when it is
+newer than the disk's newest sound one (the disk lacks it, or holds it damaged).
 
 A checkpoint goes up in the background after it is saved, its manifest last (a step uploaded again
 loses its old manifest first): as on the local disk, a remote checkpoint without a manifest is
@@ -102,18 +102,18 @@ class RemoteMirror:
         self.fs.makedirs(posixpath.dirname(target), exist_ok=True)  # object stores ignore it
         self.fs.put_file(str(file), target)
 
-    def pull_newest(self) -> Path | None:
-        """Download the newest complete remote checkpoint into the run's checkpoint folder (through a
-        temporary folder renamed into place) and return it; ``None`` when the remote has none or the
-        disk holds it or a newer one (sizes checked; the same step's checksums too). A damaged local
-        copy of that step (truncated, or changed since the save) is replaced once the pulled one
-        verifies: resuming would pass over it to an older step and lose what the remote kept."""
-        complete = [name for name in self._remote_steps() if self._has_manifest(name)]
-        if not complete:
-            return None
-        name = max(complete)
-        held = [path for path in complete_checkpoints(self.run_dir) if path.name >= name]
-        if held and (held[-1].name > name or checkpoint_problem(held[-1], checksums=True) is None):
+    def newest_complete(self) -> str | None:
+        """The name of the newest remote checkpoint with its manifest (an upload cut short has none)."""
+        return max((name for name in self._remote_steps() if self._has_manifest(name)), default=None)
+
+    def pull_newer_than(self, held: Path | None) -> Path | None:
+        """Download the newest complete remote checkpoint into the run's checkpoint folder and return
+        it, verified; ``None`` when it is not newer than ``held``, the disk's newest sound checkpoint.
+        It goes to a temporary folder, renamed into place once it verifies; a damaged local copy of
+        its step is replaced then (resuming would pass over it and lose what the remote kept), and
+        left as it was if the pulled copy does not verify either."""
+        name = self.newest_complete()
+        if name is None or (held is not None and checkpoint_step(held) >= checkpoint_step(Path(name))):
             return None
         local = checkpoint_root(self.run_dir) / name
         partial = temp_checkpoint_dir(self.run_dir, checkpoint_step(local))  # cleaned up if we die
@@ -122,13 +122,17 @@ class RemoteMirror:
         try:
             self.fs.get(f"{self._checkpoints()}/{name}", str(partial), recursive=True)
         except Exception as err:  # any storage error ends the resume, with its cause
+            shutil.rmtree(partial, ignore_errors=True)
             raise UserError(
                 f"checkpoint.remote={self.url}: pulling {name} failed ({type(err).__name__}: {err})"
             ) from None
-        if local.exists():
-            self._replace(local, partial)
-        else:
-            partial.rename(local)
+        if problem := checkpoint_problem(partial, checksums=True):
+            shutil.rmtree(partial, ignore_errors=True)
+            kept = f"; the local {local} is left as it was" if local.exists() else ""
+            raise UserError(
+                f"checkpoint.remote={self.url}: the pulled {name} does not verify: {problem}{kept}"
+            )
+        replace_folder(partial, local, aside=partial.with_name(f"{partial.name}_replaced"))
         return local
 
     def drop_newer_than(self, step: int) -> None:
@@ -143,18 +147,6 @@ class RemoteMirror:
                 f"warning: checkpoint.remote={self.url}: deleting the checkpoints newer than step {step} "
                 f"failed ({type(err).__name__}: {err}); the next upload tries again"
             )
-
-    def _replace(self, local: Path, pulled: Path) -> None:
-        """Put ``pulled`` in place of the damaged ``local`` copy of its step once it verifies, the local
-        copy moved aside until then: a bad download or a crash never leaves less than there was (the
-        folders aside are temporary ones, which start-up removes)."""
-        if problem := checkpoint_problem(pulled, checksums=True):
-            shutil.rmtree(pulled, ignore_errors=True)
-            raise UserError(
-                f"checkpoint.remote={self.url}: the pulled {local.name} does not verify: {problem}; "
-                f"the local {local} is left as it was"
-            )
-        replace_folder(pulled, local, aside=pulled.with_name(f"{pulled.name}_replaced"))
 
     def _checkpoints(self) -> str:
         return f"{self.root}/checkpoints"

@@ -96,7 +96,12 @@ class Trainer:
 
         if env.device.type == "cuda" and cfg.train.precision != "fp64":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-        self.remote = self._remote_mirror()
+        # checkpoint.remote on rank 0; the checkpointer pulls from it when it picks the step to resume.
+        self.remote = (
+            RemoteMirror(cfg.checkpoint.remote, self.run_dir)
+            if cfg.checkpoint.remote and env.is_main
+            else None
+        )
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
         fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
         self.sharded = cfg.train.parallel == "fsdp"
@@ -145,11 +150,10 @@ class Trainer:
             shared={"trainer": self, "update": update},
             per_rank=per_rank,
             ema=self.ema,
+            remote=self.remote,
         )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         self.resumed_from = self.checkpointer.restore()
-        if self.remote is not None and self.resumed_from is not None:
-            self.remote.drop_newer_than(self.step)
         if self.step > cfg.train.max_steps:
             raise UserError(
                 f"train.max_steps={cfg.train.max_steps} is below step {self.step} of the checkpoint "
@@ -166,21 +170,14 @@ class Trainer:
             trains, replayed = self.engine.trains_and_replays(rows)
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
 
-    def _remote_mirror(self) -> RemoteMirror | None:
-        """``checkpoint.remote`` on rank 0; with ``resume=auto`` a newest remote checkpoint that the
-        disk lacks, or holds damaged, is pulled first; the checkpointer then verifies and resumes it."""
-        remote = self.cfg.checkpoint.remote
-        if not (remote and self.env.is_main):
-            return None
-        mirror = RemoteMirror(remote, self.run_dir)
-        if self.cfg.checkpoint.resume == "auto":
-            mirror.pull_newest()
-        return mirror
-
     def _finds_a_checkpoint(self) -> bool:
-        """Whether ``checkpoint.resume`` names one (sizes checked): ``restore`` then resumes it or
-        refuses a damaged one, so the run never starts over from ``init_from``."""
-        return resolve_resume(self.cfg.checkpoint.resume, self.run_dir) is not None
+        """Whether ``checkpoint.resume`` names one (sizes checked), or ``auto`` finds one on the remote:
+        ``restore`` then resumes it or refuses a damaged one, so the run never starts over from
+        ``init_from``."""
+        resume = self.cfg.checkpoint.resume
+        if resolve_resume(resume, self.run_dir) is not None:
+            return True
+        return resume == "auto" and self.remote is not None and self.remote.newest_complete() is not None
 
     def _load_init_from(self) -> None:
         """Fine-tuning: the weights and nothing else."""

@@ -356,23 +356,21 @@ def test_retrieval_recall_perfect_and_collapsed():
 FEATURE_SPLIT = (20, 17)  # random features: rank 0 and rank 1 hold this many pairs (uneven)
 
 
-def eval_with_bad_samples(rank: int, world_size: int, data: dict[str, str]) -> dict[str, float]:
+def eval_of(val: str, data: dict[str, str]) -> dict[str, float]:
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], batch_size=7)  # 2 full batches of good samples
-    data_cfg = DataConfig(val=data["exact_with_bad"], workers=0)
+    data_cfg = DataConfig(val=val, workers=0)
     return evaluate(ToyCLIP([0, 2, 1, 3, 4, 4]), eval_cfg, data_cfg, device=CPU, precision="fp32")
+
+
+def eval_with_bad_samples(rank: int, world_size: int, data: dict[str, str]) -> dict[str, float]:
+    return eval_of(data["exact_with_bad"], data)
 
 
 def test_bad_eval_samples_are_left_out_counted_and_reported(data, capsys):
     """2 bad samples before the first good one, 3 after the last: in one process the second batch of 7
     ends at the last good sample, so only a last batch held back until the stream ends carries the 3."""
     setup_logging()
-    clean = evaluate(
-        ToyCLIP([0, 2, 1, 3, 4, 4]),
-        EvalConfig(zeroshot=data["zeroshot"], batch_size=7),
-        DataConfig(val=data["exact"], workers=0),
-        device=CPU,
-        precision="fp32",
-    )
+    clean = eval_of(data["exact"], data)
     assert clean["retrieval/skipped"] == clean["zeroshot/skipped"] == 0
     counted = {**clean, "retrieval/skipped": 5, "zeroshot/skipped": 5}
     assert eval_with_bad_samples(0, 1, data) == pytest.approx(counted, rel=1e-12, abs=1e-12)

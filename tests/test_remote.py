@@ -19,6 +19,7 @@ import torch
 from dist_utils import run_distributed
 from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
+from test_checkpoint_verify import flip_a_byte, truncate
 
 from clip_train import load_config, stopping
 from clip_train.checkpoint import (
@@ -66,12 +67,13 @@ def test_pushed_checkpoints_come_back_verified_into_an_empty_run(run_copy, remot
         mirror.push(checkpoint)
     mirror.wait()
     fresh = tmp_path / "fresh"
-    pulled = RemoteMirror(remote_url, fresh).pull_newest()
+    pulled = RemoteMirror(remote_url, fresh).pull_newer_than(None)
     newest = complete_checkpoints(run_copy)[-1]
     assert pulled == checkpoint_root(fresh) / newest.name
     assert checkpoint_problem(pulled, checksums=True) is None
     assert _same_tree(pulled, newest)
     assert [p.name for p in checkpoint_root(fresh).iterdir()] == [newest.name]  # no temporary left
+    assert RemoteMirror(remote_url, fresh).pull_newer_than(pulled) is None  # the disk holds it
 
 
 def test_the_remote_keeps_what_the_run_keeps_and_never_pulls_an_incomplete_checkpoint(
@@ -89,7 +91,7 @@ def test_the_remote_keeps_what_the_run_keeps_and_never_pulls_an_incomplete_check
     mirror.wait()
     assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {second.name}
     fs.rm(f"{root}/checkpoints/{second.name}/{MANIFEST_FILE}")  # as an upload cut short leaves it
-    assert RemoteMirror(remote_url, tmp_path / "fresh").pull_newest() is None
+    assert RemoteMirror(remote_url, tmp_path / "fresh").pull_newer_than(None) is None
 
 
 def test_a_step_uploaded_again_is_incomplete_until_its_new_files_are_up(run_copy, remote_url, monkeypatch):
@@ -156,10 +158,6 @@ def test_a_run_on_a_fresh_disk_resumes_from_the_remote(digits, tmp_path):
     }
 
 
-def _truncate(file: Path) -> None:
-    file.write_bytes(file.read_bytes()[:1000])
-
-
 def test_a_pull_replaces_a_damaged_local_copy_of_its_step(run_copy, remote_url, tmp_path):
     """A disk that kept a damaged copy of the newest step (resume=auto passes over it) is the case
     the remote copy is for: the pulled copy takes its place, verified, and the run resumes from it."""
@@ -168,15 +166,18 @@ def test_a_pull_replaces_a_damaged_local_copy_of_its_step(run_copy, remote_url, 
     mirror.push(newest)
     mirror.wait()
     disk = Path(shutil.copytree(run_copy, tmp_path / "disk"))
-    _truncate(disk / "checkpoints" / newest.name / MODEL_FILE)
-    pulled = RemoteMirror(remote_url, disk).pull_newest()
+    truncate(disk / "checkpoints" / newest.name / MODEL_FILE)
+    held = resolve_resume("auto", disk, verify=True)
+    assert held == complete_checkpoints(disk)[0]
+    pulled = RemoteMirror(remote_url, disk).pull_newer_than(held)
     assert pulled == checkpoint_root(disk) / newest.name
     assert _same_tree(pulled, newest)
     assert resolve_resume("auto", disk, verify=True) == pulled
     assert not list(checkpoint_root(disk).glob(f"{TEMP_PREFIX}*"))  # nothing left aside
 
 
-def test_a_pulled_copy_that_fails_verification_leaves_the_local_one_as_it_was(run_copy, tmp_path):
+@pytest.mark.parametrize("local_copy", ["damaged", "none"])
+def test_a_pulled_copy_that_fails_verification_leaves_the_disk_as_it_was(run_copy, tmp_path, local_copy):
     newest = complete_checkpoints(run_copy)[-1]
     bucket = tmp_path / "bucket" / "run"
     mirror = RemoteMirror(f"file://{bucket}", run_copy)
@@ -185,24 +186,20 @@ def test_a_pulled_copy_that_fails_verification_leaves_the_local_one_as_it_was(ru
     remote_weights = bucket / "checkpoints" / newest.name / MODEL_FILE
     remote_weights.write_bytes(bytes(remote_weights.stat().st_size))  # its size, not its content
     disk = Path(shutil.copytree(run_copy, tmp_path / "disk"))
-    _truncate(disk / "checkpoints" / newest.name / MODEL_FILE)
-    before = Path(shutil.copytree(checkpoint_root(disk) / newest.name, tmp_path / "before"))
+    if local_copy == "damaged":
+        truncate(disk / "checkpoints" / newest.name / MODEL_FILE)
+    else:
+        shutil.rmtree(disk / "checkpoints" / newest.name)
+    before = Path(shutil.copytree(checkpoint_root(disk), tmp_path / "before"))
     refused = rf"pulled {newest.name} does not verify: {MODEL_FILE} does not match"
     with pytest.raises(UserError, match=refused):
-        RemoteMirror(f"file://{bucket}", disk).pull_newest()
-    assert _same_tree(checkpoint_root(disk) / newest.name, before)
-    assert not list(checkpoint_root(disk).glob(f"{TEMP_PREFIX}*"))
+        RemoteMirror(f"file://{bucket}", disk).pull_newer_than(complete_checkpoints(disk)[0])
+    assert _same_tree(checkpoint_root(disk), before)  # no temporary folder left either
 
 
-def _flip_a_byte(file: Path) -> None:
-    data = bytearray(file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    file.write_bytes(bytes(data))
-
-
-def _train_in_process(digits: Path, run: Path, steps: int, resume: str, remote: str) -> None:
+def _train_in_process(digits: Path, run: Path, steps: int, resume: str, remote: str, *extra: str) -> None:
     overrides = [f"checkpoint.resume={resume}", f"checkpoint.remote={remote}", "checkpoint.every_steps=100"]
-    cfg = load_config(DEMO_CONFIG, run_overrides(digits, run, steps, *overrides)).validate()
+    cfg = load_config(DEMO_CONFIG, run_overrides(digits, run, steps, *overrides, *extra)).validate()
     with preemption_signals() as signals:  # held to the exit, as `clip-train train` holds them
         Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).run(signals)
 
@@ -219,7 +216,7 @@ def test_resume_auto_pulls_the_remote_copy_of_a_newest_checkpoint_damaged_on_the
     for checkpoint in complete_checkpoints(run_copy):
         mirror.push(checkpoint)
         mirror.wait()
-    _flip_a_byte(run_copy / "checkpoints" / "step_00000040" / MODEL_FILE)
+    flip_a_byte(run_copy / "checkpoints" / "step_00000040" / MODEL_FILE)
     _train_in_process(digits, run_copy, 41, "auto", remote)
     err = capsys.readouterr().err
     assert f"resumed from {run_copy / 'checkpoints' / 'step_00000040'} at step 40" in err
@@ -227,6 +224,20 @@ def test_resume_auto_pulls_the_remote_copy_of_a_newest_checkpoint_damaged_on_the
     assert _complete_remote_checkpoints(remote) == ["step_00000040", "step_00000041"]  # keep=2
     _train_in_process(digits, run_copy, 40, str(run_copy / "checkpoints" / "step_00000040"), remote)
     assert _complete_remote_checkpoints(remote) == ["step_00000040"]  # nothing saved, step 41 gone
+
+
+def test_a_fine_tuning_run_requeued_on_a_fresh_disk_resumes_from_the_remote_not_its_init_from(
+    run_copy, digits, tmp_path, capsys
+):
+    """A requeued run never reads ``model.init_from`` (it may be gone) once it has a checkpoint, and
+    on a fresh disk its checkpoints are on the remote."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    mirror = RemoteMirror(remote, run_copy)
+    mirror.push(complete_checkpoints(run_copy)[-1])
+    mirror.wait()
+    disk = tmp_path / "fresh-disk"
+    _train_in_process(digits, disk, 41, "auto", remote, f"model.init_from={tmp_path / 'gone'}")
+    assert f"resumed from {disk / 'checkpoints' / 'step_00000040'} at step 40" in capsys.readouterr().err
 
 
 def _hold_uploads(monkeypatch) -> None:

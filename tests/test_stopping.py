@@ -266,6 +266,35 @@ checkpoint.Checkpointer._resume_point = slow_resume_point
     assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 4]
 
 
+def test_rank_zero_alone_may_look_at_the_remote_for_longer_than_the_collective_timeout(digits, tmp_path):
+    """``resume=auto`` with ``checkpoint.remote``: rank 0 lists the remote at start-up (20 s here, a
+    slow object store). The listing ran before FSDP shards the towers (collectives), outside the wait
+    for rank 0, so the other rank's first collective timed out after ``train.dist_timeout_s``."""
+    slow = """
+import time
+from clip_train.remote import RemoteMirror
+
+real_remote_steps = RemoteMirror._remote_steps
+
+def slow_first_listing(self):
+    if not getattr(self, "listed", False):
+        self.listed = True
+        time.sleep(20)
+    return real_remote_steps(self)
+
+RemoteMirror._remote_steps = slow_first_listing
+"""
+    out, remote = tmp_path / "run", f"file://{tmp_path / 'bucket'}"
+    args = overrides(digits, out, "train.dist_timeout_s=12", "train.parallel=fsdp", "checkpoint.resume=auto")
+    run = torchrun([*args, f"checkpoint.remote={remote}"], patched_in_rank(0, slow, tmp_path / "fault"))
+    result = run.wait()
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert sorted(p.name for p in (tmp_path / "bucket" / "checkpoints").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+    ]
+
+
 def signal_ranks(run: Watched, sig: signal.Signals, ranks: tuple[int, ...] = (0, 1)) -> None:
     """``sig`` to torchrun's workers of ``ranks`` and their process groups, as torchrun or Slurm send it."""
     for worker in psutil.Process(run.process.pid).children():
