@@ -236,45 +236,22 @@ config.load_config = load_elsewhere
 
 
 def test_rank_zero_alone_may_take_longer_than_the_collective_timeout(digits, tmp_path):
-    """Rank 0 verifies at start-up and writes the step-2 checkpoint each for longer than
-    ``train.dist_timeout_s`` (12 s, which the run's other collectives must still fit on a busy
-    machine): the other rank waits (``train.io_timeout_s``) and the run completes."""
+    """Rank 0 looks for a checkpoint on ``checkpoint.remote`` at start-up (``resume=auto``: a slow
+    object store) and writes the step-2 checkpoint, each for longer than ``train.dist_timeout_s``
+    (12 s, which the run's other collectives must still fit on a busy machine): the other rank waits
+    (``train.io_timeout_s``) and the run completes. Under FSDP, whose sharding's collectives come
+    before the resume: the remote was listed before them, outside the wait, and they timed out."""
     slow = """
 import time
-from clip_train import checkpoint
-
-real_save, real_resume_point = checkpoint.save_checkpoint, checkpoint.Checkpointer._resume_point
-
-def slow_save(out_dir, step, *args, **kwargs):
-    if step == 2:
-        time.sleep(20)
-    return real_save(out_dir, step, *args, **kwargs)
-
-def slow_resume_point(self):
-    time.sleep(20)
-    return real_resume_point(self)
-
-checkpoint.save_checkpoint = slow_save
-checkpoint.Checkpointer._resume_point = slow_resume_point
-"""
-    out = tmp_path / "run"
-    run = torchrun(
-        overrides(digits, out, "train.dist_timeout_s=12"), patched_in_rank(0, slow, tmp_path / "fault")
-    )
-    result = run.wait()
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 4]
-
-
-def test_rank_zero_alone_may_look_at_the_remote_for_longer_than_the_collective_timeout(digits, tmp_path):
-    """``resume=auto`` with ``checkpoint.remote``: rank 0 lists the remote at start-up (20 s here, a
-    slow object store). The listing ran before FSDP shards the towers (collectives), outside the wait
-    for rank 0, so the other rank's first collective timed out after ``train.dist_timeout_s``."""
-    slow = """
-import time
+from clip_train.parallel import checkpoint
 from clip_train.remote import RemoteMirror
 
-real_remote_steps = RemoteMirror._remote_steps
+real_publish, real_remote_steps = checkpoint.publish_checkpoint, RemoteMirror._remote_steps
+
+def slow_publish(tmp, out_dir, step, *args):
+    if step == 2:
+        time.sleep(20)
+    return real_publish(tmp, out_dir, step, *args)
 
 def slow_first_listing(self):
     if not getattr(self, "listed", False):
@@ -282,17 +259,18 @@ def slow_first_listing(self):
         time.sleep(20)
     return real_remote_steps(self)
 
+checkpoint.publish_checkpoint = slow_publish
 RemoteMirror._remote_steps = slow_first_listing
 """
-    out, remote = tmp_path / "run", f"file://{tmp_path / 'bucket'}"
+    out, remote = tmp_path / "run", tmp_path / "bucket"
     args = overrides(digits, out, "train.dist_timeout_s=12", "train.parallel=fsdp", "checkpoint.resume=auto")
-    run = torchrun([*args, f"checkpoint.remote={remote}"], patched_in_rank(0, slow, tmp_path / "fault"))
+    run = torchrun(
+        [*args, f"checkpoint.remote=file://{remote}"], patched_in_rank(0, slow, tmp_path / "fault")
+    )
     result = run.wait()
     assert result.returncode == 0, result.stdout[-4000:]
-    assert sorted(p.name for p in (tmp_path / "bucket" / "checkpoints").iterdir()) == [
-        "step_00000002",
-        "step_00000004",
-    ]
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 4]
+    assert [checkpoint_step(c) for c in complete_checkpoints(remote)] == [2, 4]
 
 
 def signal_ranks(run: Watched, sig: signal.Signals, ranks: tuple[int, ...] = (0, 1)) -> None:
