@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -282,6 +283,16 @@ class StopWatch:
         frame = sys._current_frames().get(self._main.ident)
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_lineno or 0)
 
+    def _main_place(self) -> str:
+        """The main thread's innermost clip_train frame, and the innermost frame if that is elsewhere."""
+        frame = sys._current_frames().get(self._main.ident)
+        if frame is None:
+            return "no frame (the main thread has ended)"
+        stack = traceback.extract_stack(frame)
+        own = [entry for entry in stack if f"{os.sep}clip_train{os.sep}" in entry.filename]
+        shown = [*own[-1:], *(stack[-1:] if stack[-1:] != own[-1:] else [])]
+        return " > ".join(f"{Path(entry.filename).name}:{entry.lineno} ({entry.name})" for entry in shown)
+
     def _stalled(self, signame: str) -> Ending:
         resume = latest_checkpoint(self.run_dir) or "the start"
         message = (
@@ -292,8 +303,11 @@ class StopWatch:
         return Ending(EXIT_PREEMPTED, "preempted", message, self.env.rank)
 
     def _stop(self, ending: Ending) -> None:
-        """End the main thread with ``ending``: abort the collectives, interrupt it, and if it is still
-        blocked after ``EXIT_WAIT_S``, log the ending and end the process here."""
+        """End the main thread with ``ending``: say where it was (the other rank's line names the
+        collective that timed out; this one names what kept this rank from joining it), abort the
+        collectives, interrupt it, and if it is still blocked after ``EXIT_WAIT_S``, log the ending
+        and end the process here."""
+        get_logger().warning(f"rank {self.env.rank} stopped in {self._main_place()}")
         abort_collectives()
         if self._ending_begun.is_set():
             return

@@ -319,6 +319,11 @@ trainer.Trainer.train_step = step_or_hang
     codes = {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", run.stdout.text)}
     assert EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}, run.stdout.text[-3000:]
     assert_last_checkpoint_intact(out, 2)
+    # where the stalled rank was: its innermost clip_train frame, then the innermost one
+    hung_in = (
+        r"clip-train: rank 1 stopped in trainer\.py:\d+ \(run\) > sitecustomize\.py:\d+ \(step_or_hang\)"
+    )
+    assert re.search(hung_in, run.stdout.text), run.stdout.text[-4000:]
 
 
 PAUSE = """
