@@ -70,6 +70,11 @@ def check_expressible(model: CLIP) -> None:
     """One-line ``ExportError`` naming the config key for what open_clip's towers cannot build."""
     encoder = model.text.encoder.config
     if model.text.causal:
+        if model.text.pooling != "eot":
+            raise ExportError(
+                f"model.text.pooling={model.text.pooling}: open_clip pools its text transformer at the "
+                "end token (eot)"
+            )
         if encoder.hidden_act not in ("gelu", "quick_gelu"):
             raise ExportError(
                 f"model.text.hf_config.hidden_act={encoder.hidden_act}: open_clip's text transformer "

@@ -108,6 +108,7 @@ def exported_demo(demo_run, tmp_path_factory) -> Path:
     assert checked and max(float(checked[1]), float(checked[2])) <= TOLERANCE, result.stderr
     steps = [line for line in result.stderr.splitlines() if line.startswith("clip-train: export: ")]
     assert len(steps) == 4 and steps[-1].endswith(" s")  # two steps, each announced and timed
+    assert "treats token id 0 as padding" in result.stderr  # as open_clip masks a BERT tower's input
     return out
 
 

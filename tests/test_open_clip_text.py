@@ -35,9 +35,11 @@ from test_init_from_open_clip import (
 import clip_train
 from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE
+from clip_train.cli import main as cli_main
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
 from clip_train.init_from import check_init_from, load_init_from
+from clip_train.logs import setup_logging
 from clip_train.model import CLIP, build_model
 from clip_train.model.from_open_clip import (
     Source,
@@ -147,7 +149,7 @@ def test_every_shipped_model_config_fits_its_open_clip_architecture(arch):
 
 
 def test_a_run_from_open_clip_loads_with_its_embeddings_then_trains_and_exports_back(
-    tiny_clip, digits, tmp_path
+    tiny_clip, digits, tmp_path, capsys
 ):
     """Both towers locked: the checkpoint has open_clip's embeddings. Then real steps with Gradient Cache
     (chunks of 4 images and 8 captions in batches of 16), LiT (the image tower locked, the text
@@ -173,8 +175,11 @@ def test_a_run_from_open_clip_loads_with_its_embeddings_then_trains_and_exports_
     assert "text.encoder.final_layer_norm.weight" in changed and "text.proj.weight" in changed
     assert not any(name.startswith(("visual.trunk.", "text.encoder.encoder.layers.0.")) for name in changed)
 
-    image, text = export_open_clip(trained, tmp_path / "export")
-    assert max(image, text) <= TOLERANCE
+    setup_logging()
+    assert cli_main(["export", str(tmp_path / "lit"), str(tmp_path / "export"), "--format", "open_clip"]) == 0
+    said = capsys.readouterr().err
+    assert "open_clip gives clip_train's embeddings" in said
+    assert "treats token id 0 as padding" not in said  # open_clip's text transformer masks nothing
     exported = open_clip_model(tmp_path / "export")
     assert max(max_differences(trained, exported, float_images(16))) <= TOLERANCE
     config = json.loads((tmp_path / "export" / "open_clip_config.json").read_text())["model_cfg"]
@@ -308,6 +313,13 @@ def test_a_config_value_of_the_wrong_type_is_a_config_error():
         build_model(cfg.model)
 
 
+def test_cls_pooling_of_the_causal_text_transformer_fails_at_build():
+    """Its first token sees no other: every caption would embed alike, and training would not say so."""
+    cfg = load_config(TINY_MODEL_CONFIG, [*clip_text_run(False), "model.text.pooling=cls"])
+    with pytest.raises(UserError, match=r"^model.text.pooling=cls on CLIP's causal text transformer"):
+        build_model(cfg.model)
+
+
 def test_eot_pooling_needs_open_clips_tokenizer():
     overrides = ["model.text.pooling=eot", "model.text.tokenizer=bert-base-uncased"]
     with pytest.raises(UserError, match=r"^model.text.pooling=eot pools at the largest token id"):
@@ -329,8 +341,12 @@ def test_eot_pooling_needs_open_clips_tokenizer():
             "model.text.pooling=eot: open_clip pools a transformers encoder with cls "
             "(cls_last_hidden_state_pooler), mean (mean_pooler)",
         ),
+        (
+            ["model.text.pooling=mean"],
+            "model.text.pooling=mean: open_clip pools its text transformer at the end token (eot)",
+        ),
     ],
-    ids=["activation", "bert-eot"],
+    ids=["activation", "bert-eot", "clip-mean"],
 )
 def test_what_open_clip_cannot_build_is_not_exported(tmp_path, overrides, message):
     model = build_model(load_config(TINY_MODEL_CONFIG, [*clip_text_run(False), *overrides]).model)

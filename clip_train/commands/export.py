@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     what = f"the EMA of {source}" if args.ema else source
     log.info(f'exported {what} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
     log.info(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
-    if isinstance(model.tokenizer, OpenCLIPTokenizer):
+    if isinstance(model.tokenizer, OpenCLIPTokenizer) and not model.text.causal:  # which masks nothing
         log.info(
             'note: open_clip treats token id 0 as padding, which the bundled BPE also uses for "!" '
             'directly before some punctuation (e.g. "!("); such captions embed slightly differently'

@@ -35,6 +35,11 @@ class TextTower(LockableTower):
             encoder.pooler = None  # BERT's NSP pooler is unused here; DDP rejects unused parameters
         self.encoder = encoder
         self.causal = isinstance(encoder, CLIPTextModel)  # open_clip's CLIP text transformer
+        if self.causal and cfg.pooling == "cls":
+            raise ConfigError(
+                "model.text.pooling=cls on CLIP's causal text transformer pools its first token, which "
+                "sees no other: every caption would embed alike; set model.text.pooling=eot (open_clip's)"
+            )
         self.pooling = cfg.pooling
         self.proj = init_projection(encoder.config.hidden_size, embed_dim)
         # Where the ids go: FSDP keeps buffers on the compute device, while a sharded root's weights
