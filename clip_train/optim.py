@@ -84,13 +84,13 @@ def parameter_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     for all, the two groups of a run without per-tower rates or layer decay."""
     decayed = {id(m.weight) for m in model.modules() if isinstance(m, _DECAYED_LAYERS)}
     rates = parameter_rates(model, cfg)
-    groups: dict[tuple[float, float], dict] = {}
-    for decays in (True, False):
+    groups: dict[tuple[float, bool], dict] = {}  # keyed by whether they decay, not by how much:
+    for decays in (True, False):  # optim.weight_decay=0 must not merge groups a checkpoint has apart
         weight_decay = cfg.weight_decay if decays else 0.0
         for name, p in model.named_parameters():
             if p.requires_grad and (id(p) in decayed) == decays:
                 group = {"params": [], "lr": rates[name], "weight_decay": weight_decay}
-                groups.setdefault((rates[name], weight_decay), group)["params"].append(p)
+                groups.setdefault((rates[name], decays), group)["params"].append(p)
     return list(groups.values())
 
 
@@ -101,6 +101,11 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     # torch's Adafactor has no momentum and no constant beta2: its beta2 follows 1 - t^-0.8.
     return torch.optim.Adafactor(groups, lr=cfg.lr)
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings but its parameters and rates (which ``Update`` sets itself)."""
+    return {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
 
 
 def _fused_kernels_take(params: Iterable[torch.Tensor]) -> bool:
@@ -160,6 +165,7 @@ class Update:
         self.stepped = torch.ones((), dtype=torch.bool, device=device)  # the last step's, on the device
         self.base_lr = cfg.optim.lr
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]  # this config's
+        self.settings = [_settings(group) for group in self.optimizer.param_groups]  # weight decay, betas...
 
     @property
     def lr(self) -> float:
@@ -221,14 +227,15 @@ class Update:
         """The optimizer's moments, the schedule's position and the guards' counts. The rates stay
         this config's, as the schedule's shape does: the saved groups' rates would otherwise win over
         a changed ``optim.lr``, ``image_lr``, ``text_lr`` or ``layer_decay`` while ``train/lr``
-        showed the new one. A change is said in one line."""
+        showed the new one. So do the groups' other settings (``optim.weight_decay``, ``betas``,
+        ``eps``, ``fused``). A change is said in one line."""
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except ValueError as err:  # torch's: other groups, or groups of other sizes
             raise UserError(
                 f"the checkpoint's optimizer state does not fit this run's parameter groups ({err}): "
                 "set optim.image_lr, optim.text_lr, optim.layer_decay and the towers' locking "
-                "(model.image.lock, unlocked_layers) as the run that saved it did"
+                "(model.image.lock, unlocked_layers, lock_head, freeze_norms) as the run that saved it did"
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -238,6 +245,17 @@ class Update:
                 "the learning rates differ from the checkpoint's (optim.lr, image_lr, text_lr or "
                 "layer_decay changed): the run goes on at this config's"
             )
+        pairs = list(zip(self.optimizer.param_groups, self.settings, strict=True))
+        changed = sorted(
+            {key for group, own in pairs for key, value in own.items() if group.get(key) != value}
+        )
+        if changed and rank_and_world()[0] == 0:
+            get_logger().info(
+                f"the optimizer's {', '.join(changed)} differ from the checkpoint's: the run goes on at "
+                "this config's"
+            )
+        for group, own in pairs:
+            group.update(own)
         self.scheduler.base_lrs = list(self.peak_lrs)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs, strict=True):

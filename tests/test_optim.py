@@ -284,6 +284,29 @@ def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
         update_for(f"optim.lr={LR}").load_state_dict(state)  # no layer decay: other groups
 
 
+def test_a_resume_goes_on_at_the_configs_weight_decay_betas_and_eps(capsys):
+    """They came back from the checkpoint, silently. A run saved without weight decay keeps its
+    decayed and undecayed groups apart, so weight decay can be turned on at a resume."""
+    model = tiny_model()
+
+    def update_for(*settings: str) -> Update:
+        overrides = ["train.max_steps=10", "train.device=cpu", *settings]
+        return Update(model, load_config(TINY_MODEL_CONFIG, overrides), torch.device("cpu"))
+
+    state = update_for("optim.weight_decay=0").state_dict()
+    setup_logging()
+    update_for("optim.weight_decay=0").load_state_dict(state)
+    assert "the optimizer's" not in capsys.readouterr().err
+    resumed = update_for("optim.weight_decay=0.3", "optim.betas=[0.5, 0.6]", "optim.eps=1e-7")
+    resumed.load_state_dict(state)
+    groups = resumed.optimizer.param_groups
+    assert [group["weight_decay"] for group in groups] == [0.3, 0.0]
+    assert {group["betas"] for group in groups} == {(0.5, 0.6)}
+    assert {group["eps"] for group in groups} == {1e-7}
+    said = capsys.readouterr().err
+    assert "the optimizer's betas, eps, weight_decay differ from the checkpoint's" in said
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
