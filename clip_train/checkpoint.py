@@ -419,21 +419,22 @@ def _weights_in(folder: Path) -> Path:
     )
 
 
-def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
+def load_weights(path: str | os.PathLike, model: nn.Module, *, kept_if_absent: tuple[str, ...] = ()) -> None:
     """Load the weights ``find_weights(path, verify=True)`` names, as ``load_weights_file`` does."""
-    load_weights_file(find_weights(path, verify=True), model)
+    load_weights_file(find_weights(path, verify=True), model, kept_if_absent=kept_if_absent)
 
 
-def load_weights_file(file: Path, model: nn.Module) -> None:
+def load_weights_file(file: Path, model: nn.Module, *, kept_if_absent: tuple[str, ...] = ()) -> None:
     """Load a weights file strictly: a file that does not fit raises a one-line ``UserError`` naming
-    the first few missing, unexpected and mis-shaped keys, a damaged one a line naming the file."""
+    the first few missing, unexpected and mis-shaped keys, a damaged one a line naming the file. The
+    model keeps its own values of the ``kept_if_absent`` keys that the file lacks."""
     try:
         weights = load_file(file, device=str(next(model.parameters()).device))
     except SafetensorError as err:
         raise UserError(f"{file} is damaged (truncated or not a safetensors file): {err}") from None
     own = model.state_dict()
     problems = {
-        "Missing key(s)": sorted(own.keys() - weights.keys()),
+        "Missing key(s)": sorted(own.keys() - weights.keys() - set(kept_if_absent)),
         "Unexpected key(s)": sorted(weights.keys() - own.keys()),
         "Size mismatch": [
             f"{k} {tuple(weights[k].shape)} in the file, {tuple(own[k].shape)} in the model"
@@ -444,7 +445,7 @@ def load_weights_file(file: Path, model: nn.Module) -> None:
     found = [f"{what} {_first(names)}" for what, names in problems.items() if names]
     if found:
         raise UserError(f"{file} does not fit the model: {'; '.join(found)}")
-    model.load_state_dict(weights)
+    model.load_state_dict(weights, strict=not kept_if_absent)  # checked above: only those may be missing
 
 
 def _first(names: list[str], shown: int = 3) -> str:

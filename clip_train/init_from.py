@@ -6,7 +6,7 @@ from __future__ import annotations
 from clip_train.checkpoint import find_weights, load_weights
 from clip_train.config import ModelConfig
 from clip_train.model import CLIP
-from clip_train.model.from_open_clip import check_open_clip, is_open_clip, load_open_clip
+from clip_train.model.from_open_clip import KEPT_IF_ABSENT, check_open_clip, is_open_clip, load_open_clip
 
 
 def check_init_from(spec: str) -> None:
@@ -19,8 +19,9 @@ def check_init_from(spec: str) -> None:
 
 
 def load_init_from(cfg: ModelConfig, model: CLIP) -> None:
-    """Replace every weight of ``model`` with those ``cfg.init_from`` names."""
+    """Replace every weight of ``model`` with those ``cfg.init_from`` names; a sigmoid-loss run from
+    softmax weights keeps its ``model.init_logit_bias``."""
     if is_open_clip(cfg.init_from):
         load_open_clip(cfg.init_from, model, cfg)
     else:
-        load_weights(cfg.init_from, model)
+        load_weights(cfg.init_from, model, kept_if_absent=KEPT_IF_ABSENT)

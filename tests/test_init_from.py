@@ -52,6 +52,15 @@ def test_lit_locking_keeps_the_initial_trunk(demo_run, digits, tmp_path):
     assert not torch.equal(trained["text.proj.weight"], start["text.proj.weight"])
 
 
+def test_a_sigmoid_loss_run_from_softmax_weights_keeps_its_initial_logit_bias(demo_run, digits, tmp_path):
+    """As from an open_clip model: the weights have no logit bias to take."""
+    sigmoid = ["loss.kind=sigmoid", "model.init_logit_bias=-5"]
+    run = trainer(digits, tmp_path, 2, f"model.init_from={demo_run}", *sigmoid)
+    start = source_weights(demo_run)
+    assert "logit_bias" not in start and run.model.logit_bias.item() == -5
+    assert all(torch.equal(tensor, run.model.state_dict()[name]) for name, tensor in start.items())
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_resumed_run_keeps_its_own_weights_and_never_reads_init_from(demo_run, digits, tmp_path, parallel):
     """A requeued job with init_from still set must resume, not start over from init_from, and

@@ -244,7 +244,8 @@ def test_siglip_text_tower_fails_at_start_up_in_one_line(tmp_path):
         (
             ["model.text.hf_config.max_position_embeddings=16", "model.text.context_length=16"],
             "text.encoder.embeddings.position_embedding.weight (open_clip's positional_embedding) is "
-            "(12, 32) in the weights but (16, 32) in the model",
+            "(12, 32) in the weights but (16, 32) in the model: set "
+            "model.text.hf_config.max_position_embeddings=12 (open_clip's context_length)",
         ),
         (
             [

@@ -47,6 +47,7 @@ from clip_train.model.text import POOLERS
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins
 NORMALISATION = (("mean", OPENAI_DATASET_MEAN), ("std", OPENAI_DATASET_STD))  # open_clip's defaults
+TEXT_POSITIONS = "text.encoder.embeddings.position_embedding.weight"  # an export keeps context_length rows
 KEPT_IF_ABSENT = ("logit_bias",)  # a sigmoid-loss run from softmax weights starts at model.init_logit_bias
 
 
@@ -469,10 +470,12 @@ def shape_problem(weights: dict[str, tuple[str, torch.Tensor]], own: dict[str, t
     for key, tensor in own.items():
         if key in weights and weights[key][1].shape != tensor.shape:
             origin, theirs = weights[key]
-            return (
-                f"{key} (open_clip's {origin}) is {tuple(theirs.shape)} in the weights but "
-                f"{tuple(tensor.shape)} in the model: make the model config match the open_clip model"
-            )
+            fix = "make the model config match the open_clip model"
+            if key == TEXT_POSITIONS:
+                rows = theirs.shape[0]
+                fix = f"set model.text.hf_config.max_position_embeddings={rows} (open_clip's context_length)"
+            shapes = f"{tuple(theirs.shape)} in the weights but {tuple(tensor.shape)} in the model"
+            return f"{key} (open_clip's {origin}) is {shapes}: {fix}"
     return None
 
 
