@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -385,6 +386,22 @@ def test_bad_eval_samples_are_left_out_counted_and_reported(data, capsys):
         assert result == pytest.approx(
             {k: v for k, v in counted.items() if k != "val/loss"}, rel=1e-12, abs=1e-12
         )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_share_without_one_usable_sample_still_counts_its_bad_ones(data, tmp_path, workers):
+    """With 2 workers the second reads a shard of bad samples only: it made no batch, and its count
+    was lost (a rank whose share is all bad is the same case)."""
+    folder = tmp_path / "val"
+    folder.mkdir()
+    shutil.copy(Path(data["exact"]).parent / "val-000000.tar", folder / "val-000000.tar")
+    with wds.TarWriter(str(folder / "val-000001.tar")) as sink:
+        write_bad_samples(sink, "only", 3)
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], batch_size=7)
+    data_cfg = DataConfig(val=f"{folder}/val-{{000000..000001}}.tar", workers=workers)
+    metrics = evaluate(ToyCLIP([0, 2, 1, 3, 4, 4]), eval_cfg, data_cfg, device=CPU, precision="fp32")
+    assert metrics["retrieval/skipped"] == metrics["zeroshot/skipped"] == 3
+    assert metrics["retrieval/n"] == SHARD_SIZES[0]
 
 
 def sharded_eval(rank: int, world_size: int, data: dict[str, str]) -> dict:

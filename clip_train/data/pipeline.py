@@ -526,8 +526,12 @@ class EvalStream(IterableDataset):
                     yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
                     batch = []
                 batch.append((sample, self.transform(sample.image)))
+        skipped = tally.take_pending()
         if batch:
-            yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
+            yield _collate(batch, self.tokenizer, skipped=skipped)
+        elif skipped:  # a share without one usable sample: its skips must still be counted
+            no_rows = torch.zeros(0, dtype=torch.long)
+            yield Batch(no_rows.byte(), no_rows, no_rows, keys=[], skipped=skipped)
 
 
 def build_eval_loader(
@@ -544,8 +548,9 @@ def build_eval_loader(
 ) -> DataLoader:
     """A re-iterable loader over eval shards or tables (a spec as for ``data.val``, tables read
     with ``data_cfg``'s ``csv_*`` keys, shards' captions with its ``caption_key``): deterministic,
-    centre crops, each sample exactly once across ranks, the last batch partial. Ranks may get
-    different numbers of batches; gather features after the loop, not per batch."""
+    centre crops, each sample exactly once across ranks, the last batch partial, and a share with
+    no usable sample one empty batch that carries its skip counts. Ranks may get different numbers
+    of batches; gather features after the loop, not per batch."""
     data_cfg = data_cfg or DataConfig()
     shard_urls = source_urls(urls, data_cfg, what="eval data")
     dataset = EvalStream(

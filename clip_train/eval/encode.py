@@ -69,6 +69,8 @@ def encode_split(
     with failing_together(group), inference(model, device, precision):
         for batch in progress(batches, f"encoding {source}", unit="batch"):
             skipped.update(batch.skipped)
+            if not len(batch.images):  # a share that held nothing usable: only its skips
+                continue
             images.append(model.encode_image(batch.images.to(device, non_blocking=True)).to(dtype))
             if text:
                 ids = batch.input_ids.to(device, non_blocking=True)
