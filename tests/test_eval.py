@@ -201,7 +201,10 @@ def test_zeroshot_classifier_averages_templates(tiny_model):
 def test_evaluate_reports_both_and_restores_train_mode(data):
     model = ToyCLIP([0, 1, 2, 3, 5, 4]).train()  # classes 4 and 5 swapped
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], batch_size=4)
-    metrics = evaluate(model, eval_cfg, DataConfig(val=data["exact"]), device=CPU, precision="fp32")
+    saved: list[torch.Size] = []  # for a backward that never comes, kept until the loss is summed
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        metrics = evaluate(model, eval_cfg, DataConfig(val=data["exact"]), device=CPU, precision="fp32")
+    assert saved == []
     # Every image scores s/√2 with its own caption and 0 with the others, in both directions.
     positive = TOY_SCALE / math.sqrt(2)
     # fp32 features: the loss is a difference of two ~7.08 log-sum-exps, good to ~1e-6 absolute.
@@ -340,6 +343,14 @@ def test_ties_are_broken_at_random_in_expectation():
     nan = float("nan")  # a NaN positive never counts; a NaN elsewhere ranks above the positive
     scores = torch.tensor([[nan, 0.5, 0.2], [0.9, nan, 0.1], [0.3, nan, 0.1]])
     assert hits_at_k(scores, torch.tensor([0, 0, 0]), (1, 2, 3)).tolist() == [0.0, 2.0, 2.0]
+
+
+def test_scores_within_rounding_of_the_positive_tie_with_it():
+    """A duplicate caption encoded in another batch, or scored at another place in the matmul,
+    differs from its twin by ~1e-7 in fp32: its credit must not depend on which one rounds up."""
+    for twin, hits in ((0.5 + 3e-7, 0.5), (0.5 - 3e-7, 0.5), (0.5 + 1e-5, 0.0), (0.5 - 1e-5, 1.0)):
+        scores = torch.tensor([[0.5, twin, 0.2]], dtype=torch.float64)
+        assert hits_at_k(scores, torch.tensor([0]), (1,)).tolist() == [hits], twin
 
 
 def test_retrieval_recall_perfect_and_collapsed():

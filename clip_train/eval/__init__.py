@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 
+@torch.no_grad()  # the logit scale is a parameter: a graph would keep every block of the loss's logits
 def evaluate(
     model: nn.Module,
     eval_cfg: EvalConfig,

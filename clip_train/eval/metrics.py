@@ -18,20 +18,26 @@ from clip_train.loss.reference import vanilla_loss, vanilla_sigmoid_loss
 
 RECALL_KS = (1, 5, 10)
 ZEROSHOT_KS = (1, 5)
+# Scores this close to the positive's tie with it. In fp32 a score's rounding depends on its place in
+# the matmul, and a feature's on the batch it was encoded in: duplicates (a caption twice, a class
+# name twice) differ by ~1e-7, so exact ties would share their credit on some world sizes only.
+TIE_TOLERANCE = 1e-6
 _RETRIEVAL_BLOCK = 1024  # queries scored at once: bounds the score matrix to block × n
 
 
 def hits_at_k(scores: torch.Tensor, positive: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
     """Expected number of rows whose ``positive`` column is in their top k, for each k (float64).
 
-    Ties are broken at random, in expectation: with ``a`` columns scoring higher and ``t`` tying
-    (the positive included), the positive makes the top k with probability clamp((k − a) / t, 0, 1).
-    So duplicate captions share the credit, and a collapsed model (all features equal) scores
-    chance, k / n, rather than 1 or 0. NaN scores count as higher; a NaN positive is a miss.
+    Ties (scores within ``TIE_TOLERANCE``) are broken at random, in expectation: with ``a`` columns
+    scoring higher and ``t`` tying (the positive included), the positive makes the top k with
+    probability clamp((k − a) / t, 0, 1). So duplicate captions share the credit, and a collapsed
+    model (all features equal) scores chance, k / n, rather than 1 or 0. NaN scores count as higher;
+    a NaN positive is a miss.
     """
     target = scores.gather(1, positive[:, None])
-    above = ((scores > target) | scores.isnan()).sum(1)
-    tied = (scores == target).sum(1).clamp(min=1)
+    tie = (scores - target).abs() <= TIE_TOLERANCE
+    above = ((scores > target) & ~tie | scores.isnan()).sum(1)
+    tied = tie.sum(1).clamp(min=1)
     valid = ~target[:, 0].isnan()
     return torch.stack([((k - above) / tied.double()).clamp(0, 1)[valid].sum() for k in ks])
 
