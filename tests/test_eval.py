@@ -275,7 +275,13 @@ def test_zeroshot_on_an_image_folder(data):
         (None, "no such file; give a class-name JSON file or one of imagenet, imagenet-simple"),
         ("{", "not valid JSON"),
         ('{"classnames": [], "templates": ["{}"]}', "'classnames' must be a non-empty list of strings"),
-        ('{"classnames": ["a"], "templates": ["a photo"]}', "template 'a photo' has no '{}'"),
+        *(
+            (
+                f'{{"classnames": ["a"], "templates": ["{{}}", "{template}"]}}',
+                f"template '{template}' must hold one '{{}}'",
+            )
+            for template in ("a photo", "a {} of {}", "a {label} of a {}", "a {} in {braces")
+        ),
     ],
 )
 def test_bad_zeroshot_files_are_named(tmp_path, content, message):

@@ -48,10 +48,22 @@ def zeroshot_metadata(spec: str) -> tuple[list[str], list[Template]]:
     for key, values in (("classnames", classnames), ("templates", templates)):
         if not (isinstance(values, list) and values and all(isinstance(v, str) for v in values)):
             raise EvalError(f"eval.zeroshot={spec}: {key!r} must be a non-empty list of strings")
-    bad = [t for t in templates if "{}" not in t]
-    if bad:
-        raise EvalError(f"eval.zeroshot={spec}: template {bad[0]!r} has no '{{}}' for the class name")
+    for template in templates:
+        if not _fills_one_name(template):
+            raise EvalError(
+                f"eval.zeroshot={spec}: template {template!r} must hold one '{{}}' for the class name and "
+                "no other field (a literal brace is written twice: '{{' or '}}')"
+            )
     return classnames, [t.format for t in templates]
+
+
+def _fills_one_name(template: str) -> bool:
+    """Whether ``template.format(name)`` works and puts the name in: checked at start-up, since the
+    classifier is built after the whole retrieval pass."""
+    try:
+        return template.format("x") != template.format("y")
+    except (IndexError, KeyError, ValueError):
+        return False
 
 
 def build_zeroshot_classifier(
