@@ -52,7 +52,7 @@ from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 class LogWindow:
     """The steps since the last log: when the first began and how many ran. Its samples/s is the
     rate a run keeps, since only logged steps wait for the device; logging, checkpoints and
-    evaluation at the last log fall outside it."""
+    evaluation fall outside it, at the last log and between logs alike."""
 
     started: float
     steps: int = 0
@@ -61,6 +61,10 @@ class LogWindow:
     def add_step(self, ended: float) -> None:
         self.steps += 1
         self.elapsed = ended - self.started
+
+    def leave_out(self, seconds: float) -> None:
+        """Time between two of its steps spent on something else (a save, an evaluation)."""
+        self.started += seconds
 
 
 @dataclass
@@ -310,10 +314,13 @@ class Trainer:
                 self.sources = sum_counts_over_ranks(self.loader.source_counts(), names)
         if monitor is not None:
             self._report(monitor, result, data_s, step_s, window if at_log else None)
+        aside = time.perf_counter()
         if at_checkpoint and not self.update.skipped_steps.in_a_row:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
             self._evaluate(monitor, StoppableEvaluation(self.signals))  # a signal stops it on every rank
+        if not at_log:  # the window goes on after them (at a log step the next one starts then)
+            window.leave_out(time.perf_counter() - aside)
 
     def _logs_at(self, step: int) -> bool:
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -513,3 +514,29 @@ def test_max_steps_below_the_checkpoints_step_is_an_error(digits, demo_run, tmp_
     assert result.returncode == 2
     assert "train.max_steps=30 is below step 40 of the checkpoint" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_saves_and_evaluations_between_logs_are_left_out_of_the_logged_rate(digits, tmp_path, monkeypatch):
+    """Logs at steps 2 and 4, a checkpoint and an evaluation at step 3, which take 1000 s here (the
+    trainer's clock is moved on by them): the window of steps 3-4 counted them as training time."""
+    moved = [0.0]
+    monkeypatch.setattr(
+        clip_train.trainer, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + moved[0])
+    )
+    save, evaluate = Trainer._save, Trainer._evaluate
+
+    def slow(real: Callable) -> Callable:
+        def run(*args, **kwargs):
+            moved[0] += 500
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(Trainer, "_save", slow(save))
+    monkeypatch.setattr(Trainer, "_evaluate", slow(evaluate))
+    schedule = ["train.max_steps=4", "log.every_steps=2", "checkpoint.every_steps=3", "eval.every_steps=3"]
+    in_process_trainer(digits, tmp_path, *schedule, f"data.val={digits}/val").run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    windows = {r["step"]: r["time/window_s"] for r in records if "time/window_s" in r}
+    assert windows.keys() == {2, 4} and max(windows.values()) < 500
+    assert moved[0] == 2000  # saved at steps 3 and 4, evaluated at step 3 and at the end
