@@ -43,6 +43,7 @@ from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
 from clip_train.parallel.checkpoint import OptimizerApart, ShardedCheckpointer
 from clip_train.plan import choose_chunks
 from clip_train.plan.auto_chunks import ChunkChoice
+from clip_train.precision import use_tf32
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.remote import RemoteMirror
 from clip_train.stopping import StoppableEvaluation, writing_checkpoint
@@ -98,8 +99,7 @@ class Trainer:
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)  # every rank's skipped samples, as of the last log
         self.sources: dict[str, int] = {}  # every rank's samples per mixture source, likewise
 
-        if env.device.type == "cuda" and cfg.train.precision != "fp64":
-            torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+        use_tf32(env.device, cfg.train.precision)
         # checkpoint.remote on rank 0; the checkpointer pulls from it when it picks the step to resume.
         self.remote = (
             RemoteMirror(cfg.checkpoint.remote, self.run_dir)

@@ -318,6 +318,24 @@ def test_training_run_on_gpu_learns(digits, tmp_path, precision) -> None:
     assert records[-1]["train/skipped_steps"] <= 5  # fp16: only the scaler's first overflows
 
 
+def test_clip_train_eval_scores_a_checkpoint_as_its_run_did(digits, tmp_path) -> None:
+    """fp32 on a GPU: the run's matmuls are TF32, and `clip-train eval` ran them in full fp32, so a
+    checkpoint scored otherwise than in its run's final evaluation."""
+    overrides = run_overrides(
+        digits, tmp_path, 2, "train.device=cuda", "train.precision=fp32", f"data.val={digits}/val",
+        "checkpoint.every_steps=2",
+    )  # fmt: skip
+    result = run_to_end([sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    in_run = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # the final evaluation
+    checkpoint = tmp_path / "checkpoints" / "step_00000002"
+    evaluated = run_to_end([sys.executable, "-m", "clip_train", "eval", str(checkpoint)])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    alone = json.loads(evaluated.stdout.splitlines()[-1])
+    for key in ("val/loss", "retrieval/image_to_text_R@1", "retrieval/text_to_image_R@5"):
+        assert alone[key] == pytest.approx(in_run[key], rel=1e-6), key
+
+
 def resumed_against_uninterrupted(digits, tmp_path, device: str, processes: int) -> dict[str, float]:
     """The largest difference per tensor between the final weights of an fp64 run and of a fresh
     run resumed from its mid-run checkpoint, both under torchrun with ``processes`` ranks."""

@@ -40,7 +40,10 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
     for accuracy in loss["accuracy"]:  # bf16 against fp64: a few parts in a thousand, never exact
         assert 0 < accuracy["loss_rel_error"] < 2e-2 and 0 < accuracy["grad_rel_error"] < 5e-2
 
-    runs = report["trainer"]["runs"]
+    trainer = report["trainer"]  # log windows from the first after the warm-up: steps 3-4, not 2-4
+    assert (trainer["warmup"], trainer["log_every"], trainer["steps"]) == (1, 2, 4)
+    assert "medians over steps 3-4:" in summary
+    runs = trainer["runs"]
     assert [(r["batch"], r["compile"]) for r in runs] == [(16, False), (32, True)]
     for run in runs:  # the CPU's peak is the measured matmul rate: MFU is the share of it
         assert run["samples_per_s"] > 0 and set(run["split_s"]) == set(SPLIT)

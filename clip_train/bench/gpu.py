@@ -338,11 +338,11 @@ def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
     from clip_train.model import build_model
     from clip_train.model.compiling import compile_towers
     from clip_train.optim import Update
+    from clip_train.precision import use_tf32
 
     device = torch.device(spec["device"])
     cfg = load_config(spec["model"], spec["set"])
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # as the trainer sets it
+    use_tf32(device, "bf16")  # as the trainer sets it
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device).train()
     if cfg.train.compile:
@@ -503,9 +503,11 @@ def _loss_tables(result: dict[str, Any]) -> list[str]:
 
 
 def _trainer_table(result: dict[str, Any]) -> list[str]:
+    every = result["log_every"]
+    first = -(-result["warmup"] // every) * every + 1  # the first log window after the warm-up
     lines = [
-        f"`clip-train train` {result['model']}, bf16, synthetic shards, logged every {result['log_every']} "
-        f"steps; medians over steps {result['warmup'] + 1}-{result['steps']}: samples/s of each log window, "
+        f"`clip-train train` {result['model']}, bf16, synthetic shards, logged every {every} "
+        f"steps; medians over steps {first}-{result['steps']}: samples/s of each log window, "
         "the split of each logged step",
         "",
         "| batch | chunks | compile | samples/s | model TFLOP/s | MFU | of matmul rate | peak GiB | "

@@ -173,7 +173,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             cpu_times.append(cpu)
     except torch.OutOfMemoryError:
         return {"mode": spec["mode"], "batch": spec["batch"], "error": "out of memory"}
-    batch_bytes = sum(t.numel() * t.element_size() for t in batch)
+    # Offloaded to a GPU, the batch stays in host memory and its chunks count as activations.
+    in_peak = not (spec["offload"] and device.type == "cuda")
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch) if in_peak else 0
     cache_bytes = stats.cache_bytes if spec["mode"] != "direct" else 0
     peak = peak_bytes(device)
     return {

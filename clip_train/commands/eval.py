@@ -18,6 +18,7 @@ from clip_train.distributed import init_distributed, shutdown_distributed
 from clip_train.ema import load_ema_weights
 from clip_train.eval import eval_config, evaluate
 from clip_train.model import build_model
+from clip_train.precision import use_tf32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     file = find_weights(args.checkpoint, verify=True)  # its checksums, before any of it is read
     cfg = eval_config(file, config, overrides)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    use_tf32(env.device, cfg.train.precision)
     try:
         model = build_model(cfg.model, load_pretrained=False).to(env.device)
         if cfg.train.precision == "fp64":
