@@ -30,7 +30,7 @@ from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
-from clip_train.eval import evaluate
+from clip_train.eval import evaluate, evaluates_anything
 from clip_train.flops import device_peak_tflops, tower_flops, training_flops_per_sample
 from clip_train.init_from import load_init_from
 from clip_train.logs import get_logger, timed
@@ -444,7 +444,7 @@ class Trainer:
         self, monitor: RunMonitor | None, stoppable: StoppableEvaluation | None = None
     ) -> dict[str, float]:
         """The evaluation metrics; empty without eval data, or when ``stoppable`` was stopped."""
-        if not (self.cfg.data.val or self.cfg.eval.zeroshot):
+        if not evaluates_anything(self.cfg.eval, self.cfg.data):
             return {}
         averaged = self.ema.swapped_in() if self.cfg.eval.use_ema else contextlib.nullcontext()
         whole = contextlib.nullcontext()

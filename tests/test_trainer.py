@@ -540,3 +540,11 @@ def test_saves_and_evaluations_between_logs_are_left_out_of_the_logged_rate(digi
     windows = {r["step"]: r["time/window_s"] for r in records if "time/window_s" in r}
     assert windows.keys() == {2, 4} and max(windows.values()) < 500
     assert moved[0] == 2000  # saved at steps 3 and 4, evaluated at step 3 and at the end
+
+
+def test_a_run_with_nothing_to_evaluate_logs_no_evaluation(digits, tmp_path):
+    """data.val with eval.retrieval=false and no zero-shot: an empty record and line at each evaluation."""
+    evaluation = [f"data.val={digits}/val", "eval.retrieval=false", "eval.every_steps=1"]
+    assert in_process_trainer(digits, tmp_path, "train.max_steps=2", *evaluation).run() == {}
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2] and all("train/loss" in r for r in records)

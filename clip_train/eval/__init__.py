@@ -34,6 +34,7 @@ __all__ = [
     "encode_split",
     "eval_config",
     "evaluate",
+    "evaluates_anything",
     "hits_at_k",
     "retrieval_recall",
     "zeroshot_accuracy",
@@ -109,6 +110,11 @@ def evaluate(
     return metrics
 
 
+def evaluates_anything(eval_cfg: EvalConfig, data_cfg: DataConfig) -> bool:
+    """Whether ``evaluate`` has a metric to compute: zero-shot, or retrieval on ``data.val``."""
+    return bool(eval_cfg.zeroshot) or (eval_cfg.retrieval and bool(data_cfg.val))
+
+
 def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Config:
     """The config to evaluate ``weights`` with: ``config`` with ``overrides``; without one, the
     checkpoint's own model section and, for the rest (data, eval, train), the config.yaml of the
@@ -126,6 +132,6 @@ def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Conf
         cfg.model = checkpoint_model_config(weights.parent)
     if cfg.eval.batch_size <= 0:
         raise EvalError(f"eval.batch_size={cfg.eval.batch_size} must be > 0")
-    if not cfg.eval.zeroshot and not (cfg.eval.retrieval and cfg.data.val):
+    if not evaluates_anything(cfg.eval, cfg.data):
         raise EvalError("nothing to evaluate: set eval.zeroshot=FILE|imagenet and/or data.val=SHARDS")
     return cfg
