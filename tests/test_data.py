@@ -279,6 +279,24 @@ def test_each_bad_kind_is_classified_and_counted_once(corrupt_shards):
     assert tally.take_pending() == EXPECTED_SKIPS and tally.take_pending() == {}
 
 
+@pytest.mark.parametrize("damage", ["garbled", "cut"])
+def test_a_damaged_header_mid_shard_is_counted_not_taken_for_its_end(tmp_path, damage):
+    """Python's tar reader ends quietly at a bad header past the first: the shard's rest went
+    uncounted. The samples before it arrive, then one truncated_tar record."""
+    write_tar(tmp_path / "shard.tar", good("k0") + good("k1") + good("k2") + good("k3"))
+    data = bytearray((tmp_path / "shard.tar").read_bytes())
+    header = data.index(b"k2.png")  # a header starts with its member's name
+    if damage == "garbled":
+        data[header : header + 4] = b"\xff" * 4  # its checksum no longer matches
+    else:
+        data = data[: header + 200]
+    (tmp_path / "shard.tar").write_bytes(bytes(data))
+    raws = list(read_shard(str(tmp_path / "shard.tar")))
+    assert [r["__key__"] for r in raws if "__bad__" not in r][:2] == ["k0", "k1"]
+    assert [r["__bad__"] for r in raws if "__bad__" in r] == ["truncated_tar"]
+    assert raws[-1]["__bad__"] == "truncated_tar"
+
+
 def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):
     """One worker, no sample shuffle: passes repeat in the same order, so the counts between the
     end of pass 1 and the end of pass 2 are exactly one pass's skips, wherever they fall."""

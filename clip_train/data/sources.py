@@ -104,7 +104,8 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     Problems become samples marked ``"__bad__": reason``, so they pass the shuffle in order and are
     counted when consumed (that keeps resume exact): a repeated key is ``duplicate_key``, an
     unreadable shard one ``shard_open`` record, a tar that breaks mid-way one ``truncated_tar``
-    record after its last complete sample (a tar cut exactly at a header reads as a short shard).
+    record after its last complete sample: cut or damaged in a member's data, or (a local file) in a
+    header, which the tar reader takes for the archive's end.
     """
     errors: list[Exception] = []  # handlers append and return None, which tells webdataset to stop
     attempted: list[str] = []  # names tar_file_iterator is about to read (its select_files hook)
@@ -136,10 +137,35 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     if not errors:
         if current is not None:
             yield current
+        if _ends_early(url):
+            yield _unread_rest(url, "truncated_tar", tarfile.ReadError("a damaged header ends its members"))
         return
     failed_key = base_plus_ext(attempted[-1])[0] if len(attempted) > delivered else None
     if current is not None and failed_key is not None and failed_key != current["__key__"]:
         yield current
-    reason = "truncated_tar" if attempted else "shard_open"
-    log.warning("shard %s: %s (%s); skipping the rest of it", url, reason, errors[0])
-    yield {"__key__": "", "__url__": url, "__bad__": reason, "__error__": repr(errors[0])}
+    yield _unread_rest(url, "truncated_tar" if attempted else "shard_open", errors[0])
+
+
+def _unread_rest(url: str, reason: str, error: Exception) -> dict[str, Any]:
+    """The bad record that stands for what could not be read of a shard, with a warning now."""
+    log.warning("shard %s: %s (%s); skipping the rest of it", url, reason, error)
+    return {"__key__": "", "__url__": url, "__bad__": reason, "__error__": repr(error)}
+
+
+def _ends_early(url: str) -> bool:
+    """Whether a local uncompressed tar holds data after its last readable member: tarfile takes a
+    damaged or cut header (past the first) for the end of the archive, and says nothing. Only its
+    headers are read, then the bytes after them, which are zeros in a whole tar."""
+    if not os.path.isfile(url):  # pipe: and remote shards stream once
+        return False
+    try:
+        with open(url, "rb") as file, tarfile.open(fileobj=file, mode="r:") as tar:
+            for _ in tar:
+                pass
+            file.seek(tar.offset)
+            while chunk := file.read(1 << 16):
+                if chunk.count(0) != len(chunk):
+                    return True
+    except (tarfile.TarError, OSError):  # compressed, or unreadable: the stream's errors say so
+        return False
+    return False
