@@ -8,7 +8,10 @@ every rank, and the step it follows is saved as after any step (``stopping.Stopp
 from __future__ import annotations
 
 import _thread
+import atexit
+import functools
 import multiprocessing
+import multiprocessing.util  # its exit handler registered first: atexit runs ours before it
 import signal
 import threading
 from collections.abc import Iterator
@@ -70,6 +73,19 @@ def ignore_preemption_signals(worker_id: int) -> None:
     SLURM signal them too, and a worker dying of SIGTERM would fail the step before the checkpoint."""
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def signal_free_workers() -> dict[str, Any]:
+    """DataLoader options for workers that leave SIGTERM and SIGUSR1 to the trainer. Since they
+    ignore the SIGTERM that the interpreter's exit sends its daemonic children before it waits for
+    them, they are killed at exit first, also where no ``close`` or CLI ends them (library use)."""
+    _kill_workers_at_exit()
+    return {"worker_init_fn": ignore_preemption_signals}
+
+
+@functools.cache
+def _kill_workers_at_exit() -> None:
+    atexit.register(stop_worker_processes)
 
 
 def stop_worker_processes(timeout_s: float = 10.0) -> None:

@@ -313,6 +313,22 @@ def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):
     assert dict(counts[1] - counts[0]) == EXPECTED_SKIPS
 
 
+def test_a_script_that_never_closes_its_loader_still_exits(tmp_path):
+    """Workers ignore SIGTERM (it is the trainer's), which is all the interpreter's exit sends its
+    daemonic children before waiting for them: a script using the loader without close() hung."""
+    make_shards(tmp_path / "shards", [6] * 4)
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_data import config, loader_for
+loader = loader_for(config({str(tmp_path / "shards")!r}, num_samples=24))
+next(loader)
+print("exiting", flush=True)
+"""
+    result = run_to_end([sys.executable, "-c", script], idle_limit_s=60)
+    assert result.returncode == 0 and result.stdout == "exiting\n", result.stderr[-2000:]
+
+
 def test_skip_rate_above_the_limit_stops_with_a_clear_error(corrupt_shards):
     root, _ = corrupt_shards
     cfg = config(corrupt_spec(root), resampled=False, workers=1, num_samples=1000, max_skip_fraction=0.2)

@@ -15,7 +15,7 @@ from clip_train.config import DataConfig, EvalConfig
 from clip_train.data.pipeline import build_eval_loader
 from clip_train.data.transforms import eval_transform
 from clip_train.errors import UserError
-from clip_train.preemption import ignore_preemption_signals
+from clip_train.preemption import signal_free_workers
 
 
 class EvalError(UserError):
@@ -74,7 +74,7 @@ def image_folder_batches(
         batch_size=batch_size,
         num_workers=workers,
         pin_memory=pin_memory,
-        worker_init_fn=ignore_preemption_signals,
+        **signal_free_workers(),
     )
     return (LabelledImages(images, labels) for images, labels in loader)
 

@@ -46,7 +46,7 @@ from clip_train.data.samples import (
 from clip_train.data.sources import dataset_size, expand_urls, read_shard
 from clip_train.data.tables import TableFormat, expand_tables, is_piece, is_table, read_piece
 from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transform, train_transform
-from clip_train.preemption import ignore_preemption_signals
+from clip_train.preemption import signal_free_workers
 
 Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
 RawSample = dict[str, Any]  # a tar sample as ``read_shard`` yields it
@@ -342,7 +342,7 @@ class TrainLoader:
             batch_size=None,
             num_workers=self._workers,
             pin_memory=self._pin_memory and torch.cuda.is_available(),
-            worker_init_fn=ignore_preemption_signals,
+            **signal_free_workers(),
             # Its own generator: starting an iterator must not draw from the global RNG, whose state
             # (dropout masks) a checkpoint restores exactly.
             generator=torch.Generator().manual_seed(_seed(spec.seed, spec.rank)),
@@ -567,5 +567,5 @@ def build_eval_loader(
         batch_size=None,
         num_workers=min(workers, len(shard_urls)),
         pin_memory=pin_memory and torch.cuda.is_available(),
-        worker_init_fn=ignore_preemption_signals,
+        **signal_free_workers(),
     )
