@@ -329,6 +329,16 @@ print("exiting", flush=True)
     assert result.returncode == 0 and result.stdout == "exiting\n", result.stderr[-2000:]
 
 
+def test_a_replayed_resume_over_shards_that_hold_nothing_usable_stops(tmp_path):
+    """A resume without a saved position (another world size) replays the epoch so far: over shards
+    gone unreadable it spun forever, where a fresh start stops with the none-usable error."""
+    cfg = config(f"pipe:cat {tmp_path}/gone-{{0..3}}.tar", num_samples=24, workers=0, max_skip_fraction=1.0)
+    loader = loader_for(cfg)
+    loader.start_at(2)
+    with pytest.raises(DataError, match=r"^none of the first 1000 samples could be used"):
+        next(loader)
+
+
 def test_skip_rate_above_the_limit_stops_with_a_clear_error(corrupt_shards):
     root, _ = corrupt_shards
     cfg = config(corrupt_spec(root), resampled=False, workers=1, num_samples=1000, max_skip_fraction=0.2)

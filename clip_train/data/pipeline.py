@@ -203,15 +203,20 @@ def _usable(
 
 
 def _replay(items: Iterator[RawSample], good_wanted: int, decode: Decode) -> int:
-    """Consume items until ``good_wanted`` usable samples went by; return the items consumed."""
-    consumed = good = 0
-    while good < good_wanted:
+    """Consume items until ``good_wanted`` usable samples went by; return the items consumed. Items
+    with none usable stop it as they stop training (``SkipTally``'s rule at ``max_fraction=1``: the
+    earlier run counted these skips, and the rate was its to check), where it would spin forever."""
+    guard = SkipTally(max_fraction=1.0, min_seen=1)
+    consumed = 0
+    while guard.good < good_wanted:
         consumed += 1
+        raw = next(items)
         try:
-            decode(next(items), consumed)
-            good += 1
-        except BadSample:
-            pass
+            decode(raw, consumed)
+        except BadSample as bad:
+            guard.add_bad(bad, raw)
+            continue
+        guard.add_good()
     return consumed
 
 
