@@ -6,10 +6,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import itertools
 import json
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +31,7 @@ from clip_train.data import (
     check_readable,
     dataset_size,
     expand_urls,
+    pipeline,
 )
 from clip_train.data.pipeline import position_at, role_batches
 from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_sample, sample_key
@@ -337,6 +340,20 @@ def test_a_replayed_resume_over_shards_that_hold_nothing_usable_stops(tmp_path):
     loader.start_at(2)
     with pytest.raises(DataError, match=r"^none of the first 1000 samples could be used"):
         next(loader)
+
+
+def test_workers_of_a_large_run_draw_their_own_shard_sequences(monkeypatch):
+    """Seed 0, 2048 ranks x 8 workers, epoch 21: rank 1373's worker 7 and rank 1615's worker 3 drew
+    the same shards in the same order (webdataset's ResampledShards keeps 31 bits of the seed)."""
+    urls = tuple(f"/d/{i:05d}.tar" for i in range(41408))
+    monkeypatch.setattr(pipeline, "_samples_of", lambda drawn, pool: drawn)  # the shard names drawn
+
+    def draws(rank: int, role: int) -> list[str]:
+        stream = pipeline.TrainStream(SimpleNamespace(seed=0, rank=rank), None, None, [], 0)
+        return list(itertools.islice(stream._resampled(urls, role, 21), 5))
+
+    first, second = draws(1373, 7), draws(1615, 3)
+    assert first != second and draws(1373, 7) == first  # apart, and each one reproducible
 
 
 def test_skip_rate_above_the_limit_stops_with_a_clear_error(corrupt_shards):

@@ -261,10 +261,11 @@ class TrainStream(IterableDataset):
 
     def _resampled(self, urls: tuple[str, ...], role: int, epoch: int, *source: int) -> Iterator[RawSample]:
         """The samples of ``urls`` drawn with replacement, a shard at a time (a mixture's ``source``
-        seeds its own draw)."""
-        shard_seed = _seed("shards", self.spec.seed, epoch, self.spec.rank, role, *source)
-        drawn = wds.ResampledShards(list(urls), seed=shard_seed, worker_seed=lambda: 0, deterministic=True)
-        return _samples_of((d["url"] for d in drawn), set(urls))
+        seeds its own draw). Drawn here from the whole 63-bit seed: webdataset's ResampledShards keeps
+        31 bits of it, and among the thousands of workers of a large run two would draw the same
+        shards in the same order (duplicate pairs in a global batch, a few % of epochs at 8k)."""
+        draws = random.Random(_seed("shards", self.spec.seed, epoch, self.spec.rank, role, *source))
+        return _samples_of((urls[draws.randrange(len(urls))] for _ in itertools.count()), set(urls))
 
     def _decoder(self, role: int, epoch: int) -> Decode:
         """Decoding with the caption picked among several keys by a seed of the item's position."""
