@@ -431,8 +431,15 @@ def test_a_state_from_a_different_setup_is_refused(resume_shards):
     loader = loader_for(cfg, world_size=2)
     take(loader, 3)
     state = loader.state_dict()
-    with pytest.raises(DataError, match="saved with workers=2, this run has workers=1"):
+    with pytest.raises(DataError, match=r"saved with workers=2, this run has workers=1; set data\.workers"):
         loader_for(dataclasses.replace(cfg, workers=1), world_size=2).load_state_dict(state)
+    # another sample order or other usable samples: the saved count of items taken no longer places it
+    with pytest.raises(DataError, match=r"saved with shuffle_buffer=8, .* set data\.shuffle_buffer as"):
+        loader_for(dataclasses.replace(cfg, shuffle_buffer=16), world_size=2).load_state_dict(state)
+    with pytest.raises(DataError, match=r"saved with caption_keys=\['txt'\], .* set data.caption_key as"):
+        loader_for(dataclasses.replace(cfg, caption_key="json"), world_size=2).load_state_dict(state)
+    with pytest.raises(DataError, match=r"saved with resampled=True, .* set data.resampled as"):
+        loader_for(dataclasses.replace(cfg, resampled=False), world_size=2).load_state_dict(state)
     with pytest.raises(DataError, match="saved at step 3, not at step 4"):
         loader_for(cfg, world_size=2).start_at(4, state)
 

@@ -407,8 +407,23 @@ class TrainLoader:
         self._iterator = None
 
 
+# What a saved position is only valid for, and the settings that decide it.
+FINGERPRINT_KEYS = {
+    "rank": "the world size",
+    "world_size": "the world size",
+    "workers": "data.workers (0 counts as 1)",
+    "batch_size": "batch.global_size (per rank here)",
+    "steps_per_epoch": "data.num_samples (or the shards' sizes)",
+    "seed": "train.seed",
+    "resampled": "data.resampled",
+    "shards": "data.train",
+    "mixture": "data.train and data.train_weights",
+    "shuffle_buffer": "data.shuffle_buffer",
+    "caption_keys": "data.caption_key",
+}
+
+
 def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
-    """What a saved position is only valid for."""
     return {
         "rank": spec.rank,
         "world_size": spec.world_size,
@@ -420,20 +435,23 @@ def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
         "shards": len(spec.urls),
         # None without a mixture, so that a state saved before mixtures existed still matches
         "mixture": [[s.name, len(s.urls), s.weight] for s in spec.mixture] or None,
+        "shuffle_buffer": spec.shuffle_buffer,
+        "caption_keys": list(spec.caption_keys),
     }
 
 
 def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[Position]:
+    """The saved positions, once the state is checked to be this setting's. A key the state lacks
+    (saved before it was recorded) is not checked."""
     if state.get("version") != STATE_VERSION:
         raise DataError(f"data loader state has version {state.get('version')!r}; expected {STATE_VERSION}")
     if state["step"] != start_step:
         raise DataError(f"the data loader state was saved at step {state['step']}, not at step {start_step}")
     for key, now in _fingerprint(spec).items():
-        if state.get(key) != now:
+        if key in state and state[key] != now:
             raise DataError(
-                f"cannot restore the data position: it was saved with {key}={state.get(key)}, this run has "
-                f"{key}={now}; keep data.workers, data.train, data.train_weights, data.num_samples, "
-                "batch.global_size, train.seed and the world size unchanged to resume exactly"
+                f"cannot restore the data position: it was saved with {key}={state[key]}, this run has "
+                f"{key}={now}; set {FINGERPRINT_KEYS[key]} as the run that saved it did to resume exactly"
             )
     return [Position(*p) for p in state["positions"]]
 
