@@ -38,6 +38,7 @@ from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_s
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
 from clip_train.data.writers import Record, csv_pairs, write_pairs, write_shards
+from clip_train.logs import setup_logging
 
 IMAGE_SIZE = 16
 
@@ -298,6 +299,16 @@ def test_a_damaged_header_mid_shard_is_counted_not_taken_for_its_end(tmp_path, d
     assert [r["__key__"] for r in raws if "__bad__" not in r][:2] == ["k0", "k1"]
     assert [r["__bad__"] for r in raws if "__bad__" in r] == ["truncated_tar"]
     assert raws[-1]["__bad__"] == "truncated_tar"
+
+
+def test_a_broken_shard_drawn_again_is_counted_each_time_and_said_once(tmp_path, capsys):
+    """A resampled run draws a broken shard again and again: a line each time filled the log."""
+    setup_logging()
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"not a tar file" * 100)
+    reads = [[raw["__bad__"] for raw in read_shard(str(broken))] for _ in range(3)]
+    assert reads == [["shard_open"]] * 3
+    assert capsys.readouterr().err.count(f"shard {broken}: shard_open") == 1
 
 
 def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):

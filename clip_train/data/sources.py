@@ -146,9 +146,17 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     yield _unread_rest(url, "truncated_tar" if attempted else "shard_open", errors[0])
 
 
+_warned_shards: set[str] = set()  # in this process: a resampled run draws a broken shard again and again
+
+
 def _unread_rest(url: str, reason: str, error: Exception) -> dict[str, Any]:
-    """The bad record that stands for what could not be read of a shard, with a warning now."""
-    log.warning("shard %s: %s (%s); skipping the rest of it", url, reason, error)
+    """The bad record that stands for what could not be read of a shard, with a warning the first
+    time (each record is counted, and the skip tally's own warnings go on at their rate)."""
+    if url not in _warned_shards:
+        _warned_shards.add(url)
+        log.warning(
+            "shard %s: %s (%s); skipping the rest of it (this worker warns once a shard)", url, reason, error
+        )
     return {"__key__": "", "__url__": url, "__bad__": reason, "__error__": repr(error)}
 
 
