@@ -33,7 +33,7 @@ from clip_train.data import (
     expand_urls,
     pipeline,
 )
-from clip_train.data.pipeline import position_at, role_batches
+from clip_train.data.pipeline import position_at, read_source, role_batches, source_urls
 from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_sample, sample_key
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
@@ -580,6 +580,17 @@ def test_a_table_evaluates_on_the_same_samples_as_shards_made_from_it(table, tmp
     assert sorted(runs[0]) == table.good_keys and runs[0].keys() == runs[1].keys()
     for key, (image, ids) in runs[0].items():
         assert torch.equal(image, runs[1][key][0]) and torch.equal(ids, runs[1][key][1]), key
+
+
+def test_a_rank_reads_only_its_own_rows_of_a_table(table, monkeypatch):
+    """Evaluation spreads a table's rows over the ranks: each rank read every row's image, then kept
+    its share (the world size times the reads)."""
+    (piece,) = source_urls(str(table.path), DataConfig(), what="data.val")
+    every_row = [raw["__key__"] for raw in read_source(piece)]
+    read, real = [], Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: read.append(path.name) or real(path))
+    mine = [raw["__key__"] for raw in read_source(piece, 1, 2)]
+    assert mine == every_row[1::2] and 0 < len(read) <= len(mine)
 
 
 # --------------------------------------------------------------------------------------------

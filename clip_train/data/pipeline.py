@@ -143,9 +143,12 @@ def source_urls(spec: str, data_cfg: DataConfig, *, what: str) -> list[str]:
     return expand_tables(expand_urls(spec, what=what), table_format, data_cfg.csv_shard_rows)
 
 
-def read_source(url: str) -> Iterator[RawSample]:
-    """The raw samples of a shard or of a table's piece."""
-    return (read_piece if is_piece(url) else read_shard)(url)
+def read_source(url: str, first: int = 0, every: int = 1) -> Iterator[RawSample]:
+    """The raw samples of a shard or of a table's piece, every ``every``-th from ``first`` (a rank's
+    share): a piece reads only those rows' images, a tar is read through."""
+    if is_piece(url):
+        return read_piece(url, first, every)
+    return itertools.islice(read_shard(url), first, None, every)
 
 
 def keys_for(raw: RawSample, keys: tuple[str, ...]) -> tuple[str, ...]:
@@ -542,7 +545,7 @@ class EvalStream(IterableDataset):
             return decode_sample(raw, keys_for(raw, self.caption_keys))
 
         for url in self.urls[worker::workers]:
-            mine = itertools.islice(read_source(url), self.rank, None, self.world_size)
+            mine = read_source(url, self.rank, self.world_size)
             for _, sample in _usable(mine, tally, decode):
                 # A full batch goes once the next sample is usable: the last one then counts the
                 # samples skipped after it too.

@@ -171,11 +171,12 @@ def row_pair(record: list[str], piece: Piece) -> tuple[Path, str]:
     return image, caption
 
 
-def read_piece(url: str) -> Iterator[dict[str, Any]]:
-    """A piece's rows as ``read_shard``'s raw samples (image bytes, ``txt`` and a ``json`` naming the
-    source file); a bad row becomes a ``__bad__`` sample, counted when consumed like a bad tar sample."""
+def read_piece(url: str, first: int = 0, every: int = 1) -> Iterator[dict[str, Any]]:
+    """A piece's rows (every ``every``-th from ``first``) as ``read_shard``'s raw samples (image
+    bytes, ``txt`` and a ``json`` naming the source file); a bad row becomes a ``__bad__`` sample,
+    counted when consumed like a bad tar sample. The rows passed over are not read."""
     piece = Piece.from_url(url)
-    for number, record in piece_rows(piece):
+    for number, record in itertools.islice(piece_rows(piece), first, None, every):
         raw: dict[str, Any] = {"__key__": sample_key(number), "__url__": url}
         try:
             image, caption = row_pair(record, piece)
