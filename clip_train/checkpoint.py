@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import yaml
+from open_clip.constants import HF_CONFIG_NAME
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -412,6 +413,11 @@ def _weights_in(folder: Path) -> Path:
         return folder / MODEL_FILE
     if found := step_dirs(folder):
         return found[-1] / MODEL_FILE
+    if (folder / HF_CONFIG_NAME).is_file():
+        raise UserError(
+            f"{folder} is an open_clip model folder, not a clip_train checkpoint: start a run from it with "
+            f"model.init_from=open_clip:local-dir:{folder}, or load it with open_clip"
+        )
     missing = f"has no {MODEL_FILE} and no complete checkpoints" if folder.is_dir() else "does not exist"
     raise UserError(
         f"checkpoint not found: {folder} {missing}; pass a checkpoint directory, a run directory or a "

@@ -166,6 +166,14 @@ def test_older_transformers_position_ids_are_ignored(demo_export, tmp_path):
     )
 
 
+def test_an_export_named_without_the_prefix_says_how_to_name_it(demo_export):
+    _, export = demo_export
+    with pytest.raises(
+        UserError, match=rf"^{export} is an open_clip model folder.*init_from=open_clip:local-dir:"
+    ):
+        check_init_from(str(export))
+
+
 def test_a_sigmoid_loss_run_keeps_its_initial_logit_bias(demo_export):
     source, export = demo_export
     model = initialised(
