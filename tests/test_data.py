@@ -32,6 +32,7 @@ from clip_train.data import (
     dataset_size,
     expand_urls,
     pipeline,
+    sources,
 )
 from clip_train.data.pipeline import position_at, read_source, role_batches, source_urls
 from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_sample, sample_key
@@ -309,6 +310,53 @@ def test_a_broken_shard_drawn_again_is_counted_each_time_and_said_once(tmp_path,
     reads = [[raw["__bad__"] for raw in read_shard(str(broken))] for _ in range(3)]
     assert reads == [["shard_open"]] * 3
     assert capsys.readouterr().err.count(f"shard {broken}: shard_open") == 1
+
+
+class _ResetAt(io.RawIOBase):
+    """A remote shard's stream that breaks at byte ``at`` (a connection reset), every byte before it
+    delivered: the break is deterministic, as a real network's is not."""
+
+    def __init__(self, data: bytes, at: int) -> None:
+        self.data, self.at, self.position = data, at, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.position >= self.at:
+            raise ConnectionResetError("connection reset by peer")
+        chunk = self.data[self.position : min(self.at, self.position + len(buffer))]
+        buffer[: len(chunk)] = chunk
+        self.position += len(chunk)
+        return len(chunk)
+
+
+def test_a_stream_that_breaks_in_a_header_keeps_the_whole_sample_before_it(tmp_path, monkeypatch):
+    """The stream breaks inside k2's first header: k1 was whole, and was dropped uncounted."""
+    write_tar(tmp_path / "shard.tar", good("k0") + good("k1") + good("k2"))
+    data = (tmp_path / "shard.tar").read_bytes()
+    url = "s3://bucket/shard.tar"
+    stream = _ResetAt(data, data.index(b"k2.") + 100)
+    monkeypatch.setattr(sources, "url_opener", lambda urls, handler: iter([{"url": url, "stream": stream}]))
+    assert [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(url)] == [
+        ("k0", None),
+        ("k1", None),
+        ("", "truncated_tar"),
+    ]
+
+
+def test_a_pipe_that_fails_after_a_whole_tar_is_counted(tmp_path):
+    """Its exit status is checked when the stream is closed: a command that failed once its output
+    was read (webdataset checks it at reads only) counted nothing. This one writes end-of-archive
+    zeros until the reader closes the pipe, then fails."""
+    write_tar(tmp_path / "shard.tar", good("k0"))
+    command = tmp_path / "fails.sh"
+    command.write_text(
+        f"trap '' PIPE\ncat {tmp_path / 'shard.tar'}\n"
+        "while printf '\\0' 2>/dev/null; do :; done\nexit 1\n"
+    )
+    records = [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(f"pipe:bash {command}")]
+    assert records == [("k0", None), ("", "truncated_tar")]
 
 
 def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):

@@ -104,12 +104,17 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     Problems become samples marked ``"__bad__": reason``, so they pass the shuffle in order and are
     counted when consumed (that keeps resume exact): a repeated key is ``duplicate_key``, an
     unreadable shard one ``shard_open`` record, a tar that breaks mid-way one ``truncated_tar``
-    record after its last complete sample: cut or damaged in a member's data, or (a local file) in a
-    header, which the tar reader takes for the archive's end.
+    record after its last complete sample: cut or damaged in a member's data, or in a header, which
+    the tar reader takes for the archive's end (seen where a local file holds data after it, or a
+    ``pipe:`` command fails: its exit status is checked when the stream is closed).
     """
     errors: list[Exception] = []  # handlers append and return None, which tells webdataset to stop
     attempted: list[str] = []  # names tar_file_iterator is about to read (its select_files hook)
-    streams = url_opener([{"url": url}], handler=errors.append)
+    opened: list[Any] = []  # the stream, closed here: a pipe's exit status is then always checked
+    streams = (
+        opened.append(source["stream"]) or source
+        for source in url_opener([{"url": url}], handler=errors.append)
+    )
     members = tar_file_expander(
         streams, handler=errors.append, select_files=lambda name: attempted.append(name) is None
     )
@@ -134,14 +139,21 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
         if ext in current:
             current["__bad__"] = "duplicate_key"
         current[ext] = member["data"]
+    for stream in opened:
+        try:
+            stream.close()  # a pipe waits for its command here, and raises if it failed
+        except OSError as err:
+            errors.append(err)
     if not errors:
         if current is not None:
             yield current
         if _ends_early(url):
             yield _unread_rest(url, "truncated_tar", tarfile.ReadError("a damaged header ends its members"))
         return
+    # A member whose data broke is the last one attempted; one whose header broke was never named:
+    # the group before it is whole, or else counted as a bad sample when decoded.
     failed_key = base_plus_ext(attempted[-1])[0] if len(attempted) > delivered else None
-    if current is not None and failed_key is not None and failed_key != current["__key__"]:
+    if current is not None and failed_key != current["__key__"]:
         yield current
     yield _unread_rest(url, "truncated_tar" if attempted else "shard_open", errors[0])
 
