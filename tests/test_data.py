@@ -352,8 +352,7 @@ def test_a_pipe_that_fails_after_a_whole_tar_is_counted(tmp_path):
     write_tar(tmp_path / "shard.tar", good("k0"))
     command = tmp_path / "fails.sh"
     command.write_text(
-        f"trap '' PIPE\ncat {tmp_path / 'shard.tar'}\n"
-        "while printf '\\0' 2>/dev/null; do :; done\nexit 1\n"
+        f"trap '' PIPE\ncat {tmp_path / 'shard.tar'}\nwhile printf '\\0' 2>/dev/null; do :; done\nexit 1\n"
     )
     records = [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(f"pipe:bash {command}")]
     assert records == [("k0", None), ("", "truncated_tar")]
