@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gzip
 import io
 import itertools
 import json
@@ -310,6 +311,17 @@ def test_a_broken_shard_drawn_again_is_counted_each_time_and_said_once(tmp_path,
     reads = [[raw["__bad__"] for raw in read_shard(str(broken))] for _ in range(3)]
     assert reads == [["shard_open"]] * 3
     assert capsys.readouterr().err.count(f"shard {broken}: shard_open") == 1
+
+
+def test_a_whole_compressed_shard_is_not_taken_for_a_cut_one(tmp_path):
+    """The end-of-archive check reads a plain tar's last bytes; a gzipped one ends otherwise."""
+    write_tar(tmp_path / "shard.tar", good("k0") + good("k1"))
+    (tmp_path / "shard.tar.gz").write_bytes(gzip.compress((tmp_path / "shard.tar").read_bytes()))
+    for name in ("shard.tar", "shard.tar.gz"):
+        assert [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(str(tmp_path / name))] == [
+            ("k0", None),
+            ("k1", None),
+        ]
 
 
 class _ResetAt(io.RawIOBase):

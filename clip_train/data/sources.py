@@ -110,13 +110,17 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     """
     errors: list[Exception] = []  # handlers append and return None, which tells webdataset to stop
     attempted: list[str] = []  # names tar_file_iterator is about to read (its select_files hook)
-    opened: list[Any] = []  # the stream, closed here: a pipe's exit status is then always checked
-    streams = (
-        opened.append(source["stream"]) or source
-        for source in url_opener([{"url": url}], handler=errors.append)
-    )
+    opened: list[_Counted] = []  # closed here, so a pipe's exit status is always checked
+
+    def counted(sources: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for source in sources:
+            opened.append(_Counted(source["stream"]))
+            yield {**source, "stream": opened[-1]}
+
     members = tar_file_expander(
-        streams, handler=errors.append, select_files=lambda name: attempted.append(name) is None
+        counted(url_opener([{"url": url}], handler=errors.append)),
+        handler=errors.append,
+        select_files=lambda name: attempted.append(name) is None,
     )
     seen: set[str] = set()
     current: dict[str, Any] | None = None
@@ -147,7 +151,7 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     if not errors:
         if current is not None:
             yield current
-        if _ends_early(url):
+        if opened and _ends_early(url, opened[0].taken):
             yield _unread_rest(url, "truncated_tar", tarfile.ReadError("a damaged header ends its members"))
         return
     # A member whose data broke is the last one attempted; one whose header broke was never named:
@@ -172,20 +176,37 @@ def _unread_rest(url: str, reason: str, error: Exception) -> dict[str, Any]:
     return {"__key__": "", "__url__": url, "__bad__": reason, "__error__": repr(error)}
 
 
-def _ends_early(url: str) -> bool:
-    """Whether a local uncompressed tar holds data after its last readable member: tarfile takes a
-    damaged or cut header (past the first) for the end of the archive, and says nothing. Only its
-    headers are read, then the bytes after them, which are zeros in a whole tar."""
+class _Counted:
+    """A shard's stream that counts the bytes the tar reader took from it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.taken = stream, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.taken += len(data)
+        return data
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def __str__(self) -> str:  # webdataset names the stream in its errors
+        return str(self.stream)
+
+
+def _ends_early(url: str, taken: int) -> bool:
+    """Whether a local tar ends before its data does: the tar reader takes a damaged or cut header
+    (past the first) for the archive's end, and says nothing. After the bytes it took, a whole tar
+    holds only zeros, and it ends with two zero blocks (the end-of-archive marker): both are checked
+    by reading from where the reader stopped (or the last two blocks) to the end, nothing else again.
+    A damaged header in the reader's last buffered read (10 KB) before the marker goes unseen."""
     if not os.path.isfile(url):  # pipe: and remote shards stream once
         return False
-    try:
-        with open(url, "rb") as file, tarfile.open(fileobj=file, mode="r:") as tar:
-            for _ in tar:
-                pass
-            file.seek(tar.offset)
-            while chunk := file.read(1 << 16):
-                if chunk.count(0) != len(chunk):
-                    return True
-    except (tarfile.TarError, OSError):  # compressed, or unreadable: the stream's errors say so
-        return False
+    with open(url, "rb") as file:
+        if file.read(tarfile.BLOCKSIZE)[257:262] != b"ustar":  # compressed (or a pre-POSIX tar)
+            return False
+        file.seek(max(0, min(taken, os.fstat(file.fileno()).st_size - 2 * tarfile.BLOCKSIZE)))
+        while chunk := file.read(1 << 16):
+            if chunk.count(0) != len(chunk):
+                return True
     return False
