@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Literal, TypeVar
 
 import torch.distributed as dist
@@ -257,7 +258,7 @@ class StopWatch:
             if signalled is None or _writing_checkpoint[0]:
                 still = None
                 continue
-            doing = (self._main_frame(), store_polls())
+            doing = (self._main_position(), store_polls())
             if still is None or still[0] != doing:
                 still = (doing, time.monotonic())
             elif time.monotonic() - still[1] >= STALLED_AFTER_SIGNAL_S:
@@ -278,14 +279,17 @@ class StopWatch:
             if not signalled:
                 evaluation.signals.relay()
 
-    def _main_frame(self) -> tuple[int, int, int] | None:
+    def _main_position(self) -> tuple[int, int, int] | None:
         """Where the main thread is: a frame and its instruction, which move while it computes."""
-        frame = sys._current_frames().get(self._main.ident)
+        frame = self._main_thread_frame()
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_lineno or 0)
+
+    def _main_thread_frame(self) -> FrameType | None:
+        return sys._current_frames().get(self._main.ident)
 
     def _main_place(self) -> str:
         """The main thread's innermost clip_train frame, and the innermost frame if that is elsewhere."""
-        frame = sys._current_frames().get(self._main.ident)
+        frame = self._main_thread_frame()
         if frame is None:
             return "no frame (the main thread has ended)"
         stack = traceback.extract_stack(frame)

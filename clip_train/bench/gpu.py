@@ -342,7 +342,7 @@ def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
 
     device = torch.device(spec["device"])
     cfg = load_config(spec["model"], spec["set"])
-    use_tf32(device, "bf16")  # as the trainer sets it
+    use_tf32(device, cfg.train.precision)  # as the trainer sets it
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device).train()
     if cfg.train.compile:
