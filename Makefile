@@ -16,14 +16,6 @@ $(VENV)/.installed-%: pyproject.toml | $(PY)
 
 comma := ,
 
-# PyTorch on the CPU hands each large tensor's memory back to the kernel when it is freed (glibc's
-# mmap threshold and heap trim) and page-faults the next one in again: a fifth of a test run's CPU
-# time went to the kernel. The tests keep freed memory in each process's heap instead (the floor's
-# tests ran in 0.92x the time, two alternating pairs on 2 cores; the demo's tiny model, whose
-# tensors stay under the threshold, ran no faster, so it runs as users' runs do).
-CPU_MALLOC := glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=8589934592:glibc.malloc.top_pad=268435456
-test test-floor: export GLIBC_TUNABLES ?= $(CPU_MALLOC)
-
 # make demo DEMO_CONFIG=configs/demo-digits-siglip.yaml runs the demo with the sigmoid loss.
 DEMO_CONFIG ?= configs/demo-digits.yaml
 DEMO_RUN ?= runs/$(basename $(notdir $(DEMO_CONFIG)))
@@ -44,6 +36,14 @@ demo: $(VENV)/.installed-demo
 # work. The 25 slowest tests close the log, for whoever works on CI's time next.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+# PyTorch on the CPU hands each large tensor's memory back to the kernel when it is freed (glibc's
+# mmap threshold and heap trim) and page-faults the next one in again: a fifth of a test run's CPU
+# time went to the kernel. The tests keep freed memory in each process's heap instead (the floor's
+# tests ran in 0.92x the time, two alternating pairs on 2 cores; the demo's tiny model, whose
+# tensors stay under the threshold, ran no faster, so it runs as users' runs do).
+CPU_MALLOC := glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=8589934592:glibc.malloc.top_pad=268435456
+test test-floor: export GLIBC_TUNABLES ?= $(CPU_MALLOC)
 
 test: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .
