@@ -313,15 +313,17 @@ def test_a_broken_shard_drawn_again_is_counted_each_time_and_said_once(tmp_path,
     assert capsys.readouterr().err.count(f"shard {broken}: shard_open") == 1
 
 
+def records(url: str) -> list[tuple[str, str | None]]:
+    """Each sample ``read_shard`` yields, as its key and its bad-sample reason (None when whole)."""
+    return [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(url)]
+
+
 def test_a_whole_compressed_shard_is_not_taken_for_a_cut_one(tmp_path):
     """The end-of-archive check reads a plain tar's last bytes; a gzipped one ends otherwise."""
     write_tar(tmp_path / "shard.tar", good("k0") + good("k1"))
     (tmp_path / "shard.tar.gz").write_bytes(gzip.compress((tmp_path / "shard.tar").read_bytes()))
     for name in ("shard.tar", "shard.tar.gz"):
-        assert [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(str(tmp_path / name))] == [
-            ("k0", None),
-            ("k1", None),
-        ]
+        assert records(str(tmp_path / name)) == [("k0", None), ("k1", None)]
 
 
 class _ResetAt(io.RawIOBase):
@@ -350,7 +352,7 @@ def test_a_stream_that_breaks_in_a_header_keeps_the_whole_sample_before_it(tmp_p
     url = "s3://bucket/shard.tar"
     stream = _ResetAt(data, data.index(b"k2.") + 100)
     monkeypatch.setattr(sources, "url_opener", lambda urls, handler: iter([{"url": url, "stream": stream}]))
-    assert [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(url)] == [
+    assert records(url) == [
         ("k0", None),
         ("k1", None),
         ("", "truncated_tar"),
@@ -366,8 +368,7 @@ def test_a_pipe_that_fails_after_a_whole_tar_is_counted(tmp_path):
     command.write_text(
         f"trap '' PIPE\ncat {tmp_path / 'shard.tar'}\nwhile printf '\\0' 2>/dev/null; do :; done\nexit 1\n"
     )
-    records = [(raw["__key__"], raw.get("__bad__")) for raw in read_shard(f"pipe:bash {command}")]
-    assert records == [("k0", None), ("", "truncated_tar")]
+    assert records(f"pipe:bash {command}") == [("k0", None), ("", "truncated_tar")]
 
 
 def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):
