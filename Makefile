@@ -31,11 +31,12 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/clip-train report $(DEMO_RUN) --prefix demo
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file on one worker so that its
-# module fixtures (trained reference runs) are built once. The run is CPU-bound (85 % busy on 2
+# module fixtures (trained reference runs) are built once, the longest files first (the order of
+# tests/conftest.py, which --no-loadscope-reorder keeps). The run is CPU-bound (85 % busy on 2
 # cores, a fifth of it in the kernel; a third worker gained nothing), so CI's time is the tests'
 # work. The 25 slowest tests close the log, for whoever works on CI's time next.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --durations=25
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # PyTorch on the CPU hands each large tensor's memory back to the kernel when it is freed (glibc's
 # mmap threshold and heap trim) and page-faults the next one in again: a fifth of a test run's CPU

@@ -10,6 +10,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# The longest files, longest first (wall seconds in a 2-core `make test`: real Slurm runs make
+# test_launch ~140 s in CI). `make test` hands whole files to its two workers in collection order
+# (--no-loadscope-reorder: xdist's own order puts the files with the most tests first, and those
+# are quick), so the long ones start early and the workers end together instead of one finishing
+# the last long file alone. A stale list costs balance only; files not named keep their order.
+LONGEST_FIRST = (
+    "test_launch.py",
+    "test_stopping.py",  # 166
+    "test_fsdp_trainer.py",  # 114
+    "test_trainer.py",  # 101
+    "test_gpu_bench.py",  # 86
+    "test_gpu_kit.py",  # 71, mostly pip reading the package index: it overlaps the CPU's work
+    "test_fsdp_gradcache.py",  # 72
+    "test_fine_tune_runs.py",  # 70
+    "test_bench.py",  # 52
+    "test_data.py",  # 50
+    "test_forked_cli.py",  # 46
+    "test_open_clip_text.py",  # 45
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
+
 
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory) -> Path:
