@@ -13,9 +13,18 @@ A command with a PYTHONPATH of its own starts fresh: a ``sitecustomize`` there m
 One thing differs from a fresh interpreter: the children of a server share its string-hash seed,
 as they would under a fixed PYTHONHASHSEED.
 
+torchrun's ranks come from the servers too. ``torchrun ... -m clip_train ...`` runs
+``forked_rank.py`` as each worker instead (``with_forked_ranks``), which asks the server of its
+environment for the rank and stands in for it towards torchrun: signals to it reach the rank's
+process group, its death (SIGKILL) ends that group, and it ends as the rank did. The rank leads a
+process group of its own, as each torchrun worker does.
+
 The protocol: the tests' process sends each command over a SEQPACKET socket as one pickled
 ``(argv, env, cwd)`` with three descriptors (stdout, stderr and a reply socket). On the reply socket
-the server answers the child's pid and, once it has reaped the child, its return code.
+the server answers the child's pid and, once it has reaped the child, its return code. A rank
+connects to the server's listening socket and sends the same with two descriptors (stdout and
+stderr): the connection is its reply socket, and the answer ``fresh`` (a start-up environment that
+is not the server's) sends it to start as a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -23,18 +32,22 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import itertools
 import os
 import pickle
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 # Variables the interpreter or the libraries read as they start (or import): a command is forked
@@ -45,6 +58,13 @@ READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH"
 MAX_SERVERS = 3  # per test worker; each holds about 0.85 GB. The least recently used one makes way.
 ALWAYS_FRESH = "CLIP_TRAIN_TESTS_FRESH"  # set it to start every command fresh, as before this file
 MESSAGE_BYTES = 1 << 20
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+RANK_CLIENT = str(Path(__file__).with_name("forked_rank.py"))
+RANK_SERVER = "CLIP_TRAIN_TESTS_RANK_SERVER"  # the listening socket's path, for forked_rank.py
+# What torchrun sets in its workers' environment that the start-up environment's prefixes cover;
+# torch reads them when a run starts, not at import, so a server started without them serves ranks.
+SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+FRESH = b"fresh"
 
 
 # ---- the tests' side ----
@@ -53,12 +73,30 @@ MESSAGE_BYTES = 1 << 20
 def can_fork(command: Sequence[str], env: Mapping[str, str], popen_kwargs: Mapping[str, object]) -> bool:
     """Whether ``command`` may come from a server: ``python -m clip_train``, no ``Popen`` options
     but the working directory, and the tests' own PYTHONPATH."""
+    return list(command[:3]) == [sys.executable, "-m", "clip_train"] and _may_fork(env, popen_kwargs)
+
+
+def _may_fork(env: Mapping[str, str], popen_kwargs: Mapping[str, object]) -> bool:
     return (
-        list(command[:3]) == [sys.executable, "-m", "clip_train"]
-        and not set(popen_kwargs) - {"cwd"}
+        not set(popen_kwargs) - {"cwd"}
         and env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
         and not env.get(ALWAYS_FRESH)
     )
+
+
+def with_forked_ranks(
+    command: Sequence[str], env: Mapping[str, str], popen_kwargs: Mapping[str, object]
+) -> tuple[list[str], Mapping[str, str]]:
+    """``torchrun OPTIONS -m MODULE ARGS`` as ``torchrun OPTIONS forked_rank.py -m MODULE ARGS``,
+    with the address of the server its ranks come from; any other command as it is."""
+    if list(command[:3]) != TORCHRUN or not _may_fork(env, popen_kwargs) or "-m" not in command[3:-1]:
+        return list(command), env
+    module = command.index("-m", 3)  # torchrun's own flag: its script is a module
+    # torchrun runs a script with -u, and sets one OpenMP thread in each of several workers
+    ranks_env = {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+    with _servers_lock:
+        address = _server_for(ranks_env).ranks
+    return [*command[:module], RANK_CLIENT, *command[module:]], {**env, RANK_SERVER: address}
 
 
 class ForkedProcess:
@@ -97,33 +135,57 @@ def start(
     message = pickle.dumps((list(command[1:]), dict(env), os.path.abspath(cwd or os.getcwd())))
     reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with _servers_lock:
-        socket.send_fds(_server_for(env), [message], [stdout, stderr, theirs.fileno()])
+        socket.send_fds(_server_for(env).control, [message], [stdout, stderr, theirs.fileno()])
     theirs.close()
     return ForkedProcess(command, _receive_number(reply), reply)
 
 
-_servers: dict[tuple[tuple[str, str], ...], socket.socket] = {}  # by start-up environment, oldest use first
+@dataclass
+class Server:
+    control: socket.socket  # the tests' process's end; when it closes, the server ends
+    ranks: str  # the path of its listening socket, where ranks connect
+
+
+_servers: dict[tuple[tuple[str, str], ...], Server] = {}  # by start-up environment, oldest use first
 _servers_lock = threading.Lock()
+_sockets_folder: list[str] = []  # made at the first server, removed at exit
+_server_numbers = itertools.count()
 
 
-def _server_for(env: Mapping[str, str]) -> socket.socket:
-    key = tuple(sorted((name, value) for name, value in env.items() if name.startswith(READ_AT_START)))
+def start_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((name, value) for name, value in env.items() if name.startswith(READ_AT_START)))
+
+
+def _server_for(env: Mapping[str, str]) -> Server:
+    key = start_key(env)
     server = _servers.pop(key, None) or _start_server(env)
     _servers[key] = server
     if len(_servers) > MAX_SERVERS:
-        _servers.pop(next(iter(_servers))).close()  # it ends once its running children have
+        _servers.pop(next(iter(_servers))).control.close()  # it ends once its running children have
     return server
 
 
-def _start_server(env: Mapping[str, str]) -> socket.socket:
+def _start_server(env: Mapping[str, str]) -> Server:
+    if not _sockets_folder:
+        _sockets_folder.append(tempfile.mkdtemp(prefix="forked-cli-"))
+        atexit.register(shutil.rmtree, _sockets_folder[0], ignore_errors=True)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    command = [sys.executable, __file__, str(theirs.fileno())]
+    address = os.path.join(_sockets_folder[0], f"{next(_server_numbers)}.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(64)  # ranks may connect while the server still imports: they wait in the backlog
+    command = [sys.executable, __file__, str(theirs.fileno()), str(listener.fileno())]
     # Its stdout is not a terminal, so the children's is block-buffered, as a fresh one's into a pipe.
     subprocess.Popen(
-        command, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        command,
+        pass_fds=[theirs.fileno(), listener.fileno()],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
     )
     theirs.close()  # the server's end: when ours closes (with this process at the latest), it ends
-    return ours
+    listener.close()
+    return Server(ours, address)
 
 
 def _receive_number(reply: socket.socket) -> int:
@@ -143,40 +205,89 @@ class Request:
     cwd: str
     stdout: int
     stderr: int
+    stand_in: socket.socket | None = None  # a rank's: the connection of forked_rank.py, its stand-in
 
 
-def serve(control: socket.socket) -> Request | None:
+def serve(control: socket.socket, listener: socket.socket, started_with: Mapping[str, str]) -> Request | None:
     """Fork a child per request and report how each ends. Returns the request in the child, and
     None in the server once the tests' process has closed the control socket and every child ended."""
     replies: dict[int, socket.socket] = {}
     while control.fileno() >= 0 or replies:
         if control.fileno() < 0:
             time.sleep(0.05)
-        elif select.select([control], [], [], 0.05)[0]:
-            request = _fork(control, replies)
-            if request is not None:
-                return request
+        else:
+            for ready in select.select([control, listener], [], [], 0.05)[0]:
+                if control.fileno() < 0:
+                    break  # the tests' process has gone: no more requests
+                if ready is control:
+                    request = _command(control, listener, replies)
+                else:
+                    request = _rank(control, listener, replies, started_with)
+                if request is not None:
+                    return request
         _reap(replies)
     return None
 
 
-def _fork(control: socket.socket, replies: dict[int, socket.socket]) -> Request | None:
-    """Take one request and fork for it: the request in the child, None in the server (which closes
-    the control socket when the tests' process has)."""
+def _command(
+    control: socket.socket, listener: socket.socket, replies: dict[int, socket.socket]
+) -> Request | None:
+    """Take one command and fork for it: the request in the child, None in the server (which stops
+    taking requests when the tests' process has closed the control socket)."""
     message, fds, _, _ = socket.recv_fds(control, MESSAGE_BYTES, 3)
     if not message:
         control.close()
+        listener.close()  # ranks that connect from now on start fresh
         return None
-    argv, env, cwd = pickle.loads(message)
     stdout, stderr, reply_fd = fds
-    reply = socket.socket(fileno=reply_fd)
+    request = Request(*pickle.loads(message), stdout, stderr)
+    return _fork(request, socket.socket(fileno=reply_fd), replies, [control, listener])
+
+
+def _rank(
+    control: socket.socket,
+    listener: socket.socket,
+    replies: dict[int, socket.socket],
+    started_with: Mapping[str, str],
+) -> Request | None:
+    """Take one rank (run by torchrun with -u) and fork for it, or answer ``fresh`` where its
+    start-up environment is not this server's."""
+    connection, _ = listener.accept()
+    message, fds, _, _ = socket.recv_fds(connection, MESSAGE_BYTES, 2)
+    if not message:  # it died before asking
+        connection.close()
+        return None
+    stdout, stderr = fds
+    request = Request(*pickle.loads(message), stdout, stderr, stand_in=connection)
+    if _rank_start(request.env) != _rank_start(started_with):
+        os.close(stdout)
+        os.close(stderr)
+        with contextlib.suppress(OSError):
+            connection.send(FRESH)
+        connection.close()
+        return None
+    return _fork(request, connection, replies, [control, listener])
+
+
+def _rank_start(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A rank's start-up environment, but what torchrun sets for it, and unbuffered as ``-u`` is."""
+    own = {name: value for name, value in env.items() if not name.startswith(SET_BY_TORCHRUN)}
+    return start_key({**own, "PYTHONUNBUFFERED": "1"})
+
+
+def _fork(
+    request: Request, reply: socket.socket, replies: dict[int, socket.socket], server: list[socket.socket]
+) -> Request | None:
+    """The request in the child, which keeps only its own descriptors; None in the server."""
     pid = os.fork()
     if pid == 0:
-        for sock in (control, reply, *replies.values()):
+        for sock in (*server, *replies.values(), *([] if request.stand_in else [reply])):
             sock.close()
-        return Request(argv, env, cwd, stdout, stderr)
-    os.close(stdout)
-    os.close(stderr)
+        return request
+    if request.stand_in:  # its group exists before the stand-in learns the pid and signals it
+        os.setpgid(pid, pid)
+    os.close(request.stdout)
+    os.close(request.stderr)
     _send(reply, pid)
     replies[pid] = reply
     return None
@@ -195,6 +306,19 @@ def _reap(replies: dict[int, socket.socket]) -> None:
 def _send(reply: socket.socket, number: int) -> None:
     with contextlib.suppress(OSError):  # the test that started it has gone
         reply.send(str(number).encode())
+
+
+def end_with_stand_in(stand_in: socket.socket) -> None:
+    """A rank leads a process group of its own (``_fork`` made it), as each torchrun worker does,
+    and the group (it and its DataLoader workers) is killed once its stand-in has died: a worker
+    that torchrun or a test SIGKILLs ends with its group."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            stand_in.recv(1)  # the stand-in never sends: this returns when it has gone
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="forked-rank-stand-in", daemon=True).start()
 
 
 def become(request: Request, started_with: Mapping[str, str]) -> None:
@@ -261,7 +385,10 @@ if __name__ == "__main__":
     started_with = dict(os.environ)
     _import_everything()
     gc.freeze()  # the server's objects stay out of the children's collections: no copy-on-write there
-    request = serve(socket.socket(fileno=int(sys.argv[1])))
+    control, listener = (socket.socket(fileno=int(fd)) for fd in sys.argv[1:3])
+    request = serve(control, listener, started_with)
     if request is not None:
+        if request.stand_in is not None:
+            end_with_stand_in(request.stand_in)
         become(request, started_with)
         run_as_main(request.argv[1])

@@ -58,13 +58,14 @@ class Watched:
         **popen_kwargs,
     ) -> Watched:
         """Start ``command``; ``python -m clip_train ...`` is forked from the worker's server
-        (``forked_cli``) where it can be."""
+        (``forked_cli``) where it can be, and so are the ranks of ``torchrun ... -m clip_train ...``."""
         out_read, out_write = os.pipe()
         err_read, err_write = (out_read, out_write) if merge_stderr else os.pipe()
         env = os.environ if env is None else env
         if forked_cli.can_fork(command, env, popen_kwargs):
             process = forked_cli.start(command, env, popen_kwargs.get("cwd"), out_write, err_write)
         else:
+            command, env = forked_cli.with_forked_ranks(command, env, popen_kwargs)
             process = subprocess.Popen(command, stdout=out_write, stderr=err_write, env=env, **popen_kwargs)
         for fd in {out_write, err_write}:
             os.close(fd)

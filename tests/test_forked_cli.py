@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import forked_cli
+import psutil
 import pytest
 from processes import Watched
 from small_runs import DEMO_CONFIG, ROOT, run_overrides
@@ -151,3 +153,153 @@ def test_only_python_m_clip_train_without_other_options_or_pythonpath_is_forked(
     command, env_changes, options, forks
 ) -> None:
     assert forked_cli.can_fork(command, {**os.environ, **env_changes}, options) is forks
+
+
+# ---- torchrun's ranks (forked_rank.py standing in for each) ----
+
+RANK_PROBE = """
+    import os, signal, subprocess, sys, time
+    def say(*words):  # one write a line: the two ranks share the pipe
+        sys.stdout.write(" ".join(map(str, words)) + "\\n")
+    rank = os.environ["RANK"]
+    say("@probe", rank, os.environ.get("OMP_NUM_THREADS"), os.environ.get("PYTHONUNBUFFERED"),
+        sys.stdout.write_through, os.getpgid(0) == os.getpid(), os.getcwd(), sys.argv[1:])
+    say("@parent", rank, os.getppid())
+    ending = sys.argv[1] if rank == "1" else "0"
+    if ending == "wait":  # signals print; a child process in the rank's group; then wait to be killed
+        signal.signal(signal.SIGUSR1, lambda *_: say("@probe", rank, "got SIGUSR1"))
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        say("@group", rank, os.getpid(), child.pid)
+        time.sleep(600)
+    if ending == "SIGSEGV":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    sys.exit(int(ending))
+"""
+
+
+def _torchrun_probe(folder, ending: str, env: dict[str, str], nproc: int = 2) -> Watched:
+    """``torchrun -m probe ENDING`` in ``folder``: rank 0 ends at once, rank 1 as ``ending`` says."""
+    (folder / "probe.py").write_text(textwrap.dedent(RANK_PROBE))
+    command = [*forked_cli.TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "probe", ending]
+    return Watched.start(command, env=env, cwd=folder, merge_stderr=True)
+
+
+def _env(fresh: bool) -> dict[str, str]:
+    return {**os.environ, **({forked_cli.ALWAYS_FRESH: "1"} if fresh else {})}
+
+
+def _probe_lines(output: str, kind: str) -> list[list[str]]:
+    return sorted(line.split(" ", 2)[1:] for line in output.splitlines() if line.startswith(kind + " "))
+
+
+def _status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def _ends(pids: list[int], within_s: float = 60.0) -> bool:
+    """Whether every process ends (gone, or a zombie left to whoever adopted it); a hang guard."""
+    deadline = time.monotonic() + within_s
+    while any(_status(pid) not in ("gone", psutil.STATUS_ZOMBIE) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _rank_of(worker: psutil.Process) -> str | None:
+    """A torchrun worker's rank; None for one that has ended (rank 0 here ends at once)."""
+    try:
+        return worker.environ().get("RANK")
+    except psutil.Error:
+        return None
+
+
+def _ranks_parents(output: str) -> set[str]:
+    return {parent for _, parent in _probe_lines(output, "@parent")}
+
+
+@pytest.mark.parametrize("ending", ["0", "3", "SIGSEGV"])
+def test_torchruns_forked_ranks_start_and_end_as_fresh_ones(ending, tmp_path) -> None:
+    """Each rank's environment (torchrun's variables, one OpenMP thread, unbuffered by -u but not
+    set), process group, directory and arguments, and how torchrun reports its end (a status, or
+    the signal that killed it): as with fresh ranks. The forked ones are children of the server."""
+    seen = []
+    for fresh in (True, False):
+        folder = tmp_path / ("fresh" if fresh else "forked")
+        folder.mkdir()
+        run = _torchrun_probe(folder, ending, _env(fresh))
+        result = run.wait()
+        parents = _ranks_parents(result.stdout)
+        assert (parents == {str(run.process.pid)}) is fresh, (parents, run.process.pid)
+        lines = [
+            [r, text.replace(str(folder), "FOLDER")] for r, text in _probe_lines(result.stdout, "@probe")
+        ]
+        statuses = re.findall(r"exitcode\s+:\s*(-?\d+)", result.stdout)
+        seen.append((result.returncode, lines, statuses))
+    assert seen[0] == seen[1]
+    assert seen[0][2] == ({"0": [], "3": ["3"], "SIGSEGV": ["-11"]}[ending]), seen[0]
+
+
+def test_a_signal_to_a_ranks_stand_in_reaches_its_group_and_its_sigkill_ends_the_group(tmp_path) -> None:
+    """A signal sent to a worker's process group, as the tests and torchrun send them, reaches the
+    forked rank; SIGKILL to the worker ends the rank and its child processes, and torchrun reports
+    the worker killed, as it does for a fresh rank."""
+    ends = []
+    for fresh in (True, False):
+        folder = tmp_path / ("fresh" if fresh else "forked")
+        folder.mkdir()
+        run = _torchrun_probe(folder, "wait", _env(fresh))
+        try:
+            run.wait_for(lambda run=run: "@group 1 " in run.stdout.text, "rank 1's group")
+            (worker,) = [p for p in psutil.Process(run.process.pid).children() if _rank_of(p) == "1"]
+            os.killpg(worker.pid, signal.SIGUSR1)
+            run.wait_for(lambda run=run: "@probe 1 got SIGUSR1" in run.stdout.text, "the signal")
+            (group,) = _probe_lines(run.stdout.text, "@group")
+            rank_pid, child_pid = map(int, group[1].split())
+            worker.send_signal(signal.SIGKILL)
+            result = run.wait()
+        finally:
+            run.process.kill()
+        assert _ends([rank_pid, child_pid]), (fresh, _status(rank_pid), _status(child_pid))
+        ends.append((result.returncode, re.findall(r"exitcode\s+:\s*(-?\d+)", result.stdout)))
+    assert ends[0] == ends[1] == (1, ["-9"]), ends
+
+
+def test_a_rank_whose_start_up_environment_is_not_the_servers_starts_fresh(tmp_path) -> None:
+    """One process without OMP_NUM_THREADS: torchrun sets none, the server was started with one
+    thread (as for several ranks), so it answers ``fresh`` and the rank becomes torchrun's own
+    fresh child, which runs as before."""
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    run = _torchrun_probe(tmp_path, "0", env, nproc=1)
+    result = run.wait()
+    assert forked_cli.RANK_CLIENT in result.args and result.returncode == 0, result.stdout[-3000:]
+    assert _ranks_parents(result.stdout) == {str(run.process.pid)}
+    assert _probe_lines(result.stdout, "@probe")[0][1].split()[0] == "None"  # no OpenMP setting
+
+
+@pytest.mark.parametrize(
+    ("command", "env_changes", "forked"),
+    [
+        ([*forked_cli.TORCHRUN, "--nproc-per-node=2", "-m", "clip_train", "train"], {}, True),
+        ([*forked_cli.TORCHRUN, "-m", "probe"], {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, True),
+        ([*forked_cli.TORCHRUN, "--nproc-per-node=2", "-m", "clip_train"], {"PYTHONPATH": "/faults"}, False),
+        ([*forked_cli.TORCHRUN, "-m", "clip_train"], {forked_cli.ALWAYS_FRESH: "1"}, False),
+        ([*forked_cli.TORCHRUN, "--nproc-per-node=2", "train.py", "-m"], {}, False),
+        ([*CLI, "train", "-m", "x"], {}, False),
+    ],
+)
+def test_only_torchrun_of_a_module_without_its_own_pythonpath_gets_forked_ranks(
+    command, env_changes, forked
+) -> None:
+    env = {**os.environ, **env_changes}
+    rewritten, rank_env = forked_cli.with_forked_ranks(command, env, {})
+    if not forked:
+        assert (rewritten, rank_env) == (command, env)
+        return
+    at = command.index("-m", 3)
+    assert rewritten == [*command[:at], forked_cli.RANK_CLIENT, *command[at:]]
+    assert rank_env == {**env, forked_cli.RANK_SERVER: rank_env[forked_cli.RANK_SERVER]}
+    assert os.path.exists(rank_env[forked_cli.RANK_SERVER])  # the server's socket, listening

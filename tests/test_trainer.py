@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import forked_cli
 import psutil
 import pytest
 import torch
@@ -60,8 +61,13 @@ def overrides(digits: Path, out_dir: Path, *extra: str) -> list[str]:
     )
 
 
-def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> Watched:
+def torchrun(*args: str, nproc: int = 2, restarts: int = 0, fresh_ranks: bool = False) -> Watched:
+    """A real torchrun run of the demo recipe. Its ranks are forked from a server that imported the
+    library (tests/forked_rank.py) unless ``fresh_ranks``: a test that places a signal to the step
+    wants it sent to the rank itself, not forwarded by the rank's stand-in."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if fresh_ranks:
+        env[forked_cli.ALWAYS_FRESH] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command += [
         f"--max-restarts={restarts}",
@@ -191,7 +197,7 @@ def test_signals_save_the_step_in_progress_and_the_rerun_redoes_none(digits, ref
     started again picks up at the next step, ending bit-identical."""
     out = tmp_path / "preempted"
     args = overrides(digits, out, "checkpoint.every_steps=1000", "checkpoint.resume=auto")
-    run = torchrun(*args)
+    run = torchrun(*args, fresh_ranks=True)
     wait_for_logged_steps(run, out, 3)
     sent = signal_rank_group(run, 0, signal.SIGTERM)  # rank 0 logs: its log times place the signal
     output = run.wait().stdout
@@ -200,7 +206,7 @@ def test_signals_save_the_step_in_progress_and_the_rerun_redoes_none(digits, ref
     assert f"clip-train: preempted: SIGTERM received: stopped after step {stopped};" in output, output[-3000:]
     assert logged_steps(out) == list(range(1, stopped + 1))
 
-    run = torchrun(*args)
+    run = torchrun(*args, fresh_ranks=True)
     wait_for_logged_steps(run, out, stopped + 3)
     sent = signal_rank_group(run, 1, signal.SIGUSR1)  # rank 0 learns of it at the step's end
     output = run.wait().stdout
