@@ -285,7 +285,8 @@ def _fork(
             sock.close()
         return request
     if request.stand_in:  # its group exists before the stand-in learns the pid and signals it
-        os.setpgid(pid, pid)
+        with contextlib.suppress(ProcessLookupError):  # it has already ended
+            os.setpgid(pid, pid)
     os.close(request.stdout)
     os.close(request.stderr)
     _send(reply, pid)
@@ -309,9 +310,10 @@ def _send(reply: socket.socket, number: int) -> None:
 
 
 def end_with_stand_in(stand_in: socket.socket) -> None:
-    """A rank leads a process group of its own (``_fork`` made it), as each torchrun worker does,
-    and the group (it and its DataLoader workers) is killed once its stand-in has died: a worker
-    that torchrun or a test SIGKILLs ends with its group."""
+    """A rank leads a process group of its own, as each torchrun worker does, and the group (it and
+    its DataLoader workers) is killed once its stand-in has died: a worker that torchrun or a test
+    SIGKILLs ends with its group."""
+    os.setpgid(0, 0)  # as the server does for it: whichever runs first makes the group
 
     def watch() -> None:
         with contextlib.suppress(OSError):

@@ -166,6 +166,10 @@ RANK_PROBE = """
         sys.stdout.write_through, os.getpgid(0) == os.getpid(), os.getcwd(), sys.argv[1:])
     say("@parent", rank, os.getppid())
     ending = sys.argv[1] if rank == "1" else "0"
+    if rank == "0":
+        open("rank0-said", "w").close()
+    while not os.path.exists("rank0-said"):  # rank 1 fails only after rank 0 has said its lines
+        time.sleep(0.01)
     if ending == "wait":  # signals print; a child process in the rank's group; then wait to be killed
         signal.signal(signal.SIGUSR1, lambda *_: say("@probe", rank, "got SIGUSR1"))
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -217,6 +221,17 @@ def _rank_of(worker: psutil.Process) -> str | None:
         return None
 
 
+def _reported(output: str) -> list[str]:
+    """Rank 1's exit status in torchrun's failure report, if it failed. (Rank 0 ends at once, but
+    may still be ending when rank 1 fails, and then torchrun stops it: its end is not compared.)"""
+    return re.findall(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: (-?\d+)", output)
+
+
+def _live_ranks(run: Watched) -> list[str]:
+    """The ranks of torchrun's workers that still run."""
+    return sorted(rank for worker in psutil.Process(run.process.pid).children() if (rank := _rank_of(worker)))
+
+
 def _ranks_parents(output: str) -> set[str]:
     return {parent for _, parent in _probe_lines(output, "@parent")}
 
@@ -237,23 +252,22 @@ def test_torchruns_forked_ranks_start_and_end_as_fresh_ones(ending, tmp_path) ->
         lines = [
             [r, text.replace(str(folder), "FOLDER")] for r, text in _probe_lines(result.stdout, "@probe")
         ]
-        statuses = re.findall(r"exitcode\s+:\s*(-?\d+)", result.stdout)
-        seen.append((result.returncode, lines, statuses))
+        seen.append((result.returncode, lines, _reported(result.stdout)))
     assert seen[0] == seen[1]
-    assert seen[0][2] == ({"0": [], "3": ["3"], "SIGSEGV": ["-11"]}[ending]), seen[0]
+    assert seen[0][2] == {"0": [], "3": ["3"], "SIGSEGV": ["-11"]}[ending], seen[0]
 
 
 def test_a_signal_to_a_ranks_stand_in_reaches_its_group_and_its_sigkill_ends_the_group(tmp_path) -> None:
     """A signal sent to a worker's process group, as the tests and torchrun send them, reaches the
     forked rank; SIGKILL to the worker ends the rank and its child processes, and torchrun reports
     the worker killed, as it does for a fresh rank."""
-    ends = []
     for fresh in (True, False):
         folder = tmp_path / ("fresh" if fresh else "forked")
         folder.mkdir()
         run = _torchrun_probe(folder, "wait", _env(fresh))
         try:
             run.wait_for(lambda run=run: "@group 1 " in run.stdout.text, "rank 1's group")
+            run.wait_for(lambda run=run: _live_ranks(run) == ["1"], "rank 0's end")  # the one failure
             (worker,) = [p for p in psutil.Process(run.process.pid).children() if _rank_of(p) == "1"]
             os.killpg(worker.pid, signal.SIGUSR1)
             run.wait_for(lambda run=run: "@probe 1 got SIGUSR1" in run.stdout.text, "the signal")
@@ -264,8 +278,8 @@ def test_a_signal_to_a_ranks_stand_in_reaches_its_group_and_its_sigkill_ends_the
         finally:
             run.process.kill()
         assert _ends([rank_pid, child_pid]), (fresh, _status(rank_pid), _status(child_pid))
-        ends.append((result.returncode, re.findall(r"exitcode\s+:\s*(-?\d+)", result.stdout)))
-    assert ends[0] == ends[1] == (1, ["-9"]), ends
+        end = (result.returncode, _reported(result.stdout))
+        assert end == (1, ["-9"]), (fresh, end, result.stdout[-3000:])
 
 
 def test_a_rank_whose_start_up_environment_is_not_the_servers_starts_fresh(tmp_path) -> None:
