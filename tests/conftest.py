@@ -10,24 +10,25 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-# The longest files, longest first (wall seconds in a 2-core `make test`: real Slurm runs make
-# test_launch ~140 s in CI). `make test` hands whole files to its two workers in collection order
+# The longest files, longest first (wall seconds in a 2-core `make test`; the real Slurm runs add
+# about 75 s to test_launch in CI). `make test` hands whole files to its two workers in this order
 # (--no-loadscope-reorder: xdist's own order puts the files with the most tests first, and those
 # are quick), so the long ones start early and the workers end together instead of one finishing
 # the last long file alone. A stale list costs balance only; files not named keep their order.
 LONGEST_FIRST = (
-    "test_launch.py",
-    "test_stopping.py",  # 166
-    "test_fsdp_trainer.py",  # 114
-    "test_trainer.py",  # 101
-    "test_gpu_bench.py",  # 86
-    "test_gpu_kit.py",  # 71, mostly pip reading the package index: it overlaps the CPU's work
-    "test_fsdp_gradcache.py",  # 72
-    "test_fine_tune_runs.py",  # 70
-    "test_bench.py",  # 52
-    "test_data.py",  # 50
-    "test_forked_cli.py",  # 46
-    "test_open_clip_text.py",  # 45
+    "test_stopping.py",  # 176
+    "test_launch.py",  # 40, 115 in CI
+    "test_gpu_bench.py",  # 83
+    "test_fsdp_gradcache.py",  # 71
+    "test_gpu_kit.py",  # 66, much of it pip reading the package index: it overlaps the CPU's work
+    "test_fsdp_trainer.py",  # 60
+    "test_bench.py",  # 54
+    "test_forked_cli.py",  # 52
+    "test_trainer.py",  # 50
+    "test_checkpoint_verify.py",  # 49
+    "test_fsdp_bench.py",  # 38
+    "test_fine_tune_runs.py",  # 33
+    "test_open_clip_text.py",  # 32
 )
 
 
