@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import itertools
 import os
@@ -148,7 +149,6 @@ class Server:
 
 _servers: dict[tuple[tuple[str, str], ...], Server] = {}  # by start-up environment, oldest use first
 _servers_lock = threading.Lock()
-_sockets_folder: list[str] = []  # made at the first server, removed at exit
 _server_numbers = itertools.count()
 
 
@@ -165,12 +165,17 @@ def _server_for(env: Mapping[str, str]) -> Server:
     return server
 
 
+@functools.cache
+def _sockets_folder() -> str:
+    """Where the servers' listening sockets are: made at the first server, removed at exit."""
+    folder = tempfile.mkdtemp(prefix="forked-cli-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def _start_server(env: Mapping[str, str]) -> Server:
-    if not _sockets_folder:
-        _sockets_folder.append(tempfile.mkdtemp(prefix="forked-cli-"))
-        atexit.register(shutil.rmtree, _sockets_folder[0], ignore_errors=True)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    address = os.path.join(_sockets_folder[0], f"{next(_server_numbers)}.sock")
+    address = os.path.join(_sockets_folder(), f"{next(_server_numbers)}.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
     listener.listen(64)  # ranks may connect while the server still imports: they wait in the backlog

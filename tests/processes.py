@@ -58,7 +58,7 @@ class Watched:
         **popen_kwargs,
     ) -> Watched:
         """Start ``command``; ``python -m clip_train ...`` is forked from the worker's server
-        (``forked_cli``) where it can be, and so are the ranks of ``torchrun ... -m clip_train ...``."""
+        (``forked_cli``) where it can be, and so are the ranks of ``torchrun ... -m MODULE ...``."""
         out_read, out_write = os.pipe()
         err_read, err_write = (out_read, out_write) if merge_stderr else os.pipe()
         env = os.environ if env is None else env

@@ -46,13 +46,18 @@ def test_a_forked_command_ends_as_a_fresh_interpreter_does(case, tmp_path) -> No
     assert fresh.returncode == status
 
 
+def _env(fresh: bool) -> dict[str, str]:
+    """The tests' environment, with every command started fresh if ``fresh``."""
+    return {**os.environ, **({forked_cli.ALWAYS_FRESH: "1"} if fresh else {})}
+
+
 def test_sigterm_stops_a_forked_run_as_it_stops_a_fresh_one(digits, tmp_path) -> None:
     """A signal mid-run reaches the forked process, which ends as the fresh one does: the step in
     progress saved, the preemption status, the same last line. (Not SIGINT: pytest-xdist's workers,
     and so every process they start, ignore it.)"""
     ends = []
     for fresh in (True, False):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({forked_cli.ALWAYS_FRESH: "1"} if fresh else {})}
+        env = {**_env(fresh), "PYTHONUNBUFFERED": "1"}
         out = tmp_path / ("fresh" if fresh else "forked")
         overrides = run_overrides(digits, out, 1000, "log.every_steps=1")
         run = Watched.start([*CLI, "train", str(DEMO_CONFIG), *overrides], env=env)
@@ -182,14 +187,12 @@ RANK_PROBE = """
 
 
 def _torchrun_probe(folder, ending: str, env: dict[str, str], nproc: int = 2) -> Watched:
-    """``torchrun -m probe ENDING`` in ``folder``: rank 0 ends at once, rank 1 as ``ending`` says."""
+    """``torchrun -m probe ENDING`` in ``folder`` (made here): rank 0 ends at once, rank 1 as
+    ``ending`` says."""
+    folder.mkdir(exist_ok=True)
     (folder / "probe.py").write_text(textwrap.dedent(RANK_PROBE))
     command = [*forked_cli.TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "probe", ending]
     return Watched.start(command, env=env, cwd=folder, merge_stderr=True)
-
-
-def _env(fresh: bool) -> dict[str, str]:
-    return {**os.environ, **({forked_cli.ALWAYS_FRESH: "1"} if fresh else {})}
 
 
 def _probe_lines(output: str, kind: str) -> list[list[str]]:
@@ -244,7 +247,6 @@ def test_torchruns_forked_ranks_start_and_end_as_fresh_ones(ending, tmp_path) ->
     seen = []
     for fresh in (True, False):
         folder = tmp_path / ("fresh" if fresh else "forked")
-        folder.mkdir()
         run = _torchrun_probe(folder, ending, _env(fresh))
         result = run.wait()
         parents = _ranks_parents(result.stdout)
@@ -262,9 +264,7 @@ def test_a_signal_to_a_ranks_stand_in_reaches_its_group_and_its_sigkill_ends_the
     forked rank; SIGKILL to the worker ends the rank and its child processes, and torchrun reports
     the worker killed, as it does for a fresh rank."""
     for fresh in (True, False):
-        folder = tmp_path / ("fresh" if fresh else "forked")
-        folder.mkdir()
-        run = _torchrun_probe(folder, "wait", _env(fresh))
+        run = _torchrun_probe(tmp_path / ("fresh" if fresh else "forked"), "wait", _env(fresh))
         try:
             run.wait_for(lambda run=run: "@group 1 " in run.stdout.text, "rank 1's group")
             run.wait_for(lambda run=run: _live_ranks(run) == ["1"], "rank 0's end")  # the one failure
