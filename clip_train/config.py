@@ -196,6 +196,8 @@ class LogConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # status lines on stderr
     peak_tflops: float = 0.0  # a device's dense peak TFLOP/s for mfu; 0: NVIDIA's table (A100-B200; no CPU)
     all_ranks: bool = False  # every rank's status lines, tagged [rank N]; false: rank 0 (others warn only)
+    profile_steps: int = 0  # trace this many steps with torch.profiler into profile/ of the run; 0: none
+    profile_after: int = 10  # steps run before the trace starts (compiling, warming up)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -261,6 +263,8 @@ class Config:
             "data.workers",
             "data.shuffle_buffer",
             "eval.every_steps",
+            "log.profile_steps",
+            "log.profile_after",
         ):
             if (value := operator.attrgetter(key)(self)) < 0:
                 raise ConfigError(f"{key}={value} must be >= 0")

@@ -45,6 +45,7 @@ from clip_train.plan import choose_chunks
 from clip_train.plan.auto_chunks import ChunkChoice
 from clip_train.precision import use_tf32
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
+from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
 from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 
@@ -129,6 +130,8 @@ class Trainer:
             shard_towers(self.model, cfg.fsdp, cfg.train.precision, env.device)
         self.update = Update(self.model, cfg, env.device)
         self.ema = WeightsEMA.from_config(self.model, cfg.train)  # of the weights as loaded and sharded
+        first_traced = cfg.log.profile_after + 1
+        self.profiler = StepProfiler(first_traced, cfg.log.profile_steps, self.run_dir, env.device, env.rank)
         self.loader = build_train_loader(
             cfg.data,
             global_batch=cfg.batch.global_size,
@@ -236,10 +239,11 @@ class Trainer:
             scale_loss=self.update.scaler.scale,
             timed=logged,
         )
-        grad_norm = self.update(stats.loss, self.step + 1)
+        with phase("optimizer"):
+            grad_norm = self.update(stats.loss, self.step + 1)
+            if self.ema is not None:
+                self.ema.update(self.step + 1, self.update.stepped)  # a skipped step leaves it as it is
         self.step += 1
-        if self.ema is not None:
-            self.ema.update(self.step, self.update.stepped)  # a skipped step leaves it as it is
         if logged:  # the optimizer's and the EMA's queued kernels are this step's time
             wait_for_device(self.env.device)
         return StepResult(stats, grad_norm)
@@ -278,11 +282,12 @@ class Trainer:
                     logged = self._logs_at(self.step + 1)  # only logged steps wait for the device
                     if logged:  # the earlier steps' queued kernels are not this step's time
                         wait_for_device(env.device)
-                    started = time.perf_counter()
-                    with failing_together():  # a rank's data error stops all at once
-                        batch = next(self.loader)
-                    data_s = time.perf_counter() - started
-                    result = self.train_step(batch, logged)
+                    with self.profiler.around(self.step + 1):
+                        started = time.perf_counter()
+                        with failing_together(), phase("data"):  # a rank's data error stops all at once
+                            batch = next(self.loader)
+                        data_s = time.perf_counter() - started
+                        result = self.train_step(batch, logged)
                     ended = time.perf_counter()
                     window.add_step(ended)
                     self._after_step(result, monitor, data_s, ended - started, window)
@@ -293,6 +298,7 @@ class Trainer:
                     self._save()
                 raise self._preempted(signals)
         finally:
+            self.profiler.close()
             self.loader.close()  # its workers ignore SIGTERM (kept for preemption): stop them here
             if self.remote is not None:
                 self.remote.wait()  # the last checkpoint's upload
@@ -315,6 +321,7 @@ class Trainer:
         if monitor is not None:
             self._report(monitor, result, data_s, step_s, window if at_log else None)
         aside = time.perf_counter()
+        self.profiler.write_finished()
         if at_checkpoint and not self.update.skipped_steps.in_a_row:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:

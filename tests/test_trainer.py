@@ -97,9 +97,11 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 @pytest.fixture(scope="module")
 def reference(digits, tmp_path_factory) -> Path:
-    """The uninterrupted run, with wandb on (offline) to check what a run leaves behind."""
+    """The uninterrupted run, with wandb on (offline) to check what a run leaves behind, and steps
+    9-11 profiled: the runs compared with it bit for bit profile nothing."""
     out = tmp_path_factory.mktemp("reference")
-    finish(torchrun(*overrides(digits, out, "log.wandb.mode=offline")))
+    profiled = ("log.profile_after=8", "log.profile_steps=3")
+    finish(torchrun(*overrides(digits, out, "log.wandb.mode=offline", *profiled)))
     return out
 
 
@@ -124,6 +126,16 @@ def test_two_rank_run_writes_checkpoints_metrics_and_wandb(reference):
         p for p in reference.rglob("*") if p.is_file() and "WANDB_API_KEY" in p.read_text(errors="ignore")
     ]
     assert not key_like
+    profiles = sorted(p.name for p in (reference / "profile").iterdir())  # every rank traces its own steps
+    assert profiles == [
+        "summary-rank0.json",
+        "summary-rank1.json",
+        "trace-rank0.json.gz",
+        "trace-rank1.json.gz",
+    ]
+    for rank in (0, 1):
+        summary = json.loads((reference / "profile" / f"summary-rank{rank}.json").read_text())
+        assert summary["steps_traced"] == [9, 11] and summary["host_s"]["loss"] > 0
 
 
 def test_resume_from_mid_run_checkpoint_is_bit_identical(digits, reference, tmp_path):

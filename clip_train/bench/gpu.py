@@ -1,21 +1,23 @@
 """`clip-train bench gpu` (``make gpu-bench``): what one GPU session should measure, in one command
 of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everything),
-``gpu-bench.md`` (the summary tables, printed last) and ``gpu-bench.log`` (every step's output).
+``gpu-bench.md`` (the summary tables, printed last), ``gpu-bench.log`` (every step's output) and
+``gpu-bench.trace.json.gz`` (the profiled steps' Chrome trace).
 
-1. loss: forward + backward in bf16, d = 512, at 16k to 262k rows: clip_train's tiles, open_clip's
+1. matmul: the rate of an 8192³ bf16 product, the practical ceiling "of matmul rate" is against;
+2. loss: forward + backward in bf16, d = 512, at 16k to 262k rows: clip_train's tiles, open_clip's
    ``ClipLoss`` (until it runs out of memory) and Inf-CL's ``cal_inf_loss`` when ``inf_cl`` is
    installed; time, peak memory, error against fp64 at 8k rows, and the time over the floor of the
-   loss's 4 matmuls at the bf16 matmul rate measured in the same run (``bench loss``);
-2. trainer: ``clip-train train`` on synthetic 224 px shards, ViT-B/16 + BERT-base, per-GPU batch
+   loss's 4 matmuls at the rate of its b × d × b product measured in the same run (``bench loss``);
+3. trainer: ``clip-train train`` on synthetic 224 px shards, ViT-B/16 + BERT-base, per-GPU batch
    256 in one chunk and 1024 with Gradient Cache, eager and ``train.compile``: samples/s, model
    TFLOP/s, MFU, the share of the measured matmul rate, peak memory and the step split;
-3. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
+4. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
    at the trainer's eager batches and chunks, and the trainer's samples/s as a share of its;
-4. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
+5. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
    beside clip_train (``bench train``);
-5. profile: one training step with ``train.compile`` (the trainer's fastest setting) under
-   ``torch.profiler``: the top 15 kernels by time and the shares of matmul, attention, elementwise
-   (everything else), optimizer, copies and idle gaps.
+6. profile: five compiled training steps of ``clip-train train`` at batch 256 under
+   ``log.profile_steps`` (``clip_train.profiling``): the shares of matmul, attention, elementwise,
+   optimizer, copies and idle, the idle time by what the host was doing, and the top 15 kernels.
 
 Each section runs in its own processes and fails soft: its error goes into the JSON and the summary,
 and the next section runs. Without a CUDA GPU the same sections run on the CPU at toy sizes (the
@@ -34,11 +36,11 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,11 +49,15 @@ from typing import Any
 import torch
 
 from clip_train.bench.runner import in_fresh_process
+from clip_train.bench.train import _clip_train, _open_clip
+from clip_train.config import load_config
+from clip_train.distributed import wait_for_device
+from clip_train.export import export_open_clip
+from clip_train.model import build_model
+from clip_train.profiling import SHARES, describe
 
-SECTIONS = ("loss", "trainer", "step", "open_clip", "profile")
-STEP, OPTIMIZER = "clip_train.step", "clip_train.optimizer"  # the profiled step's annotations
-TOP_KERNELS = 15
-FILES = ("gpu-bench.json", "gpu-bench.md", "gpu-bench.log")
+SECTIONS = ("matmul", "loss", "trainer", "step", "open_clip")
+FILES = ("gpu-bench.json", "gpu-bench.md", "gpu-bench.log", "gpu-bench.trace.json.gz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +78,9 @@ class Sizes:
     log_every: int  # the trainer's samples/s: over each window of this many steps (one waits to log)
     step_repeats: int
     open_clip_batch: int
+    matmul_size: int  # the square product whose rate "of matmul rate" is against
+    profile_after: int  # the profiled run's steps before its trace
+    profile_steps: int
 
 
 GPU = Sizes(
@@ -83,11 +92,14 @@ GPU = Sizes(
     synthetic_images=4096,
     workers=min(12, max(1, (os.cpu_count() or 2) - 2)),
     trainer=((256, 0, 0, False), (256, 0, 0, True), (1024, 256, 512, False), (1024, 256, 512, True)),
-    steps=50,
+    steps=30,
     warmup=10,
     log_every=10,
     step_repeats=10,
     open_clip_batch=256,
+    matmul_size=8192,
+    profile_after=3,  # steps 4-8: compiled, no log step waits, before the measured windows 11-30
+    profile_steps=5,
 )
 DRY_RUN = Sizes(
     loss_batches=(256,),
@@ -103,6 +115,9 @@ DRY_RUN = Sizes(
     log_every=2,
     step_repeats=1,
     open_clip_batch=16,
+    matmul_size=256,
+    profile_after=1,  # steps 2-3
+    profile_steps=2,
 )
 
 
@@ -134,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     summary = _write(report, out)  # rewritten after every section: a session cut short keeps what it measured
     with tempfile.TemporaryDirectory() as tmp, (out / "gpu-bench.log").open("w") as log:
-        bench = _Bench(sizes, "cuda" if cuda else "cpu", Path(tmp), log, args.set)
+        bench = _Bench(sizes, "cuda" if cuda else "cpu", out, Path(tmp), log, args.set)
         for name in sections:
             report[name] = bench.section(name, getattr(bench, name))
             report["wall_s"] = time.perf_counter() - started
@@ -179,8 +194,8 @@ def _machine(cuda: bool) -> dict[str, Any]:
 class _Bench:
     """The sections, in order; later ones use what earlier ones measured (the matmul rate)."""
 
-    def __init__(self, sizes: Sizes, device: str, work: Path, log, overrides: list[str]) -> None:
-        self.sizes, self.device, self.work, self.log = sizes, device, work, log
+    def __init__(self, sizes: Sizes, device: str, out: Path, work: Path, log, overrides: list[str]) -> None:
+        self.sizes, self.device, self.out, self.work, self.log = sizes, device, out, work, log
         self.overrides = overrides
         self.matmul_tflops: float | None = None
 
@@ -214,6 +229,13 @@ class _Bench:
             shown = "\n".join([*said, "...", *lines[-10:]])
             raise RuntimeError(f"clip-train {arguments[0]} {arguments[1]} exited {proc.returncode}:\n{shown}")
 
+    def matmul(self) -> dict[str, Any]:
+        """The rate a large square bf16 product reaches here: what "of matmul rate" is against, the
+        device's practical ceiling (an H100 SXM reaches about 800 of its datasheet's 989 TFLOP/s)."""
+        spec = {"device": self.device, "size": self.sizes.matmul_size}
+        self.matmul_tflops = in_fresh_process(square_matmul_tflops, spec)
+        return {**spec, "dtype": "bfloat16", "tflops": self.matmul_tflops}
+
     def loss(self) -> dict[str, Any]:
         sizes, out = self.sizes, self.work / "loss.json"
         impls = ["inf", "open_clip", *(["inf_cl"] if importlib.util.find_spec("inf_cl") else [])]
@@ -225,16 +247,16 @@ class _Bench:
         measured = json.loads(out.read_text())
         floors = [p for p in measured["points"] if p["impl"] == "floor" and p["time_s"]]
         rates = [2 * p["batch"] ** 2 * p["dim"] / p["time_s"] / 1e12 for p in floors]
-        self.matmul_tflops = max(rates)
+        floor_tflops = max(rates)  # the loss's own shape (b × d × b), not the square product's
         points = []
         for point in measured["points"]:
             if point["impl"] == "floor":
                 continue
-            floor_s = 8 * point["batch"] ** 2 * point["dim"] / (self.matmul_tflops * 1e12)  # 4 matmuls
+            floor_s = 8 * point["batch"] ** 2 * point["dim"] / (floor_tflops * 1e12)  # 4 matmuls
             ratio = point["time_s"] / floor_s if point["time_s"] else None
             points.append({**point, "four_matmul_floor_s": floor_s, "x_floor": ratio})
         return {
-            "matmul_tflops": self.matmul_tflops,
+            "matmul_tflops": floor_tflops,
             "matmul_tflops_by_batch": dict(zip((p["batch"] for p in floors), rates, strict=True)),
             "points": points,
             "accuracy": measured["accuracy"],
@@ -260,20 +282,34 @@ class _Bench:
         return settings
 
     def trainer(self) -> dict[str, Any]:
-        from clip_train.bench.train import _clip_train
-
-        sizes, shards, runs = self.sizes, self._shards(), []
+        """The trainer at each setting; the first compiled run (its fastest) is also profiled, in
+        steps before its measured windows, so the profile shows the loop as a run has it."""
+        sizes, shards, runs, profile = self.sizes, self._shards(), [], None
         for batch, image_chunk, text_chunk, compiled in sizes.trainer:
             run = {"batch": batch, "chunks": [image_chunk, text_chunk], "compile": compiled}
             settings = self._settings(image_chunk, text_chunk, compiled)
+            profiled = compiled and profile is None
+            if profiled:
+                settings += [
+                    f"log.profile_after={sizes.profile_after}",
+                    f"log.profile_steps={sizes.profile_steps}",
+                ]
             options = SimpleNamespace(
                 config=sizes.model, set=settings, shards=shards, steps=sizes.steps, warmup=sizes.warmup
             )
             self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
+            run_dir, started = self.work / f"run-{batch}-{compiled}", time.perf_counter()
             try:
-                run |= _clip_train(options, batch, 1, self.work / f"run-{batch}-{compiled}", sizes.log_every)
+                run |= _clip_train(options, batch, 1, run_dir, sizes.log_every)
+                if profiled:
+                    profile = {
+                        "batch": batch,
+                        "chunks": run["chunks"],
+                        **self._keep_profile(run_dir / "profile"),
+                    }
             except Exception as err:
                 run["error"] = f"{type(err).__name__}: {err}"[-3000:]
+            run["wall_s"] = time.perf_counter() - started  # start-up and compiling included
             if self.matmul_tflops and "tflops" in run:
                 run["of_matmul_rate"] = run["tflops"] / self.matmul_tflops
             self._note(json.dumps(run))  # in the log at once: a session cut short keeps the runs so far
@@ -284,7 +320,13 @@ class _Bench:
             "warmup": sizes.warmup,
             "log_every": sizes.log_every,
             "runs": runs,
+            "profile": profile,
         }
+
+    def _keep_profile(self, folder: Path) -> dict[str, Any]:
+        """The profiled run's summary; its trace goes into the results folder."""
+        shutil.copy(folder / "trace-rank0.json.gz", self.out / "gpu-bench.trace.json.gz")
+        return json.loads((folder / "summary-rank0.json").read_text())
 
     def step(self) -> dict[str, Any]:
         """The bare step at each eager trainer setting, which bounds what the loop around it can do."""
@@ -292,7 +334,7 @@ class _Bench:
         for batch, image_chunk, text_chunk, compiled in self.sizes.trainer:
             if compiled:  # bench step runs the towers eager
                 continue
-            out = self.work / f"step-{batch}.json"
+            out, started = self.work / f"step-{batch}.json", time.perf_counter()
             self._clip_train(
                 "bench", "step", "--model", self.sizes.model, "--batch", str(batch),
                 "--image-chunk", str(image_chunk), "--text-chunk", str(text_chunk), "--precision", "bf16",
@@ -305,143 +347,37 @@ class _Bench:
             step_s = point["median_s"]
             points.append(
                 {"batch": batch, "chunks": [image_chunk, text_chunk], "step_s": step_s,
-                 "samples_per_s": batch / step_s, "peak_bytes": point["peak_bytes"]}
+                 "samples_per_s": batch / step_s, "peak_bytes": point["peak_bytes"],
+                 "wall_s": time.perf_counter() - started}
             )  # fmt: skip
         return {"repeats": self.sizes.step_repeats, "points": points}
 
     def open_clip(self) -> dict[str, Any]:
-        sizes, out = self.sizes, self.work / "train.json"
-        self._clip_train(
-            "bench", "train", "--config", sizes.model, "--shards", str(self._shards()),
-            "--batch", str(sizes.open_clip_batch), "--procs", "1", "--steps", str(sizes.steps),
-            "--warmup", str(sizes.warmup), "--pairs", "1", "--json", str(out), "--set", *self._settings(0, 0),
-        )  # fmt: skip
-        (row,) = json.loads(out.read_text())["results"]
-        return row
-
-    def profile(self) -> dict[str, Any]:
-        """The step that is left to speed up: compiled, as the trainer runs fastest."""
-        batch, settings = self.sizes.trainer[0][0], self._settings(0, 0, compiled=True)
-        spec = {"model": self.sizes.model, "set": settings, "batch": batch, "device": self.device}
-        return {"batch": batch, **in_fresh_process(profile_step, spec)}
+        """OpenCLIP's own trainer on the same exported architecture and shards at the trainer's steps
+        and log cadence (its samples/s per log window, as clip_train's), beside the eager trainer."""
+        sizes, export = self.sizes, self.work / "open_clip_model"
+        cfg = load_config(sizes.model, self._settings(0, 0))
+        torch.manual_seed(cfg.train.seed)
+        export_open_clip(build_model(cfg.model).eval(), export)
+        shards, batch = self._shards(), sizes.open_clip_batch
+        options = SimpleNamespace(shards=shards, steps=sizes.steps, warmup=sizes.warmup)
+        started = time.perf_counter()
+        result = _open_clip(options, cfg, export, batch, 1, self.work / "open_clip", sizes.log_every)
+        return {"batch": batch, **result, "wall_s": time.perf_counter() - started}
 
 
-def profile_step(spec: dict[str, Any]) -> dict[str, Any]:
-    """One training step (after two warm-up steps, which compile it under ``train.compile``) under
-    ``torch.profiler``, summarised."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from clip_train.bench.step import synthetic_batch
-    from clip_train.config import load_config
-    from clip_train.distributed import wait_for_device
-    from clip_train.engine import GradCache
-    from clip_train.model import build_model
-    from clip_train.model.compiling import compile_towers
-    from clip_train.optim import Update
-    from clip_train.precision import use_tf32
-
-    device = torch.device(spec["device"])
-    cfg = load_config(spec["model"], spec["set"])
-    use_tf32(device, cfg.train.precision)  # as the trainer sets it
-    torch.manual_seed(0)
-    model = build_model(cfg.model).to(device).train()
-    if cfg.train.compile:
-        compile_towers(model)
-    engine = GradCache.from_config(model, cfg, (cfg.batch.image_chunk, cfg.batch.text_chunk))
-    update = Update(model, cfg, device)
-    batch = synthetic_batch(model, spec["batch"])
-
-    def step() -> None:
-        update.optimizer.zero_grad(set_to_none=True)
-        stats = engine.step(*batch, scale_loss=update.scaler.scale)
-        # The optimizer reads nothing from the device: without this wait, the backward's kernels still
-        # running would count as the optimizer's share.
-        wait_for_device(device)
-        with record_function(OPTIMIZER):
-            update(stats.loss, 1)
-        wait_for_device(device)
-
-    for _ in range(2):
-        step()
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-    with profile(activities=activities) as prof, record_function(STEP):
-        step()
-    events = [
-        {
-            "name": e.name,
-            "device": "cuda" if e.device_type == torch.autograd.DeviceType.CUDA else "cpu",
-            "start": e.time_range.start,
-            "end": e.time_range.end,
-            "self": e.self_cpu_time_total,
-        }
-        for e in prof.events()
-    ]
-    return summarise_profile(events, device.type)
-
-
-CATEGORIES = (  # by kernel or op name, first match wins; the rest is elementwise (and other) work
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "aten::mm", "aten::addmm",
-                "aten::bmm", "aten::baddbmm", "convolution")),
-    ("copies", ("memcpy", "memset", "copy", "aten::to", "aten::clone", "aten::cat")),
-)  # fmt: skip
-SHARES = ("matmul", "attention", "elementwise", "optimizer", "copies", "idle")
-
-
-def category(name: str, in_optimizer: bool) -> str:
-    """Which share a kernel (CUDA) or op (CPU) counts toward."""
-    if in_optimizer:
-        return "optimizer"
-    lowered = name.lower()
-    for label, needles in CATEGORIES:
-        if any(needle in lowered for needle in needles):
-            return label
-    return "elementwise"
-
-
-def summarise_profile(events: list[dict[str, Any]], device: str) -> dict[str, Any]:
-    """The step's time split into :data:`SHARES` and its top kernels, from profiler events (``name``,
-    ``device``, ``start``/``end`` in µs, CPU ``self`` µs). On CUDA the work is the kernels' time on
-    the GPU (their union: overlaps count once) and idle is the rest of the step; on the CPU it is the
-    ops' self time, and idle is the step's time outside any op (Python, waits). The optimizer is
-    everything that starts after its annotation does (``profile_step`` waits for the GPU before it)."""
-    annotations = {e["name"]: e for e in events if e["device"] == "cpu" and e["name"] in (STEP, OPTIMIZER)}
-    step, optimizer = annotations[STEP], annotations[OPTIMIZER]
-    span = step["end"] - step["start"]
-    work = [e for e in events if e["device"] == device and e["name"] not in (STEP, OPTIMIZER)]
-    work = [e for e in work if step["start"] <= e["start"] <= step["end"]]
-    totals: dict[str, float] = defaultdict(float)
-    kernels: dict[str, list[float]] = defaultdict(list)
-    for e in work:
-        time_us = e["end"] - e["start"] if device == "cuda" else e["self"]
-        totals[category(e["name"], e["start"] >= optimizer["start"])] += time_us
-        kernels[e["name"]].append(time_us)
-    busy = min(span, _union_us(work) if device == "cuda" else sum(totals.values()))
-    worked = sum(totals.values()) or 1.0  # more than busy where kernels overlap: shared pro rata
-    shares = {name: busy / span * totals[name] / worked for name in SHARES if name != "idle"}
-    shares["idle"] = 1 - busy / span
-    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:TOP_KERNELS]
-    return {
-        "device": device,
-        "step_s": span / 1e6,
-        "busy_s": busy / 1e6,
-        "shares": shares,
-        "top_kernels": [
-            {"name": name, "calls": len(times), "total_s": sum(times) / 1e6, "share": sum(times) / span}
-            for name, times in top
-        ],
-    }
-
-
-def _union_us(events: list[dict[str, Any]]) -> float:
-    """Length of the union of the events' intervals."""
-    total, reach = 0.0, -float("inf")
-    for e in sorted(events, key=lambda e: e["start"]):
-        start = max(e["start"], reach)
-        if e["end"] > start:
-            total += e["end"] - start
-        reach = max(reach, e["end"])
-    return total
+def square_matmul_tflops(spec: dict[str, Any]) -> float:
+    """TFLOP/s of a ``size``³ bf16 product: the mean of 10 after 3 warm-ups."""
+    device, size = torch.device(spec["device"]), spec["size"]
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    wait_for_device(device)
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    wait_for_device(device)
+    return 10 * 2 * size**3 / (time.perf_counter() - started) / 1e12
 
 
 def _cell(value: Any, spec: str = ".3g", suffix: str = "") -> str:
@@ -459,9 +395,9 @@ def summarise(report: dict[str, Any]) -> str:
         f"{report['wall_s']:.0f} s",
     ]
     trainer_runs = report.get("trainer", {}).get("runs", [])
-    tables = {"loss": _loss_tables, "trainer": _trainer_table,
+    tables = {"matmul": _matmul_line, "loss": _loss_tables, "trainer": _trainer_table,
               "step": lambda result: _step_table(result, trainer_runs),
-              "open_clip": _open_clip_table, "profile": _profile_tables}  # fmt: skip
+              "open_clip": lambda result: _open_clip_table(result, trainer_runs)}  # fmt: skip
     for name, write in tables.items():
         if name not in report:
             continue
@@ -477,8 +413,8 @@ def summarise(report: dict[str, Any]) -> str:
 
 def _loss_tables(result: dict[str, Any]) -> list[str]:
     lines = [
-        f"forward + backward, bf16; bf16 matmul rate measured: {result['matmul_tflops']:.3g} TFLOP/s; "
-        f"Inf-CL: {result['inf_cl']}",
+        f"forward + backward, bf16; the floor: 4 products at the rate of the loss's b x d x b product "
+        f"measured here, {result['matmul_tflops']:.3g} TFLOP/s; Inf-CL: {result['inf_cl']}",
         "",
         "| rows | impl | time s | peak GiB | x 4-matmul floor | note |",
         "|---|---|---|---|---|---|",
@@ -511,13 +447,13 @@ def _trainer_table(result: dict[str, Any]) -> list[str]:
         "the split of each logged step",
         "",
         "| batch | chunks | compile | samples/s | model TFLOP/s | MFU | of matmul rate | peak GiB | "
-        "data/encode/loss/replay/optimizer s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "data/encode/loss/replay/optimizer s | run's wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         head = f"| {r['batch']} | {'/'.join(map(str, r['chunks']))} | {r['compile']} |"
         if "error" in r:
-            lines.append(f"{head} failed: `{r['error'].splitlines()[0]}` ||||||")
+            lines.append(f"{head} failed: `{r['error'].splitlines()[0]}` |||||||")
             continue
         peak = r["peak_bytes"] / 2**30 if "peak_bytes" in r else None
         split = "/".join(f"{s:.3f}" for s in r["split_s"].values())
@@ -526,8 +462,11 @@ def _trainer_table(result: dict[str, Any]) -> list[str]:
             for key, spec in (("tflops", ".3g"), ("mfu", ".1%"), ("of_matmul_rate", ".1%"))
         ]
         lines.append(
-            f"{head} {r['samples_per_s']:.0f} | {' | '.join(rates)} | {_cell(peak, '.2f')} | {split} |"
+            f"{head} {r['samples_per_s']:.0f} | {' | '.join(rates)} | {_cell(peak, '.2f')} | {split} | "
+            f"{r['wall_s']:.0f} |"
         )
+    if result["profile"]:
+        lines += ["", "## profile", "", *_profile_tables(result["profile"])]
     return lines
 
 
@@ -540,8 +479,8 @@ def _step_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> l
         f"`clip-train bench step`, bf16, eager, median of {result['repeats']} steps after a warm-up; "
         "the loop: the eager trainer's samples/s over the step's",
         "",
-        "| batch | chunks | step s | step samples/s | peak GiB | trainer samples/s | loop / step |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | chunks | step s | step samples/s | peak GiB | trainer samples/s | loop / step | wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
         run = trainer.get((p["batch"], tuple(p["chunks"])))
@@ -550,34 +489,56 @@ def _step_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> l
         lines.append(
             f"| {p['batch']} | {'/'.join(map(str, p['chunks']))} | {p['step_s']:.4f} | "
             f"{p['samples_per_s']:.0f} | {p['peak_bytes'] / 2**30:.2f} | {_cell(loop, '.0f')} | "
-            f"{_cell(share, '.1%')} |"
+            f"{_cell(share, '.1%')} | {p['wall_s']:.0f} |"
         )
     return lines
 
 
-def _open_clip_table(row: dict[str, Any]) -> list[str]:
+def _open_clip_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> list[str]:
+    """OpenCLIP's trainer beside the eager one-chunk trainer at its batch."""
+    ours = next(
+        (r["samples_per_s"] for r in trainer_runs
+         if (r["batch"], r["chunks"], r["compile"]) == (result["batch"], [0, 0], False) and "error" not in r),
+        None,
+    )  # fmt: skip
+    ratio = ours / result["samples_per_s"] if ours else None
     return [
-        "| batch | OpenCLIP samples/s | clip_train samples/s | clip_train / OpenCLIP |",
-        "|---|---|---|---|",
-        f"| {row['batch']} | {_cell(row.get('open_clip_samples_per_s'), '.0f')} | "
-        f"{row['clip_train_samples_per_s']:.0f} | {_cell(row.get('ratio'), '.2f')} |",
+        "`open_clip_train.main` on the exported architecture and the same shards, steps and log cadence, "
+        "bf16 autocast; clip_train: the trainer's eager one-chunk run",
+        "",
+        "| batch | OpenCLIP samples/s | clip_train samples/s | clip_train / OpenCLIP | OpenCLIP's wall s |",
+        "|---|---|---|---|---|",
+        f"| {result['batch']} | {result['samples_per_s']:.0f} | {_cell(ours, '.0f')} | "
+        f"{_cell(ratio, '.2f')} | {result['wall_s']:.0f} |",
     ]
 
 
+def _matmul_line(result: dict[str, Any]) -> list[str]:
+    size = result["size"]
+    return [f"{size} x {size} x {size} bf16 product: {result['tflops']:.0f} TFLOP/s (mean of 10)"]
+
+
 def _profile_tables(result: dict[str, Any]) -> list[str]:
-    shares = result["shares"]
+    """The traced steps' shares, the idle time by what the host was doing, the top kernels."""
+    shares, (first, last) = result["shares"], result["steps_traced"]
+    chunks = "one chunk" if result["chunks"] == [0, 0] else "chunks " + "/".join(map(str, result["chunks"]))
     lines = [
-        f"one step at batch {result['batch']} with train.compile: {result['step_s'] * 1e3:.1f} ms, of which "
-        f"{result['device'].upper()} busy {result['busy_s'] * 1e3:.1f} ms",
+        f"`clip-train train` at batch {result['batch']} ({chunks}) with train.compile, steps {first}-{last} "
+        f"under `log.profile_steps` (the trace: gpu-bench.trace.json.gz): {describe(result)}",
         "",
         "| " + " | ".join(SHARES) + " |",
         "|" + "---|" * len(SHARES),
         "| " + " | ".join(f"{shares[s]:.1%}" for s in SHARES) + " |",
         "",
-        "| kernel | calls | total ms | of the step |",
+        "| ms a step | " + " | ".join(result["host_s"]) + " | other |",
+        "|---|" + "---|" * (len(result["host_s"]) + 1),
+        "| host in the phase | " + " | ".join(f"{t * 1e3:.1f}" for t in result["host_s"].values()) + " | - |",
+        "| device idle meanwhile | " + " | ".join(f"{t * 1e3:.1f}" for t in result["idle_s"].values()) + " |",
+        "",
+        "| kernel | calls a step | ms a step | of the step |",
         "|---|---|---|---|",
     ]
     for k in result["top_kernels"]:
         name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
-        lines.append(f"| `{name}` | {k['calls']} | {k['total_s'] * 1e3:.2f} | {k['share']:.1%} |")
+        lines.append(f"| `{name}` | {k['calls']:g} | {k['time_s'] * 1e3:.2f} | {k['share']:.1%} |")
     return lines

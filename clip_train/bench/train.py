@@ -39,7 +39,8 @@ from clip_train.export import export_open_clip
 from clip_train.model import build_model
 
 SPLIT = ("data", "encode", "loss", "replay", "optimizer")
-OPEN_CLIP_STEP = re.compile(r"Batch \(t\): ([0-9.]+),")
+# OpenCLIP's log line: the samples so far, then the mean step time since its previous log line.
+OPEN_CLIP_STEP = re.compile(r"\[\s*(\d+)/\d+ \(\d+%\)\] Data \(t\): [0-9.]+ Batch \(t\): ([0-9.]+),")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,9 +139,10 @@ def _clip_train(
 
 
 def _open_clip(
-    args: argparse.Namespace, cfg, export: Path, batch: int, nproc: int, out: Path
+    args: argparse.Namespace, cfg, export: Path, batch: int, nproc: int, out: Path, log_every: int = 1
 ) -> dict[str, Any]:
-    """One OpenCLIP run: median of its logged per-step ``Batch (t)``."""
+    """One OpenCLIP run: the median of its logged ``Batch (t)`` (the mean step time since its last
+    log) over the windows after the warm-up steps, as for clip_train's."""
     shards = "::".join(str(p) for p in sorted((args.shards / "train").glob("*.tar")))
     optim, precision = cfg.optim, {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}[cfg.train.precision]
     options = [
@@ -150,13 +152,18 @@ def _open_clip(
         "--wd", str(optim.weight_decay), "--warmup", str(optim.warmup_steps), "--beta1", str(optim.betas[0]),
         "--beta2", str(optim.betas[1]), "--eps", str(optim.eps), "--grad-clip-norm", str(optim.grad_clip),
         "--precision", precision, *_open_clip_device(), "--local-loss",
-        "--gather-with-grad", "--log-every-n-steps", "1", "--name", "run", "--save-frequency", "0",
+        "--gather-with-grad", "--log-every-n-steps", str(log_every), "--name", "run", "--save-frequency", "0",
         "--zeroshot-frequency", "0", "--report-to", "", "--seed", str(cfg.train.seed),
     ]  # fmt: skip
     worker = [*_launcher(nproc), "-m", "clip_train.bench.open_clip_trainer", *options]
     _run(worker, "open_clip_train", {"OPEN_CLIP_LOGS": str(out)})
-    steps = [float(m) for m in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())]
-    step_s = statistics.median(steps[args.warmup :])
+    logged = [
+        (int(samples) // batch, float(t))
+        for samples, t in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())
+    ]
+    # A line at step s covers the steps since the previous line: from s - log_every + 1 (the first
+    # line, at step 1, covers only that step).
+    step_s = statistics.median(t for step, t in logged if step - log_every >= args.warmup)
     return {"step_s": step_s, "samples_per_s": batch / step_s}
 
 

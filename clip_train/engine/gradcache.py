@@ -35,6 +35,7 @@ from clip_train.loss import contrastive_loss
 from clip_train.loss.tiles_torch import tile_dtype
 from clip_train.parallel import GatherWaits, gradient_sync, is_sharded
 from clip_train.precision import autocast
+from clip_train.profiling import phase
 
 
 @dataclass
@@ -207,16 +208,18 @@ class GradCache:
         if self.gather_waits is not None:
             self.gather_waits.forget()  # waits outside timed steps (evaluation, untimed steps)
         image_keeps, text_keeps = self._graph_keepers(len(image_bounds), len(text_bounds))
-        image = self._encode(self.image, image_inputs, image_bounds, keep_graph=image_keeps)
-        text = self._encode(self.text, text_inputs, text_bounds, keep_graph=text_keeps)
+        with phase("encode"):
+            image = self._encode(self.image, image_inputs, image_bounds, keep_graph=image_keeps)
+            text = self._encode(self.text, text_inputs, text_bounds, keep_graph=text_keeps)
         encoded = clock()
         encode_gather_s = self._gather_s() if timed else 0.0
-        loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
+        with phase("loss"):
+            loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
         cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
         cache_bytes += _bytes(image.trunk_cache + text.trunk_cache)
         image.features = text.features = None  # replay needs only their gradients
         lossed = clock()
-        with preserved_rng(self.device):  # the step consumes the RNG like one forward pass
+        with phase("replay"), preserved_rng(self.device):  # the step consumes the RNG like one forward pass
             self._replay(self.text, text, text_inputs, text_grad)
             self._replay(self.image, image, image_inputs, image_grad)
         replayed = clock()

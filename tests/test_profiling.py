@@ -1,0 +1,125 @@
+"""``log.profile_steps``: a run traces the steps it was asked for and writes a Chrome trace and a
+summary; the summary's split of a CUDA window, which only a GPU produces, is checked on events whose
+shares and idle gaps are known."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from test_trainer import in_process_trainer
+
+from clip_train.profiling import PHASES, PREFIX, SHARES, TRACED, category, summarise
+
+
+def _event(name, start, end, device="cuda", annotation=False, self_us=0.0):
+    return {
+        "name": name,
+        "device": device,
+        "start": start,
+        "end": end,
+        "self": self_us,
+        "annotation": annotation,
+    }
+
+
+def _phase(name, start, end, device="cpu"):
+    return _event(PREFIX + name, start, end, device, annotation=True)
+
+
+# A 100 µs window. The host: data 0-10, encode 10-30, loss 30-50, replay 50-70, optimizer 70-80.
+# The GPU: a copy 5-8, a GEMM 12-40 overlapping a fused LayerNorm 35-45 (busy 33 µs, kernel time
+# 38, shared pro rata), flash attention 55-70, and the optimizer's kernel 78-90, inside the
+# optimizer's span on the GPU (75-95). Busy 63 µs of 68 kernel-µs; the idle gaps 0-5, 8-12, 45-55,
+# 70-78 and 90-100 fall while the host was in data (5 + 2), encode (2), loss (5), replay (5),
+# optimizer (8) and after its phases (10).
+WINDOW = [
+    _event(TRACED, 0, 100, "cpu", annotation=True),
+    _phase("data", 0, 10),
+    _phase("encode", 10, 30),
+    _phase("loss", 30, 50),
+    _phase("replay", 50, 70),
+    _phase("optimizer", 70, 80),
+    _phase("optimizer", 75, 95, "cuda"),
+    _event("Optimizer.step#AdamW.step", 78, 90, annotation=True),  # torch's own range: not a kernel
+    _event("aten::mm", 12, 13, "cpu", self_us=1.0),  # CPU ops do not count in a CUDA window
+    _event("Memcpy HtoD (Pinned -> Device)", 5, 8),
+    _event("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_bias_TNN", 12, 40),
+    _event("triton_per_fused__to_copy_add_native_layer_norm_7", 35, 45),
+    _event("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", 55, 70),
+    _event("multi_tensor_apply_kernel", 78, 90),
+]
+
+
+def test_a_cuda_window_counts_overlaps_once_and_charges_each_idle_gap_to_the_hosts_phase():
+    summary = summarise(WINDOW, "cuda", steps=1)
+    assert summary["step_s"] == pytest.approx(100e-6) and summary["busy_s"] == pytest.approx(63e-6)
+    shares = summary["shares"]
+    assert shares["idle"] == pytest.approx(0.37)
+    expected = {"matmul": 28, "elementwise": 10, "attention": 15, "copies": 3, "optimizer": 12}
+    for name, microseconds in expected.items():
+        assert shares[name] == pytest.approx(0.63 * microseconds / 68)
+    assert sum(shares.values()) == pytest.approx(1.0) and set(shares) == set(SHARES)
+    idle = {"data": 7, "encode": 2, "loss": 5, "replay": 5, "optimizer": 8, "other": 10}
+    assert summary["idle_s"] == pytest.approx({name: us * 1e-6 for name, us in idle.items()})
+    host = {"data": 10, "encode": 20, "loss": 20, "replay": 20, "optimizer": 10}
+    assert summary["host_s"] == pytest.approx({name: us * 1e-6 for name, us in host.items()})
+    top = summary["top_kernels"]
+    assert [k["name"][:6] for k in top] == ["nvjet_", "cudnn_", "multi_", "triton", "Memcpy"]
+    assert top[0]["time_s"] == pytest.approx(28e-6) and top[0]["share"] == pytest.approx(0.28)
+
+
+def test_a_window_of_several_steps_reports_each_per_step():
+    one, two = summarise(WINDOW, "cuda", steps=1), summarise(WINDOW, "cuda", steps=2)
+    assert two["shares"] == one["shares"] and two["step_s"] == pytest.approx(one["step_s"] / 2)
+    assert two["idle_s"] == pytest.approx({name: s / 2 for name, s in one["idle_s"].items()})
+    assert (
+        two["top_kernels"][0]["calls"] == 0.5
+        and two["top_kernels"][0]["share"] == one["top_kernels"][0]["share"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNT", "matmul"),
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("aten::addmm", "matmul"),
+        ("Memset (Device)", "copies"),
+        ("aten::copy_", "copies"),
+        ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", "copies"),
+        ("triton_per_fused_native_layer_norm_0", "elementwise"),
+        ("triton_per_fused__to_copy_add_native_layer_norm_10", "elementwise"),  # inductor's fusion
+    ],
+)
+def test_kernels_fall_into_their_shares_by_name(name, label):
+    assert category(name, in_optimizer=False) == label
+    assert category(name, in_optimizer=True) == "optimizer"
+
+
+def test_a_run_traces_the_steps_it_was_asked_for(digits, tmp_path):
+    """Steps 3-4 of 5 on the CPU: every phase shows in the trace and in the summary."""
+    profile = ["log.profile_after=2", "log.profile_steps=2", "log.every_steps=5", "train.max_steps=5"]
+    in_process_trainer(digits, tmp_path, *profile).run()
+    folder = tmp_path / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["summary-rank0.json", "trace-rank0.json.gz"]
+    summary = json.loads((folder / "summary-rank0.json").read_text())
+    assert summary["steps_traced"] == [3, 4] and summary["steps"] == 2 and summary["device"] == "cpu"
+    assert sum(summary["shares"].values()) == pytest.approx(1.0) and summary["shares"]["matmul"] > 0
+    assert all(summary["host_s"][name] > 0 for name in PHASES)
+    assert 0 < summary["busy_s"] <= summary["step_s"]
+    with gzip.open(folder / "trace-rank0.json.gz") as trace:
+        names = {event.get("name") for event in json.load(trace)["traceEvents"]}
+    assert {PREFIX + name for name in PHASES} | {TRACED} <= names
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [5]  # the run went on after the trace
+
+
+def test_a_run_that_ends_inside_the_window_writes_no_trace(digits, tmp_path):
+    in_process_trainer(
+        digits, tmp_path, "log.profile_after=2", "log.profile_steps=5", "train.max_steps=4"
+    ).run()
+    assert not (tmp_path / "profile").exists()
+    assert (tmp_path / "metrics.jsonl").read_text()
