@@ -4,20 +4,20 @@ of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everythi
 ``gpu-bench.trace.json.gz`` (the profiled steps' Chrome trace).
 
 1. matmul: the rate of an 8192³ bf16 product, the practical ceiling "of matmul rate" is against;
-2. loss: forward + backward in bf16, d = 512, at 16k to 262k rows: clip_train's tiles, open_clip's
+2. trainer: ``clip-train train`` on synthetic 224 px shards, ViT-B/16 + BERT-base, per-GPU batch
+   256 in one chunk and 1024 with Gradient Cache, eager and ``train.compile``: samples/s, model
+   TFLOP/s, MFU, the share of the measured matmul rate, peak memory and the step split. The first
+   compiled run is also profiled (``log.profile_steps``, ``clip_train.profiling``) before its
+   measured steps: the shares of matmul, attention, elementwise, optimizer, copies and idle, the
+   idle time by what the host was doing, and the top 15 kernels;
+3. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
+   at the trainer's eager batches and chunks, and the trainer's samples/s as a share of its;
+4. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
+   at the trainer's steps and log cadence, beside the eager trainer;
+5. loss: forward + backward in bf16, d = 512, at 16k to 262k rows: clip_train's tiles, open_clip's
    ``ClipLoss`` (until it runs out of memory) and Inf-CL's ``cal_inf_loss`` when ``inf_cl`` is
    installed; time, peak memory, error against fp64 at 8k rows, and the time over the floor of the
-   loss's 4 matmuls at the rate of its b × d × b product measured in the same run (``bench loss``);
-3. trainer: ``clip-train train`` on synthetic 224 px shards, ViT-B/16 + BERT-base, per-GPU batch
-   256 in one chunk and 1024 with Gradient Cache, eager and ``train.compile``: samples/s, model
-   TFLOP/s, MFU, the share of the measured matmul rate, peak memory and the step split;
-4. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
-   at the trainer's eager batches and chunks, and the trainer's samples/s as a share of its;
-5. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
-   beside clip_train (``bench train``);
-6. profile: five compiled training steps of ``clip-train train`` at batch 256 under
-   ``log.profile_steps`` (``clip_train.profiling``): the shares of matmul, attention, elementwise,
-   optimizer, copies and idle, the idle time by what the host was doing, and the top 15 kernels.
+   loss's 4 matmuls at the rate of its b × d × b product measured in the same run (``bench loss``).
 
 Each section runs in its own processes and fails soft: its error goes into the JSON and the summary,
 and the next section runs. Without a CUDA GPU the same sections run on the CPU at toy sizes (the
@@ -56,7 +56,8 @@ from clip_train.export import export_open_clip
 from clip_train.model import build_model
 from clip_train.profiling import SHARES, describe
 
-SECTIONS = ("matmul", "loss", "trainer", "step", "open_clip")
+# The trainer's figures first: a session whose time runs out loses the loss, measured three times before.
+SECTIONS = ("matmul", "trainer", "step", "open_clip", "loss")
 FILES = ("gpu-bench.json", "gpu-bench.md", "gpu-bench.log", "gpu-bench.trace.json.gz")
 
 
@@ -192,7 +193,8 @@ def _machine(cuda: bool) -> dict[str, Any]:
 
 
 class _Bench:
-    """The sections, in order; later ones use what earlier ones measured (the matmul rate)."""
+    """The sections, in order; later ones use what earlier ones measured (the matmul rate, the
+    trainer's runs)."""
 
     def __init__(self, sizes: Sizes, device: str, out: Path, work: Path, log, overrides: list[str]) -> None:
         self.sizes, self.device, self.out, self.work, self.log = sizes, device, out, work, log
@@ -395,9 +397,10 @@ def summarise(report: dict[str, Any]) -> str:
         f"{report['wall_s']:.0f} s",
     ]
     trainer_runs = report.get("trainer", {}).get("runs", [])
-    tables = {"matmul": _matmul_line, "loss": _loss_tables, "trainer": _trainer_table,
+    tables = {"matmul": _matmul_line, "trainer": _trainer_table,
               "step": lambda result: _step_table(result, trainer_runs),
-              "open_clip": lambda result: _open_clip_table(result, trainer_runs)}  # fmt: skip
+              "open_clip": lambda result: _open_clip_table(result, trainer_runs),
+              "loss": _loss_tables}  # fmt: skip
     for name, write in tables.items():
         if name not in report:
             continue
