@@ -186,7 +186,7 @@ class StepProfiler:
     @contextlib.contextmanager
     def around(self, step: int):
         """Around everything step ``step`` does up to its optimizer's last kernel."""
-        if step == self.first:
+        if step == self.first <= self.last:  # profile_steps=0 traces nothing
             wait_for_device(self.device)
             activities = [ProfilerActivity.CPU]
             activities += [ProfilerActivity.CUDA] if self.device.type == "cuda" else []

@@ -10,6 +10,7 @@ import json
 import pytest
 from test_trainer import in_process_trainer
 
+import clip_train.profiling
 from clip_train.profiling import PHASES, PREFIX, SHARES, TRACED, category, summarise
 
 
@@ -123,3 +124,12 @@ def test_a_run_that_ends_inside_the_window_writes_no_trace(digits, tmp_path):
     ).run()
     assert not (tmp_path / "profile").exists()
     assert (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_no_profile_steps_starts_no_profiler(digits, tmp_path, monkeypatch):
+    """The default (log.profile_steps=0) past log.profile_after: no profiler ever runs."""
+    started = []
+    real = clip_train.profiling.profile
+    monkeypatch.setattr(clip_train.profiling, "profile", lambda *a, **k: started.append(1) or real(*a, **k))
+    in_process_trainer(digits, tmp_path, "log.profile_after=1", "train.max_steps=3").run()
+    assert started == [] and not (tmp_path / "profile").exists()
