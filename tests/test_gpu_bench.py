@@ -77,6 +77,9 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
     assert set(profile["idle_s"]) == {*PHASES, "other"} and all(profile["host_s"][p] > 0 for p in PHASES)
     assert 0 < len(profile["top_kernels"]) <= 15
     assert any(k["name"] in ("aten::mm", "aten::addmm") for k in profile["top_kernels"])
+    log = (out / "gpu-bench.log").read_text()  # each run's own output: start-up, progress, profile
+    assert log.count("clip-train: step: 4/4") == 2 and "clip-train: profile of steps 2-3" in log
+    assert "Train Epoch: 0" in log  # OpenCLIP's
     with gzip.open(out / "gpu-bench.trace.json.gz") as trace:
         assert json.load(trace)["traceEvents"]
     for heading in ("## matmul", "## loss", "## trainer", "## profile", "## step", "## open_clip"):

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from clip_train.bench.runner import in_fresh_process
-from clip_train.bench.train import _clip_train, _open_clip
+from clip_train.bench.train import OUTPUT, _clip_train, _open_clip
 from clip_train.config import load_config
 from clip_train.distributed import wait_for_device
 from clip_train.export import export_open_clip
@@ -303,6 +303,7 @@ class _Bench:
             run_dir, started = self.work / f"run-{batch}-{compiled}", time.perf_counter()
             try:
                 run |= _clip_train(options, batch, 1, run_dir, sizes.log_every)
+                self._note((run_dir / OUTPUT).read_text())  # its start-up lines, progress and profile
                 if profiled:
                     profile = {
                         "batch": batch,
@@ -364,7 +365,9 @@ class _Bench:
         shards, batch = self._shards(), sizes.open_clip_batch
         options = SimpleNamespace(shards=shards, steps=sizes.steps, warmup=sizes.warmup)
         started = time.perf_counter()
-        result = _open_clip(options, cfg, export, batch, 1, self.work / "open_clip", sizes.log_every)
+        run_dir = self.work / "open_clip"
+        result = _open_clip(options, cfg, export, batch, 1, run_dir, sizes.log_every)
+        self._note((run_dir / OUTPUT).read_text())
         return {"batch": batch, **result, "wall_s": time.perf_counter() - started}
 
 

@@ -106,12 +106,16 @@ def _launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> None:
+OUTPUT = "output.log"  # each run's stdout and stderr, in its folder (gpu-bench copies them into its log)
+
+
+def _run(command: list[str], what: str, out: Path, env: dict[str, str] | None = None) -> None:
     proc = subprocess.run(
         command, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})}
     )
     if proc.returncode != 0:
         raise UserError(f"{what} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    (out / OUTPUT).write_text(proc.stdout + proc.stderr)
 
 
 def _clip_train(
@@ -124,7 +128,7 @@ def _clip_train(
         f"batch.global_size={batch}", f"train.max_steps={args.steps}", f"log.every_steps={log_every}",
         "log.wandb.mode=disabled", f"train.out_dir={out}",
     ]  # fmt: skip
-    _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train")
+    _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train", out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "time/step_s" in r and r["step"] - log_every >= args.warmup]
     result: dict[str, Any] = {
@@ -156,7 +160,7 @@ def _open_clip(
         "--zeroshot-frequency", "0", "--report-to", "", "--seed", str(cfg.train.seed),
     ]  # fmt: skip
     worker = [*_launcher(nproc), "-m", "clip_train.bench.open_clip_trainer", *options]
-    _run(worker, "open_clip_train", {"OPEN_CLIP_LOGS": str(out)})
+    _run(worker, "open_clip_train", out, {"OPEN_CLIP_LOGS": str(out)})
     logged = [
         (int(samples) // batch, float(t))
         for samples, t in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())
