@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
+import tarfile
 
 from processes import run_to_end
 from small_runs import TINY_MODEL
+
+from clip_train.bench.data import write_synthetic
 
 
 def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
@@ -40,3 +43,13 @@ def test_bench_train_runs_both_trainers_in_turn_on_one_architecture(tmp_path, di
         assert pair["clip_train"]["samples_per_s"] > 0 and pair["open_clip"]["samples_per_s"] > 0
         assert set(pair["clip_train"]["split_s"]) == {"data", "encode", "loss", "replay", "optimizer"}
     assert row["ratio"] > 0 and f"| 32 | 1 | {row['open_clip_samples_per_s']:.0f} |" in result.stdout
+
+
+def test_synthetic_shards_are_written_in_key_order_and_the_same_every_time(tmp_path):
+    """Their records are made in parallel threads; the shards come out in order, byte for byte alike."""
+    first, second = (write_synthetic(tmp_path / name, 24) for name in ("a", "b"))
+    (shard,) = sorted(first.glob("*.tar"))
+    assert shard.read_bytes() == (second / shard.name).read_bytes()
+    with tarfile.open(shard) as tar:
+        keys = [member.name.split(".")[0] for member in tar.getmembers()]
+    assert keys == sorted(keys) and len(set(keys)) == 24 and keys[0] == f"{0:09d}"

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import os
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -112,9 +114,12 @@ def write_synthetic(out: Path, count: int) -> Path:
         caption = " ".join(text_rng.choices(words, k=text_rng.randint(5, 20)))
         return Record(key=f"{index:09d}", image=buffer.getvalue(), image_ext="jpg", caption=caption)
 
-    records = (record(i) for i in range(count))
     source = {"synthetic_jpegs": count, "version": 1}
-    write_shards(records, out, per_shard=1000, total=count, source=source, desc="synthetic")
+    # JPEG encoding and numpy release the GIL: threads make them in parallel, in order (23 s for
+    # 4,096 on a 16-core GPU box in one thread).
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        records = pool.map(record, range(count))
+        write_shards(records, out, per_shard=1000, total=count, source=source, desc="synthetic")
     return out
 
 
