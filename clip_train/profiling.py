@@ -68,7 +68,7 @@ def profiler_events(prof: profile) -> list[dict[str, Any]]:
             "start": e.time_range.start,
             "end": e.time_range.end,
             "self": e.self_cpu_time_total,
-            "annotation": bool(getattr(e, "is_user_annotation", False)) or e.name.startswith(PREFIX),
+            "annotation": e.is_user_annotation,
         }
         for e in prof.events()
     ]
@@ -85,8 +85,8 @@ def summarise(events: list[dict[str, Any]], device: str, steps: int) -> dict[str
     window = next(e for e in events if e["device"] == "cpu" and e["name"] == TRACED)
     span = window["end"] - window["start"]
     host = _phase_intervals(events, "cpu")
-    on_device = _phase_intervals(events, device) if device == "cuda" else host
-    optimizer = on_device["optimizer"] or host["optimizer"]  # no GPU annotations: the host's range
+    # On CUDA the optimizer range's span on the GPU; without GPU ranges (or on the CPU) the host's.
+    optimizer = _phase_intervals(events, device)["optimizer"] or host["optimizer"]
     work = [
         e
         for e in events

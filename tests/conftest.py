@@ -18,7 +18,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 LONGEST_FIRST = (
     "test_stopping.py",  # 176
     "test_launch.py",  # 40, 115 in CI
-    "test_gpu_bench.py",  # 83
+    "test_gpu_bench.py",  # 71
     "test_fsdp_gradcache.py",  # 71
     "test_gpu_kit.py",  # 66, much of it pip reading the package index: it overlaps the CPU's work
     "test_fsdp_trainer.py",  # 60

@@ -41,7 +41,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
     assert {p["impl"] for p in loss["points"]} == {"inf", "open_clip"} and loss["inf_cl"] == "not installed"
     for point in loss["points"]:  # 4 matmuls at the measured rate (the best 1-matmul floor)
         assert point["x_floor"] == pytest.approx(point["time_s"] / point["four_matmul_floor_s"])
-    assert loss["matmul_tflops"] == max(loss["matmul_tflops_by_batch"].values()) > 0
+    assert loss["floor_tflops"] == max(loss["floor_tflops_by_batch"].values()) > 0
     for accuracy in loss["accuracy"]:  # bf16 against fp64: a few parts in a thousand, never exact
         assert 0 < accuracy["loss_rel_error"] < 2e-2 and 0 < accuracy["grad_rel_error"] < 5e-2
 

@@ -49,11 +49,9 @@ from typing import Any
 import torch
 
 from clip_train.bench.runner import in_fresh_process
-from clip_train.bench.train import OUTPUT, _clip_train, _open_clip
+from clip_train.bench.train import OUTPUT, _clip_train, _export_initial_model, _open_clip
 from clip_train.config import load_config
 from clip_train.distributed import wait_for_device
-from clip_train.export import export_open_clip
-from clip_train.model import build_model
 from clip_train.profiling import SHARES, describe
 
 # The trainer's figures first: a session whose time runs out loses the loss, measured three times before.
@@ -258,8 +256,8 @@ class _Bench:
             ratio = point["time_s"] / floor_s if point["time_s"] else None
             points.append({**point, "four_matmul_floor_s": floor_s, "x_floor": ratio})
         return {
-            "matmul_tflops": floor_tflops,
-            "matmul_tflops_by_batch": dict(zip((p["batch"] for p in floors), rates, strict=True)),
+            "floor_tflops": floor_tflops,
+            "floor_tflops_by_batch": dict(zip((p["batch"] for p in floors), rates, strict=True)),
             "points": points,
             "accuracy": measured["accuracy"],
             "inf_cl": "measured" if "inf_cl" in impls else "not installed",
@@ -360,8 +358,7 @@ class _Bench:
         and log cadence (its samples/s per log window, as clip_train's), beside the eager trainer."""
         sizes, export = self.sizes, self.work / "open_clip_model"
         cfg = load_config(sizes.model, self._settings(0, 0))
-        torch.manual_seed(cfg.train.seed)
-        export_open_clip(build_model(cfg.model).eval(), export)
+        _export_initial_model(cfg, export)
         shards, batch = self._shards(), sizes.open_clip_batch
         options = SimpleNamespace(shards=shards, steps=sizes.steps, warmup=sizes.warmup)
         started = time.perf_counter()
@@ -420,7 +417,7 @@ def summarise(report: dict[str, Any]) -> str:
 def _loss_tables(result: dict[str, Any]) -> list[str]:
     lines = [
         f"forward + backward, bf16; the floor: 4 products at the rate of the loss's b x d x b product "
-        f"measured here, {result['matmul_tflops']:.3g} TFLOP/s; Inf-CL: {result['inf_cl']}",
+        f"measured here, {result['floor_tflops']:.3g} TFLOP/s; Inf-CL: {result['inf_cl']}",
         "",
         "| rows | impl | time s | peak GiB | x 4-matmul floor | note |",
         "|---|---|---|---|---|---|",

@@ -73,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         export = Path(tmp, "open_clip_model")
         if has_open_clip:
-            torch.manual_seed(cfg.train.seed)
-            export_open_clip(build_model(cfg.model).eval(), export)
+            _export_initial_model(cfg, export)
         for batch in batches:
             for nproc in procs:
                 condition = {"batch": batch, "procs": nproc, "pairs": []}
@@ -96,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.plot)
     return 0
+
+
+def _export_initial_model(cfg, folder: Path) -> None:
+    """The config's model as clip_train initialises it (its seed), exported for open_clip: both
+    trainers start from the same weights."""
+    torch.manual_seed(cfg.train.seed)
+    export_open_clip(build_model(cfg.model).eval(), folder)
 
 
 def _launcher(nproc: int) -> list[str]:
