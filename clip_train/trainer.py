@@ -47,6 +47,7 @@ from clip_train.precision import use_tf32
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
+from clip_train.startup_time import StartupClock
 from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 
 
@@ -94,6 +95,10 @@ def chunks_kept_from(
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
+        clock = StartupClock()
+        self.startup: StartupClock | None = clock  # None once this process's first step ended
+        clock.lap("launch")  # the interpreter, imports, config and process group
+        self.startup_metrics: dict[str, float] = {}  # for the first metrics record after the first step
         self.run_dir = Path(cfg.train.out_dir)
         self.step = 0
         self.restored_chunks: dict[str, Any] | None = None  # what auto chose before a resume
@@ -119,15 +124,18 @@ class Trainer:
             self._load_init_from()
         if fine_tune and self.sharded:
             main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
+        clock.lap("model")
         self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)
         # Counted on the whole towers, before compiling (one-sample shapes) and sharding.
         towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
+        clock.lap("flops")
         if cfg.train.compile:  # before sharding, as torchtitan does: FSDP2 shards the compiled blocks
             compile_towers(self.model)
         measured = None
         if self.sharded:  # what needs the whole towers runs on rank 0 before they are sharded
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
             shard_towers(self.model, cfg.fsdp, cfg.train.precision, env.device)
+        clock.lap("sharding")
         self.update = Update(self.model, cfg, env.device)
         self.ema = WeightsEMA.from_config(self.model, cfg.train)  # of the weights as loaded and sharded
         first_traced = cfg.log.profile_after + 1
@@ -160,7 +168,9 @@ class Trainer:
             remote=self.remote,
         )
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
+        clock.lap("optimizer_and_loader")
         self.resumed_from = self.checkpointer.restore()
+        clock.lap("resume")
         if self.step > cfg.train.max_steps:
             raise UserError(
                 f"train.max_steps={cfg.train.max_steps} is below step {self.step} of the checkpoint "
@@ -168,6 +178,7 @@ class Trainer:
             )
         self.saved_step = self.step  # the newest step on disk (0: none worth saving)
         self.chunks, self.chunk_note = self._chunks(measured)
+        clock.lap("chunks")
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
         # Towers sharded with FSDP2 reduce their own gradients.
         self.engine = GradCache.from_config(self.model, cfg, self.chunks)
@@ -176,6 +187,7 @@ class Trainer:
             rows = cfg.batch.global_size // env.world_size
             trains, replayed = self.engine.trains_and_replays(rows)
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
+        clock.lap("engine")
 
     def _finds_a_checkpoint(self) -> bool:
         """Whether ``checkpoint.resume`` names one (sizes checked), or ``auto`` finds one on the remote:
@@ -272,6 +284,8 @@ class Trainer:
                 )
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.startup is not None:
+            self.startup.lap("monitor")  # the run folder, metrics.jsonl and wandb's start
         try:
             with contextlib.nullcontext(signals) if signals is not None else preemption_signals() as signals:
                 self.signals = signals
@@ -310,6 +324,12 @@ class Trainer:
     ) -> None:
         """Log, checkpoint (only good steps) and evaluate."""
         cfg, last = self.cfg, self.step == self.cfg.train.max_steps
+        if self.startup is not None:  # the first step this process ran
+            self.startup.finish(data_s, step_s - data_s)
+            self.startup_metrics = self.startup.metrics()
+            if monitor is not None:
+                monitor.message(self.startup.describe(self.step))
+            self.startup = None
         at_log = self._logs_at(self.step)
         at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
         if at_log or at_checkpoint:  # every rank reads the NaN guard's ledger at the same steps
@@ -438,6 +458,8 @@ class Trainer:
         }
         metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
         metrics.update({f"data/source/{name}": n for name, n in self.sources.items()})
+        metrics.update(self.startup_metrics)  # in the first record only
+        self.startup_metrics = {}
         monitor.log(self.step, metrics)
 
     def _utilization(self, samples_per_s: float) -> dict[str, float]:

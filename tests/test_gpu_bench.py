@@ -54,6 +54,12 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
         assert run["samples_per_s"] > 0 and set(run["split_s"]) == set(SPLIT)
         assert run["mfu"] == pytest.approx(run["tflops"] / matmul["tflops"], rel=1e-9)
         assert run["of_matmul_rate"] == pytest.approx(run["mfu"], rel=1e-9)
+        startup = run["startup_s"]  # the process's start to its first step's end, by stage
+        assert startup["total"] == pytest.approx(sum(startup.values()) - startup["total"])
+        assert 0 < startup["launch"] < startup["total"] < run["wall_s"] and startup["first_step"] > 0
+        assert f"| {startup['total']:.0f} | {run['wall_s']:.0f} |" in summary
+    assert "start-up, s: from the process's start to the end of its first step" in summary
+    assert f"| 32 | True | {runs[1]['startup_s']['launch']:.1f} | " in summary
 
     (point,) = report["step"]["points"]  # the eager trainer's batch and chunks, beside its samples/s
     assert (point["batch"], point["chunks"]) == (16, [0, 0])
@@ -61,8 +67,10 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
     share = runs[0]["samples_per_s"] / point["samples_per_s"]
     assert (
         f"| 16 | 0/0 | {point['step_s']:.4f} |" in summary
-        and f"| {share:.1%} | {point['wall_s']:.0f} |" in summary
+        and f"| {share:.1%} | {point['ready_s']:.1f} | {point['warmup_s']:.1f} | {point['wall_s']:.0f} |"
+        in summary
     )
+    assert 0 < point["ready_s"] < point["wall_s"] and point["warmup_s"] > 0
 
     open_clip = report["open_clip"]  # beside the eager one-chunk trainer
     assert open_clip["batch"] == 16 and open_clip["samples_per_s"] > 0

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -117,6 +118,10 @@ def test_two_rank_run_writes_checkpoints_metrics_and_wandb(reference):
     assert all(math.isfinite(record["train/loss"]) for record in records)
     # skipped samples are summed over both ranks and logged for every reason, zeros included
     assert all(record[f"data/skipped_{reason}"] == 0 for record in records for reason in SKIP_REASONS)
+    startup = {key: value for key, value in records[0].items() if key.startswith("startup/")}
+    assert startup["startup/total_s"] == pytest.approx(sum(startup.values()) - startup["startup/total_s"])
+    assert startup["startup/first_step_s"] > 0 and startup["startup/model_s"] > 0
+    assert not any(key.startswith("startup/") for record in records[1:] for key in record)
     assert (reference / "config.yaml").is_file()
     assert load_config(reference / "config.yaml").batch.global_size == 16
     assert list((reference / "wandb").glob("offline-run-*")), "no offline wandb run directory"
@@ -144,6 +149,10 @@ def test_resume_from_mid_run_checkpoint_is_bit_identical(digits, reference, tmp_
     shutil.copytree(halfway, copy)
     output = finish(torchrun(*overrides(digits, tmp_path / "resumed", f"checkpoint.resume={copy}")))
     assert f"resumed from {copy}" in output
+    first = checkpoint_step(copy) + 1  # the start-up ends with the first step this process runs
+    assert re.search(rf"start-up: step {first} ended [\d.]+ s after the process started \(", output), output
+    first_record = logged(tmp_path / "resumed")[0]
+    assert first_record["step"] == first and "startup/total_s" in first_record
     assert_bit_identical(weights(tmp_path / "resumed"), weights(reference))
 
 

@@ -349,6 +349,7 @@ class _Bench:
             points.append(
                 {"batch": batch, "chunks": [image_chunk, text_chunk], "step_s": step_s,
                  "samples_per_s": batch / step_s, "peak_bytes": point["peak_bytes"],
+                 "ready_s": point["ready_s"], "warmup_s": point["warmup_s"],
                  "wall_s": time.perf_counter() - started}
             )  # fmt: skip
         return {"repeats": self.sizes.step_repeats, "points": points}
@@ -450,13 +451,13 @@ def _trainer_table(result: dict[str, Any]) -> list[str]:
         "the split of each logged step",
         "",
         "| batch | chunks | compile | samples/s | model TFLOP/s | MFU | of matmul rate | peak GiB | "
-        "data/encode/loss/replay/optimizer s | run's wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "data/encode/loss/replay/optimizer s | start-up s | run's wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         head = f"| {r['batch']} | {'/'.join(map(str, r['chunks']))} | {r['compile']} |"
         if "error" in r:
-            lines.append(f"{head} failed: `{r['error'].splitlines()[0]}` |||||||")
+            lines.append(f"{head} failed: `{r['error'].splitlines()[0]}` ||||||||")
             continue
         peak = r["peak_bytes"] / 2**30 if "peak_bytes" in r else None
         split = "/".join(f"{s:.3f}" for s in r["split_s"].values())
@@ -466,10 +467,30 @@ def _trainer_table(result: dict[str, Any]) -> list[str]:
         ]
         lines.append(
             f"{head} {r['samples_per_s']:.0f} | {' | '.join(rates)} | {_cell(peak, '.2f')} | {split} | "
-            f"{r['wall_s']:.0f} |"
+            f"{r['startup_s']['total']:.0f} | {r['wall_s']:.0f} |"
         )
+    lines += _startup_table([r for r in result["runs"] if "error" not in r])
     if result["profile"]:
         lines += ["", "## profile", "", *_profile_tables(result["profile"])]
+    return lines
+
+
+def _startup_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Each run's start-up by stage (``startup/*`` of its metrics.jsonl), the stages that took a
+    tenth of a second in some run."""
+    if not runs:
+        return []
+    stages = [s for s in runs[0]["startup_s"] if s != "total" and max(r["startup_s"][s] for r in runs) >= 0.1]
+    lines = [
+        "",
+        "start-up, s: from the process's start to the end of its first step",
+        "",
+        "| batch | compile | " + " | ".join(s.replace("_", " ") for s in stages) + " | total |",
+        "|---|---|" + "---|" * (len(stages) + 1),
+    ]
+    for r in runs:
+        times = " | ".join(f"{r['startup_s'][s]:.1f}" for s in [*stages, "total"])
+        lines.append(f"| {r['batch']} | {r['compile']} | {times} |")
     return lines
 
 
@@ -480,10 +501,12 @@ def _step_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> l
     }
     lines = [
         f"`clip-train bench step`, bf16, eager, median of {result['repeats']} steps after a warm-up; "
-        "the loop: the eager trainer's samples/s over the step's",
+        "the loop: the eager trainer's samples/s over the step's; ready: its measuring process's start "
+        "to its warm-up step",
         "",
-        "| batch | chunks | step s | step samples/s | peak GiB | trainer samples/s | loop / step | wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | chunks | step s | step samples/s | peak GiB | trainer samples/s | loop / step | ready s | "
+        "warm-up step s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
         run = trainer.get((p["batch"], tuple(p["chunks"])))
@@ -492,7 +515,7 @@ def _step_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> l
         lines.append(
             f"| {p['batch']} | {'/'.join(map(str, p['chunks']))} | {p['step_s']:.4f} | "
             f"{p['samples_per_s']:.0f} | {p['peak_bytes'] / 2**30:.2f} | {_cell(loop, '.0f')} | "
-            f"{_cell(share, '.1%')} | {p['wall_s']:.0f} |"
+            f"{_cell(share, '.1%')} | {p['ready_s']:.1f} | {p['warmup_s']:.1f} | {p['wall_s']:.0f} |"
         )
     return lines
 

@@ -33,6 +33,7 @@ from clip_train.loss import contrastive_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
 from clip_train.model import build_model
 from clip_train.precision import autocast
+from clip_train.startup_time import process_started
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +166,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     batch = synthetic_batch(model, spec["batch"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    ready_s = time.time() - process_started()  # imports, model and batch: what a benchmark waits for
     times, cpu_times, stats = [], [], None
     try:
         for _ in range(spec["repeats"] + 1):
@@ -184,6 +186,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "device": str(device),
         "median_s": statistics.median(times[1:]),
         "times_s": times[1:],
+        "ready_s": ready_s,
+        "warmup_s": times[0],
         "cpu_s": statistics.median(cpu_times[1:]),  # process CPU time: less sensitive to a shared machine
         "peak_bytes": peak,
         "base_bytes": base,

@@ -145,6 +145,12 @@ def _clip_train(
     for key in ("train/tflops", "train/mfu", "memory/peak_bytes"):  # MFU where a peak is known
         if key in timed[0]:
             result[key.split("/")[1]] = statistics.median(r[key] for r in timed)
+    first = next(r for r in records if "startup/total_s" in r)  # the process's start to its first step
+    result["startup_s"] = {
+        key.removeprefix("startup/").removesuffix("_s"): value
+        for key, value in first.items()
+        if key.startswith("startup/")
+    }
     return result
 
 
