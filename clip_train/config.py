@@ -174,7 +174,7 @@ class FsdpConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 1000  # also at the end of the run
+    every_steps: int = 1000  # also at the end of the run; 0: no checkpoints at all (benchmarks, smoke tests)
     keep: int = 3  # newest complete checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (milestones); 0: none
     resume: str = ""  # "" (fresh run), "auto" (newest checkpoint that verifies) or a checkpoint path
@@ -245,7 +245,6 @@ class Config:
             "train.dist_timeout_s",
             "train.io_timeout_s",
             "train.max_bad_steps",
-            "checkpoint.every_steps",
             "checkpoint.keep",
             "log.every_steps",
             "eval.batch_size",
@@ -263,6 +262,7 @@ class Config:
             "data.workers",
             "data.shuffle_buffer",
             "eval.every_steps",
+            "checkpoint.every_steps",
             "log.profile_steps",
             "log.profile_after",
         ):
@@ -297,7 +297,8 @@ class Config:
             raise ConfigError("loss.impl=local is a softmax option; the sigmoid loss takes vanilla or inf")
         if self.loss.tile_size < 0:
             raise ConfigError(f"loss.tile_size={self.loss.tile_size} must be >= 0 (0 picks a size)")
-        if self.checkpoint.keep_every < 0 or self.checkpoint.keep_every % self.checkpoint.every_steps:
+        every, keep_every = self.checkpoint.every_steps, self.checkpoint.keep_every
+        if keep_every < 0 or (keep_every and (not every or keep_every % every)):
             raise ConfigError(
                 f"checkpoint.keep_every={self.checkpoint.keep_every} must be 0 or a multiple of "
                 f"checkpoint.every_steps={self.checkpoint.every_steps}: only saved steps can be kept"

@@ -308,7 +308,8 @@ class Trainer:
                     if self._logs_at(self.step):  # the next window starts after this step's logs and saves
                         window = LogWindow(time.perf_counter())
                 self.update.skipped_steps.settle(self.step)
-                if self.step > self.saved_step and not self.update.skipped_steps.in_a_row:
+                unsaved = cfg.checkpoint.every_steps and self.step > self.saved_step  # 0: saves nothing
+                if unsaved and not self.update.skipped_steps.in_a_row:
                     self._save()
                 raise self._preempted(signals)
         finally:
@@ -331,7 +332,8 @@ class Trainer:
                 monitor.message(self.startup.describe(self.step))
             self.startup = None
         at_log = self._logs_at(self.step)
-        at_checkpoint = self.step % cfg.checkpoint.every_steps == 0 or last
+        every = cfg.checkpoint.every_steps
+        at_checkpoint = every > 0 and (self.step % every == 0 or last)
         if at_log or at_checkpoint:  # every rank reads the NaN guard's ledger at the same steps
             self.update.skipped_steps.settle(self.step)
         if at_log:  # every rank joins: each counts only the samples its own loader skipped
@@ -362,15 +364,18 @@ class Trainer:
             self.remote.push(latest_checkpoint(self.run_dir))
 
     def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
-        """The last step is saved, so a signal now stops the process without saving anything. One
-        after it (during the last upload) is only recorded: the run has finished."""
+        """The last step is saved (unless ``checkpoint.every_steps=0``), so a signal now stops the
+        process without saving anything. One after it (during the last upload) is only recorded: the
+        run has finished."""
         signals.interrupting = True
         try:
             return self._evaluate(monitor)
         except Preempted as stop:
+            saved = latest_checkpoint(self.run_dir)
+            kept = f"the last step's checkpoint {saved} is complete (clip-train eval evaluates it)"
             raise Preempted(
-                f"{stop} during the final evaluation: nothing new saved; the last step's checkpoint "
-                f"{latest_checkpoint(self.run_dir)} is complete (clip-train eval evaluates it)"
+                f"{stop} during the final evaluation: nothing new saved; "
+                f"{kept if saved else 'checkpoint.every_steps=0 saves none'}"
             ) from None
         finally:
             signals.interrupting = False

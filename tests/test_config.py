@@ -193,6 +193,7 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["data.workers=-1"], 1, r"^data\.workers=-1 must be >= 0$"),
         (["data.shuffle_buffer=-8"], 1, r"^data\.shuffle_buffer=-8 must be >= 0$"),
         (["eval.every_steps=-1"], 1, r"^eval\.every_steps=-1 must be >= 0$"),  # step % -1 == 0: every step
+        (["checkpoint.every_steps=-1"], 1, r"^checkpoint\.every_steps=-1 must be >= 0$"),
         # NaN passes every range check by comparing false, infinity is never meant: both named
         (["optim.lr=.inf"], 1, r"^optim\.lr=inf must be a finite number$"),
         (["optim.text_lr=.nan"], 1, r"^optim\.text_lr=nan must be a finite number$"),
@@ -230,9 +231,16 @@ def test_text_encoder_comes_from_exactly_one_of_hf_and_hf_config(config, overrid
     load_config(TINY_MODEL_CONFIG, ["model.text.hf=/models/bert", "model.text.hf_config={}"]).validate(1)
 
 
-@pytest.mark.parametrize(("keep_every", "valid"), [(0, True), (20, True), (25, False), (-10, False)], ids=str)
-def test_milestones_must_be_saved_steps(keep_every, valid):
-    config = load_config(None, [BERT, "checkpoint.every_steps=10", f"checkpoint.keep_every={keep_every}"])
+@pytest.mark.parametrize(
+    ("every", "keep_every", "valid"),
+    [(10, 0, True), (10, 20, True), (10, 25, False), (10, -10, False), (0, 0, True), (0, 10, False)],
+    ids=str,
+)
+def test_milestones_must_be_saved_steps(every, keep_every, valid):
+    """``checkpoint.every_steps=0`` saves nothing, so it keeps no milestones either."""
+    config = load_config(
+        None, [BERT, f"checkpoint.every_steps={every}", f"checkpoint.keep_every={keep_every}"]
+    )
     if valid:
         config.validate(world_size=1)
     else:

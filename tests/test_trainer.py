@@ -271,19 +271,21 @@ def cli_in_thread_signalled(args: list[str], when: Callable[[], bool], sig: sign
         sender.join()
 
 
-def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys):
-    """One process without torchrun: the signal's exit code reaches the caller (SLURM, a script)."""
+@pytest.mark.parametrize("every", [1000, 0], ids=["saves", "checkpoint.every_steps=0"])
+def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys, every):
+    """One process without torchrun: the signal's exit code reaches the caller (SLURM, a script).
+    Without checkpoints (``checkpoint.every_steps=0``, as benchmarks run) it saves nothing."""
     out = tmp_path / "run"
     args = [
         "train",
         str(DEMO_CONFIG),
-        *overrides(digits, out, "data.workers=0", "checkpoint.every_steps=1000"),
+        *overrides(digits, out, "data.workers=0", f"checkpoint.every_steps={every}"),
     ]
     code = cli_in_thread_signalled(args, lambda: len(logged(out)) >= 2, signal.SIGUSR1)
     assert code == EXIT_PREEMPTED
-    (saved,) = complete_checkpoints(out)
-    stopped = checkpoint_step(saved)
+    stopped = logged_steps(out)[-1]
     assert 2 <= stopped < STEPS and logged_steps(out) == list(range(1, stopped + 1))
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == ([stopped] if every else [])
     assert f"SIGUSR1 received: stopped after step {stopped}" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the trainer's handler is gone again
 
@@ -342,6 +344,12 @@ def in_process_trainer(digits: Path, out_dir: Path, *extra: str) -> Trainer:
     return Trainer(
         cfg.validate(world_size=1), DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     )
+
+
+def test_checkpoint_every_steps_0_trains_to_the_end_and_saves_nothing(digits, tmp_path):
+    in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=0").run()
+    assert logged_steps(tmp_path) == [1, 2, 3] and complete_checkpoints(tmp_path) == []
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -133,6 +133,7 @@ def _clip_train(
         *args.set, f"data.train={args.shards}/train", "data.val=", "eval.zeroshot=", "eval.zeroshot_data=",
         f"batch.global_size={batch}", f"train.max_steps={args.steps}", f"log.every_steps={log_every}",
         "log.wandb.mode=disabled", f"train.out_dir={out}",
+        "checkpoint.every_steps=0",  # no saves, as OpenCLIP's --save-frequency 0
     ]  # fmt: skip
     _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train", out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
