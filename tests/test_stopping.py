@@ -237,7 +237,7 @@ config.load_config = load_elsewhere
 
 def test_rank_zero_alone_may_take_longer_than_the_collective_timeout(digits, tmp_path):
     """Rank 0 looks for a checkpoint on ``checkpoint.remote`` at start-up (``resume=auto``: a slow
-    object store) and writes the step-2 checkpoint, each for longer than ``train.dist_timeout_s``
+    object store) and writes the step-2 checkpoint, each for 15 s, longer than ``train.dist_timeout_s``
     (12 s, which the run's other collectives must still fit on a busy machine): the other rank waits
     (``train.io_timeout_s``) and the run completes. Under FSDP, whose sharding's collectives come
     before the resume: the remote was listed before them, outside the wait, and they timed out."""
@@ -250,13 +250,13 @@ real_publish, real_remote_steps = checkpoint.publish_checkpoint, RemoteMirror._r
 
 def slow_publish(tmp, out_dir, step, *args):
     if step == 2:
-        time.sleep(20)
+        time.sleep(15)
     return real_publish(tmp, out_dir, step, *args)
 
 def slow_first_listing(self):
     if not getattr(self, "listed", False):
         self.listed = True
-        time.sleep(20)
+        time.sleep(15)
     return real_remote_steps(self)
 
 checkpoint.publish_checkpoint = slow_publish
