@@ -199,6 +199,8 @@ def test_report_shows_the_steps_loss_and_zero_shot_of_a_run(demo_run, capsys):
     assert all(line.startswith("demo: ") for line in lines)
     windows = [json.loads(line).get("time/window_s", 0) for line in (demo_run / "metrics.jsonl").open()]
     assert f"40 steps in {sum(windows):.0f} s, " in lines[2]  # the steps' own time, every window's
+    first = json.loads((demo_run / "metrics.jsonl").open().readline())
+    assert lines[2].endswith(f" samples/s, start-up {first['startup/total_s']:.0f} s")  # one process
     assert lines[3].startswith("demo: loss            step 10: ")
     assert "step_00000040" in lines[1] and "step 40: " in lines[3]
     assert lines[-1] == f"demo: zero-shot top-1 = {final_eval(demo_run)['zeroshot/top1']:.3f}"
@@ -206,12 +208,17 @@ def test_report_shows_the_steps_loss_and_zero_shot_of_a_run(demo_run, capsys):
 
 def test_report_of_a_run_without_eval_shows_its_training(demo_run, tmp_path, capsys):
     run = metrics_without_eval(demo_run, tmp_path / "no_eval")
-    with (run / "metrics.jsonl").open("a") as metrics:
-        metrics.write('{"step": 50, "time": ')  # a record a running run is still writing
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[2]["step"] == 30
+    records[2]["startup/total_s"] = 2.6  # a process resumed at step 20 logs its start-up with step 30
+    starts = records[0]["startup/total_s"] + 2.6
+    still_written = '{"step": 50, "time": '  # a record a running run is still writing
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + still_written)
     assert main(["report", str(run)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines] == ["run", "checkpoint", "training", "loss"]
     assert lines[1] == "run: checkpoint      none" and "40 steps in " in lines[2]
+    assert lines[2].endswith(f", start-up {starts:.0f} s over 2 starts")
     losses = [
         json.loads(line)["train/loss"] for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]
     ]

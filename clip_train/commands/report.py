@@ -60,10 +60,15 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 def _training_line(train: list[dict[str, Any]]) -> str:
     # Each record's window is the time of the steps since the last log: their sum leaves out logging,
     # checkpoints and evaluations, and the time between a crash and its resume.
+    # Each process's start to its first step's end is in the first record it logged (startup/*).
     steps_s = sum(r["time/window_s"] for r in train)
     samples_per_s = statistics.median(r["train/samples_per_s"] for r in train)
+    starts = [r["startup/total_s"] for r in train if "startup/total_s" in r]
+    startup = f", start-up {sum(starts):.0f} s" if starts else ""
+    startup += f" over {len(starts)} starts" if len(starts) > 1 else ""
     return (
-        f"training        {train[-1]['step']} steps in {steps_s:.0f} s, median {samples_per_s:.0f} samples/s"
+        f"training        {train[-1]['step']} steps in {steps_s:.0f} s, median {samples_per_s:.0f} "
+        f"samples/s{startup}"
     )
 
 
