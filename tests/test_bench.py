@@ -1,4 +1,4 @@
-"""`clip-train bench loss` and `bench train` end to end at a toy size: every implementation or
+"""`clip-train bench loss`, `bench step` and `bench train` end to end at a toy size: every implementation or
 trainer runs in its own fresh process, and the JSON records each (the figures themselves are
 measurements for docs/benchmarks.md, never asserted here)."""
 
@@ -9,7 +9,7 @@ import sys
 import tarfile
 
 from processes import run_to_end
-from small_runs import TINY_MODEL
+from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 
 from clip_train.bench.data import write_synthetic
 
@@ -27,6 +27,40 @@ def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
     (paired,) = report["paired"]
     assert set(paired["median_s"]) == {"vanilla", "inf", "open_clip"}
     assert "inf / open_clip" in result.stdout
+
+
+def test_bench_step_measures_each_mode_fresh_then_both_in_turn(tmp_path):
+    """Gradient Cache and the direct step each in a fresh process (time, memory, the process's time
+    to its warm-up step), then alternating in one process for their ratio."""
+    out = tmp_path / "step.json"
+    command = [sys.executable, "-m", "clip_train", "bench", "step", "--model", str(TINY_MODEL_CONFIG)]
+    options = [
+        "--batch",
+        "8",
+        "--image-chunk",
+        "4",
+        "--text-chunk",
+        "4",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+    ]
+    result = run_to_end([*command, *options])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(p["mode"], p["batch"], len(p["times_s"])) for p in report["points"]] == [
+        ("gc", 8, 2),
+        ("direct", 8, 2),
+    ]
+    for point in report["points"]:
+        assert point["median_s"] > 0 and point["warmup_s"] > 0 and 0 < point["ready_s"] < 120
+        assert point["peak_bytes"] >= point["batch_bytes"] > 0
+    gc, direct = report["points"]
+    assert gc["cache_bytes"] > 0 == direct["cache_bytes"]  # the feature cache is Gradient Cache's
+    (paired,) = report["paired"]
+    ratio = paired["median_s"]["gc"] / paired["median_s"]["direct"]
+    assert f"B=8      gc / direct: {ratio:.3f} ({gc['median_s'] / direct['median_s']:.3f})" in result.stdout
 
 
 def test_bench_train_runs_both_trainers_in_turn_on_one_architecture(tmp_path, digits):

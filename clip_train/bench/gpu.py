@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from clip_train.bench import step as bench_step
 from clip_train.bench.runner import in_fresh_process
 from clip_train.bench.train import OUTPUT, _clip_train, _export_initial_model, _open_clip
 from clip_train.config import load_config
@@ -330,19 +331,23 @@ class _Bench:
         return json.loads((folder / "summary-rank0.json").read_text())
 
     def step(self) -> dict[str, Any]:
-        """The bare step at each eager trainer setting, which bounds what the loop around it can do."""
-        points = []
+        """The bare step at each eager trainer setting, which bounds what the loop around it can do:
+        ``bench step``'s measurement, each in one fresh process (not the command's two)."""
+        parser, points = argparse.ArgumentParser(), []
+        bench_step.add_arguments(parser)
         for batch, image_chunk, text_chunk, compiled in self.sizes.trainer:
             if compiled:  # bench step runs the towers eager
                 continue
-            out, started = self.work / f"step-{batch}.json", time.perf_counter()
-            self._clip_train(
-                "bench", "step", "--model", self.sizes.model, "--batch", str(batch),
-                "--image-chunk", str(image_chunk), "--text-chunk", str(text_chunk), "--precision", "bf16",
-                "--device", self.device, "--repeats", str(self.sizes.step_repeats), "--no-direct",
-                "--json", str(out), "--set", *self.overrides,
-            )  # fmt: skip
-            (point,) = json.loads(out.read_text())["points"]
+            arguments = [
+                "--model", self.sizes.model, "--batch", str(batch), "--image-chunk", str(image_chunk),
+                "--text-chunk", str(text_chunk), "--precision", "bf16", "--device", self.device,
+                "--repeats", str(self.sizes.step_repeats), "--set", *self.overrides,
+            ]  # fmt: skip
+            self._note("clip-train bench step " + " ".join(arguments))
+            spec = bench_step.batch_spec(parser.parse_args(arguments), batch, ["gc"])
+            started = time.perf_counter()
+            point = in_fresh_process(bench_step.measure, {**spec, "mode": "gc"})
+            self._note(json.dumps(point))
             if "error" in point:
                 raise RuntimeError(f"bench step at batch {batch}: {point['error']}")
             step_s = point["median_s"]

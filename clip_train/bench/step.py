@@ -92,13 +92,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             args.json.write_text(json.dumps({"parallel": results}, indent=2))
         return 0
-    device = resolve_device(args.device).type
     modes = ["gc", *(["gc-lit"] if args.lit else []), *([] if args.no_direct else ["direct"])]
-    options = {k: v for k, v in vars(args).items() if k not in ("run", "json", "plot")}  # JSON-able
     results, paired = [], []
     print(HEADER, flush=True)
     for batch in sizes:
-        spec = {**options, "batch": batch, "modes": modes, "device": device}
+        spec = batch_spec(args, batch, modes)
         for mode in modes:
             died = {"mode": mode, "batch": batch, "error": "worker died (out of memory?)"}
             results.append(_unless_killed(measure, {**spec, "mode": mode}, died))
@@ -111,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.plot)
     return 0
+
+
+def batch_spec(args: argparse.Namespace, batch: int, modes: list[str]) -> dict[str, Any]:
+    """What :func:`measure` (with a ``mode`` added) and :func:`measure_paired` take for ``batch``:
+    the command's options, JSON-able, and the device resolved."""
+    options = {k: v for k, v in vars(args).items() if k not in ("run", "json", "plot")}
+    return {**options, "batch": batch, "modes": modes, "device": resolve_device(args.device).type}
 
 
 def _unless_killed(fn: Callable[[Any], Any], spec: dict[str, Any], died: dict[str, Any]) -> dict[str, Any]:
