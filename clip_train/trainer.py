@@ -95,7 +95,7 @@ def chunks_kept_from(
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
-        clock = StartupClock()
+        clock = StartupClock(settle=lambda: wait_for_device(env.device))
         self.startup: StartupClock | None = clock  # None once this process's first step ended
         clock.lap("launch")  # the interpreter, imports, config and process group
         self.startup_metrics: dict[str, float] = {}  # for the first metrics record after the first step

@@ -48,3 +48,14 @@ def test_the_line_names_the_step_and_leaves_out_stages_under_a_twentieth_of_a_se
     line = clock.describe(7)
     assert line.startswith(f"start-up: step 7 ended {clock.total_s:.1f} s after the process started (")
     assert "launch 4.0, first batch 0.5, first step 22.0" in line and "flops" not in line
+
+
+def test_each_lap_settles_first_and_charges_the_wait_to_its_stage():
+    """On a GPU the trainer settles by waiting for the device: a stage's queued kernels are its own.
+    The first step's end does not wait: only logged steps do (the loop times those)."""
+    settled = []
+    clock = StartupClock(settle=lambda: (settled.append(True), time.sleep(0.05)))
+    clock.lap("launch")
+    clock.lap("flops")
+    clock.finish(first_batch_s=0.0, first_step_s=0.0)
+    assert len(settled) == 2 and clock.laps["flops"] >= 0.05
