@@ -50,7 +50,7 @@ import torch
 
 from clip_train.bench import step as bench_step
 from clip_train.bench.runner import in_fresh_process
-from clip_train.bench.train import OUTPUT, _clip_train, _export_initial_model, _open_clip
+from clip_train.bench.train import OUTPUT, export_initial_model, run_clip_train, run_open_clip
 from clip_train.config import load_config
 from clip_train.distributed import wait_for_device
 from clip_train.profiling import SHARES, describe
@@ -301,7 +301,7 @@ class _Bench:
             self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
             run_dir, started = self.work / f"run-{batch}-{compiled}", time.perf_counter()
             try:
-                run |= _clip_train(options, batch, 1, run_dir, sizes.log_every)
+                run |= run_clip_train(options, batch, 1, run_dir, sizes.log_every)
                 self._note((run_dir / OUTPUT).read_text())  # its start-up lines, progress and profile
                 if profiled:
                     profile = {
@@ -364,12 +364,12 @@ class _Bench:
         and log cadence (its samples/s per log window, as clip_train's), beside the eager trainer."""
         sizes, export = self.sizes, self.work / "open_clip_model"
         cfg = load_config(sizes.model, self._settings(0, 0))
-        _export_initial_model(cfg, export)
+        export_initial_model(cfg, export)
         shards, batch = self._shards(), sizes.open_clip_batch
         options = SimpleNamespace(shards=shards, steps=sizes.steps, warmup=sizes.warmup)
         started = time.perf_counter()
         run_dir = self.work / "open_clip"
-        result = _open_clip(options, cfg, export, batch, 1, run_dir, sizes.log_every)
+        result = run_open_clip(options, cfg, export, batch, 1, run_dir, sizes.log_every)
         self._note((run_dir / OUTPUT).read_text())
         return {"batch": batch, **result, "wall_s": time.perf_counter() - started}
 

@@ -73,17 +73,19 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         export = Path(tmp, "open_clip_model")
         if has_open_clip:
-            _export_initial_model(cfg, export)
+            export_initial_model(cfg, export)
         for batch in batches:
             for nproc in procs:
                 condition = {"batch": batch, "procs": nproc, "pairs": []}
                 for pair in range(args.pairs):
                     runs = {
-                        "clip_train": _clip_train(args, batch, nproc, Path(tmp, f"ct-{batch}-{nproc}-{pair}"))
+                        "clip_train": run_clip_train(
+                            args, batch, nproc, Path(tmp, f"ct-{batch}-{nproc}-{pair}")
+                        )
                     }
                     if has_open_clip:
                         out = Path(tmp, f"oc-{batch}-{nproc}-{pair}")
-                        runs["open_clip"] = _open_clip(args, cfg, export, batch, nproc, out)
+                        runs["open_clip"] = run_open_clip(args, cfg, export, batch, nproc, out)
                     condition["pairs"].append(runs)
                     print(_pair_line(condition, runs), flush=True)
                 results.append(_summarise(condition))
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_initial_model(cfg, folder: Path) -> None:
+def export_initial_model(cfg, folder: Path) -> None:
     """The config's model as clip_train initialises it (its seed), exported for open_clip: both
     trainers start from the same weights."""
     torch.manual_seed(cfg.train.seed)
@@ -124,7 +126,7 @@ def _run(command: list[str], what: str, out: Path, env: dict[str, str] | None = 
     (out / OUTPUT).write_text(proc.stdout + proc.stderr)
 
 
-def _clip_train(
+def run_clip_train(
     args: argparse.Namespace, batch: int, nproc: int, out: Path, log_every: int = 1
 ) -> dict[str, Any]:
     """One clip_train run: the medians of its logged samples/s (each over the steps since the last
@@ -155,7 +157,7 @@ def _clip_train(
     return result
 
 
-def _open_clip(
+def run_open_clip(
     args: argparse.Namespace, cfg, export: Path, batch: int, nproc: int, out: Path, log_every: int = 1
 ) -> dict[str, Any]:
     """One OpenCLIP run: the median of its logged ``Batch (t)`` (the mean step time since its last
