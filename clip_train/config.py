@@ -39,6 +39,7 @@ RESOLVED_LOSS_IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "auto")  # wh
 Parallel = Literal["ddp", "fsdp"]
 Schedule = Literal["cosine", "const", "const-cooldown"]
 FsdpDtype = Literal["auto", "fp32", "bf16"]
+CompileMode = Literal["default", "reduce-overhead"]
 
 
 @dataclass
@@ -158,6 +159,7 @@ class TrainConfig:
     io_timeout_s: int = 3600  # how long the other ranks wait while rank 0 alone pulls, verifies or saves
     max_bad_steps: int = 5  # consecutive skipped (non-finite) steps that stop the run, at a log or save step
     compile: bool = False  # torch.compile each tower block, FSDP too (random ops as eager: exact replay)
+    compile_mode: CompileMode = "default"  # reduce-overhead: + CUDA graphs; one chunk, DDP, no lock
     parallel: Parallel = "ddp"  # ddp: a full replica per rank; fsdp: FSDP2-sharded towers (see fsdp.*)
     ema_decay: float = 0.0  # EMA of the trainable weights, ema = d*ema + (1-d)*w after each step; 0: off
     ema_warmup_power: float = 0.0  # > 0: the decay at step t is min(ema_decay, 1 - (1+t)^-power) (timm's)
@@ -306,6 +308,7 @@ class Config:
         _check_text_source(self.model.text)
         _check_data_sources(self.data)
         _check_fsdp(self.train)
+        _check_compile_mode(self, world)
         return self
 
 
@@ -423,6 +426,42 @@ def _check_fsdp(train: TrainConfig) -> None:
             "train.precision=fp16 with train.parallel=fsdp: the loss scaler is not shard-aware; "
             "use train.precision=bf16 (or fp32)"
         )
+
+
+def _check_compile_mode(cfg: Config, world: int) -> None:
+    """CUDA graphs (``reduce-overhead``) as measured: each compiled block runs once a step, with
+    gradients. Gradient Cache's no_grad pass, whose outputs the replay reads after later graphs ran,
+    stopped on an H200 with "accessing tensor output of CUDAGraphs that has been overwritten"; a
+    locked trunk (no_grad) and FSDP's gathers around the blocks are untried. Auto chunks are checked
+    once chosen (``one_chunk_for_cuda_graphs``)."""
+    if cfg.train.compile_mode == "default":
+        return
+    key = f"train.compile_mode={cfg.train.compile_mode}"
+    if not cfg.train.compile:
+        raise ConfigError(f"{key} needs train.compile=true: it is a mode of the compiled blocks")
+    if cfg.train.parallel != "ddp":
+        raise ConfigError(f"{key} with train.parallel={cfg.train.parallel}: CUDA graphs run with ddp only")
+    for name in ("image", "text"):
+        if getattr(cfg.model, name).lock:
+            raise ConfigError(
+                f"{key} with model.{name}.lock=true: a locked trunk runs its blocks under no_grad, "
+                "which CUDA graphs do not take here; use train.compile_mode=default"
+            )
+    per_rank = cfg.batch.global_size // world
+    for key_chunk in ("image_chunk", "text_chunk"):
+        chunk = getattr(cfg.batch, key_chunk)
+        if chunk != "auto" and chunk not in (0, per_rank):
+            raise ConfigError(one_chunk_for_cuda_graphs(f"batch.{key_chunk}={chunk}", per_rank))
+
+
+def one_chunk_for_cuda_graphs(chunks: str, per_rank: int) -> str:
+    """The error for CUDA graphs with Gradient Cache's chunks (set or chosen by auto)."""
+    return (
+        f"train.compile_mode=reduce-overhead needs one chunk a step, and {chunks} splits the per-rank "
+        f"batch {per_rank}: Gradient Cache's replay reads no_grad outputs that later CUDA graphs "
+        "overwrite. Set batch.image_chunk=0 and batch.text_chunk=0 (a batch that fits), or "
+        "train.compile_mode=default"
+    )
 
 
 def _check_batch(batch: BatchConfig, world: int) -> None:

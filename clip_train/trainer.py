@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
-from clip_train.config import BatchConfig, Config, save_config
+from clip_train.config import BatchConfig, Config, ConfigError, one_chunk_for_cuda_graphs, save_config
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import (
     DistEnv,
@@ -115,6 +115,7 @@ class Trainer:
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
         fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
         self.sharded = cfg.train.parallel == "fsdp"
+        self.cuda_graphs = cfg.train.compile_mode == "reduce-overhead"
         on_meta = self.sharded and builds_on_meta(cfg.fsdp)  # rank 0's weights reach it when sharded
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, load_pretrained=not cfg.model.init_from, on_meta=on_meta)
@@ -130,7 +131,7 @@ class Trainer:
         towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
         clock.lap("flops")
         if cfg.train.compile:  # before sharding, as torchtitan does: FSDP2 shards the compiled blocks
-            compile_towers(self.model)
+            compile_towers(self.model, cuda_graphs=self.cuda_graphs)
         measured = None
         if self.sharded:  # what needs the whole towers runs on rank 0 before they are sharded
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
@@ -178,6 +179,7 @@ class Trainer:
             )
         self.saved_step = self.step  # the newest step on disk (0: none worth saving)
         self.chunks, self.chunk_note = self._chunks(measured)
+        self._check_one_chunk_for_cuda_graphs()
         clock.lap("chunks")
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
         # Towers sharded with FSDP2 reduce their own gradients.
@@ -188,6 +190,14 @@ class Trainer:
             trains, replayed = self.engine.trains_and_replays(rows)
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
         clock.lap("engine")
+
+    def _check_one_chunk_for_cuda_graphs(self) -> None:
+        """What ``Config.validate`` cannot see: the chunks auto chose (or a checkpoint kept)."""
+        per_rank = self.cfg.batch.global_size // self.env.world_size
+        if self.cuda_graphs and self.chunks != (per_rank, per_rank):
+            chunks = "/".join(map(str, self.chunks))
+            chosen = f"image/text chunks {chunks} ({self.chunk_note})"
+            raise ConfigError(one_chunk_for_cuda_graphs(chosen, per_rank))
 
     def _finds_a_checkpoint(self) -> bool:
         """Whether ``checkpoint.resume`` names one (sizes checked), or ``auto`` finds one on the remote:
@@ -486,7 +496,9 @@ class Trainer:
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
         run = stoppable.run if stoppable is not None else lambda evaluate_on: evaluate_on(None)
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
-        with preserved_rng(self.env.device), averaged, whole, timed(f"step {self.step}: evaluating"):
+        # Under CUDA graphs each eval-mode graph and batch shape would be recorded and kept: eager.
+        eager = torch.compiler.set_stance("force_eager") if self.cuda_graphs else contextlib.nullcontext()
+        with preserved_rng(self.env.device), averaged, whole, eager, timed(f"step {self.step}: evaluating"):
             metrics = run(
                 lambda group: evaluate(
                     self.model,

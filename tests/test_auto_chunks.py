@@ -140,6 +140,14 @@ def test_runs_log_the_choice_fit_a_small_budget_and_keep_it_on_resume(digits, tm
     image, text = (int(word) for word in line.split(" of ")[0].replace("/ text", "").split()[-2:])
     assert (image, text) != (128, 128) and "the largest chunks that fit" in line
 
+    # CUDA graphs take one chunk a step: auto's smaller ones stop the run at start-up, saying why.
+    graphs = _train(
+        digits, tmp_path / "graphs", 2, budget, "train.compile=true", "train.compile_mode=reduce-overhead"
+    )
+    assert graphs.returncode != 0 and not (tmp_path / "graphs" / "metrics.jsonl").exists()
+    needs = f"reduce-overhead needs one chunk a step, and image/text chunks {image}/{text} (auto chunks:"
+    assert needs in graphs.stderr, graphs.stderr[-3000:]
+
     # Resumed with a roomy budget at the same world size: the checkpoint's chunks stay.
     resumed = _train(digits, tmp_path / "tight", 3, "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

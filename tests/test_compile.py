@@ -95,7 +95,8 @@ def test_compiled_towers_replay_exactly_with_dropout():
 def test_compiled_blocks_train_in_one_chunk_and_under_a_locked_trunk():
     """One chunk a tower (plain backpropagation through the compiled blocks), and a LiT image tower
     whose first block is frozen: in eval mode under no_grad it gets graphs of its own, compiled in
-    the first step and not again."""
+    the first step and not again. The one-chunk towers ask for CUDA graphs (reduce-overhead), which
+    inductor skips on the CPU: the step is the same, and the skips show that the option arrived."""
     one_chunk, lit = make_model(*DROPOUT, dtype=DTYPE), make_model(*DROPOUT, *LIT_UNLOCKED, dtype=DTYPE)
     frozen = tower_blocks(lit.visual)[0]
     assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
@@ -104,13 +105,16 @@ def test_compiled_blocks_train_in_one_chunk_and_under_a_locked_trunk():
         reference_grads(model, batch, CHUNK, CHUNK)
         for model, batch in zip((one_chunk, lit), batches, strict=True)
     ]
-    graphs = []
+    graphs, skipped_cuda_graphs = [], []
     for model, batch, want in zip((one_chunk, lit), batches, wants, strict=True):
-        compile_towers(model)
+        compile_towers(model, cuda_graphs=model is one_chunk)  # the one mode CUDA graphs take
+        skips = counters["inductor"]["cudagraph_skips"]
         with compiled_throughout():
             graphs.append(counters["stats"]["unique_graphs"])
             assert_grads_close(two_steps(model, batch, CHUNK), want, rtol=RTOL)
+        skipped_cuda_graphs.append(counters["inductor"]["cudagraph_skips"] > skips)
     assert counters["stats"]["unique_graphs"] > graphs[-1]  # LiT's own, the frozen block's in eval mode
+    assert skipped_cuda_graphs == [True, False]  # inductor had the option where asked (off CUDA: skipped)
 
 
 FSDP_CASES = [

@@ -143,6 +143,7 @@ def test_a_retired_key_fails_in_one_line_unless_a_run_saved_it(tmp_path):
         "batch.offload=maybe",
         "loss.impl=flash",
         "train.precision=fp8",
+        "train.compile_mode=max-autotune",
         "optim.betas=0.9",
         "model.image.timm_kwargs=3",
         "model.image=vit",
@@ -204,6 +205,31 @@ def test_malformed_override_and_missing_file(tmp_path):
 def test_cross_field_validation(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides).validate(world_size=world)
+
+
+CUDA_GRAPHS = [BERT, "train.compile=true", "train.compile_mode=reduce-overhead", "batch.global_size=64"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.compile=false"], r"^train\.compile_mode=reduce-overhead needs train\.compile=true"),
+        (["train.parallel=fsdp"], r"train\.parallel=fsdp: CUDA graphs run with ddp only"),
+        (["model.image.lock=true"], r"model\.image\.lock=true: a locked trunk runs its blocks under no_grad"),
+        (["model.text.lock=true"], r"model\.text\.lock=true"),
+        (
+            ["batch.image_chunk=16"],
+            r"needs one chunk a step, and batch\.image_chunk=16 splits the per-rank batch 32",
+        ),
+        (["batch.text_chunk=8"], r"batch\.text_chunk=8 splits"),
+    ],
+)
+def test_cuda_graphs_take_one_chunk_of_trained_ddp_towers(overrides, message):
+    """Only what ran on a GPU: Gradient Cache's replay stopped there, the rest is untried."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*CUDA_GRAPHS, *overrides]).validate(world_size=2)
+    for one_chunk in (["batch.image_chunk=0", "batch.text_chunk=32"], ["batch.image_chunk=auto"]):
+        load_config(None, [*CUDA_GRAPHS, *one_chunk]).validate(world_size=2)
 
 
 def test_chunks_that_divide_pass():

@@ -48,7 +48,7 @@ class StepStats:
     loss_s: float  # stage 2
     replay_s: float  # stage 3 (+ the logit-scale all-reduce)
     gather_s: float  # FSDP: waiting for the blocks' all-gathers, taken out of encode_s and replay_s
-    peak_mem: int  # bytes: CUDA max_memory_allocated during the step; 0 on CPU (measure RSS instead)
+    peak_mem: int  # bytes: CUDA's peak during the step (reserved under CUDA graphs); 0 on CPU (use RSS)
     cache_bytes: int  # features, their gradients and any frozen-trunk cache: O(B·d), wherever kept
     batch_bytes: int  # the raw batch (host memory with offload, else the device)
     max_live_chunks: int  # most input chunks alive at once in any run of the stream (<= 2 by construction)
@@ -120,6 +120,7 @@ class GradCache:
         tile_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         sync_every_chunk: bool = False,
+        graph_pools: bool = False,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}")
@@ -136,6 +137,9 @@ class GradCache:
         self.group = group
         self.world_size = rank_and_world(group)[1]
         self.sync_every_chunk = sync_every_chunk  # towers sharded with FSDP2 only
+        # CUDA graphs' private pools hold their buffers outside the allocated count: the peak is then
+        # the reserved one, which bounds them (and counts the allocator's cache).
+        self.peak_of = torch.cuda.max_memory_reserved if graph_pools else torch.cuda.max_memory_allocated
         self.image = self._tower("image", model.visual, image_chunk)
         self.text = self._tower("text", model.text, text_chunk)
         sharded = self.image.sharded or self.text.sharded
@@ -156,6 +160,7 @@ class GradCache:
             loss_impl=config.loss.impl,
             tile_size=config.loss.tile_size or None,
             sync_every_chunk=config.fsdp.sync_every_chunk,
+            graph_pools=config.train.compile_mode == "reduce-overhead",
         )
 
     def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
@@ -231,7 +236,7 @@ class GradCache:
             loss_s=lossed - encoded,
             replay_s=replayed - lossed - replay_gather_s,
             gather_s=encode_gather_s + replay_gather_s,
-            peak_mem=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
+            peak_mem=self.peak_of(self.device) if self.device.type == "cuda" else 0,
             cache_bytes=cache_bytes,
             batch_bytes=_bytes(batch),
             max_live_chunks=self.chunk_stream.max_live,
