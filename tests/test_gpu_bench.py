@@ -49,7 +49,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
     assert (trainer["warmup"], trainer["log_every"], trainer["steps"]) == (1, 2, 4)
     assert "medians over steps 3-4:" in summary
     runs = trainer["runs"]
-    assert [(r["batch"], r["compile"]) for r in runs] == [(16, False), (32, True)]
+    assert [(r["batch"], r["compile"]) for r in runs] == [(16, "off"), (32, "default")]
     for run in runs:  # the CPU's peak is the square product's rate: MFU is the share of it
         assert run["samples_per_s"] > 0 and set(run["split_s"]) == set(SPLIT)
         assert run["mfu"] == pytest.approx(run["tflops"] / matmul["tflops"], rel=1e-9)
@@ -59,7 +59,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
         assert 0 < startup["launch"] < startup["total"] < run["wall_s"] and startup["first_step"] > 0
         assert f"| {startup['total']:.0f} | {run['wall_s']:.0f} |" in summary
     assert "start-up, s: from the process's start to the end of its first step" in summary
-    assert f"| 32 | True | {runs[1]['startup_s']['launch']:.1f} | " in summary
+    assert f"| 32 | default | {runs[1]['startup_s']['launch']:.1f} | " in summary
 
     (point,) = report["step"]["points"]  # the eager trainer's batch and chunks, beside its samples/s
     assert (point["batch"], point["chunks"]) == (16, [0, 0])
@@ -79,7 +79,7 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
         f"| 16 | {open_clip['samples_per_s']:.0f} | {runs[0]['samples_per_s']:.0f} | {ratio:.2f} |" in summary
     )
     profile = trainer["profile"]  # the compiled run's steps 2-3 (eager here: TORCHDYNAMO_DISABLE)
-    assert "`clip-train train` at batch 32 (chunks 8/16) with train.compile, steps 2-3" in summary
+    assert "`clip-train train` at batch 32 (chunks 8/16), compile default, steps 2-3" in summary
     assert profile["steps_traced"] == [2, 3] and sum(profile["shares"].values()) == pytest.approx(1.0)
     assert profile["shares"]["matmul"] > 0 and profile["shares"]["optimizer"] > 0
     assert set(profile["idle_s"]) == {*PHASES, "other"} and all(profile["host_s"][p] > 0 for p in PHASES)

@@ -5,11 +5,12 @@ of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everythi
 
 1. matmul: the rate of an 8192³ bf16 product, the practical ceiling "of matmul rate" is against;
 2. trainer: ``clip-train train`` on synthetic 224 px shards, ViT-B/16 + BERT-base, per-GPU batch
-   256 in one chunk and 1024 with Gradient Cache, eager and ``train.compile``: samples/s, model
-   TFLOP/s, MFU, the share of the measured matmul rate, peak memory and the step split. The first
-   compiled run is also profiled (``log.profile_steps``, ``clip_train.profiling``) before its
-   measured steps: the shares of matmul, attention, elementwise, optimizer, copies and idle, the
-   idle time by what the host was doing, and the top 15 kernels;
+   256 in one chunk and 1024 with Gradient Cache, eager and ``train.compile`` (batch 256 also with
+   ``train.compile_mode=reduce-overhead``, CUDA graphs): samples/s, model TFLOP/s, MFU, the share
+   of the measured matmul rate, peak memory and the step split. The CUDA-graph run is also
+   profiled (``log.profile_steps``, ``clip_train.profiling``) before its measured steps: the
+   shares of matmul, attention, elementwise, optimizer, copies and idle, the idle time by what
+   the host was doing, and the top 15 kernels;
 3. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
    at the trainer's eager batches and chunks, and the trainer's samples/s as a share of its;
 4. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -57,6 +58,7 @@ from clip_train.profiling import SHARES, describe
 
 # The trainer's figures first: a session whose time runs out loses the loss, measured three times before.
 SECTIONS = ("matmul", "trainer", "step", "open_clip", "loss")
+Compiling = Literal["off", "default", "reduce-overhead"]  # eager, or train.compile in that mode
 FILES = ("gpu-bench.json", "gpu-bench.md", "gpu-bench.log", "gpu-bench.trace.json.gz")
 
 
@@ -71,8 +73,9 @@ class Sizes:
     model: str
     synthetic_images: int
     workers: int
-    # (per-GPU batch, image chunk, text chunk, train.compile); chunk 0 = one chunk
-    trainer: tuple[tuple[int, int, int, bool], ...]
+    # (per-GPU batch, image chunk, text chunk, compiling: off or a train.compile_mode); chunk 0 = one
+    trainer: tuple[tuple[int, int, int, Compiling], ...]
+    profiled: tuple[int, Compiling]  # the trainer run (batch, compiling) also profiled
     steps: int
     warmup: int
     log_every: int  # the trainer's samples/s: over each window of this many steps (one waits to log)
@@ -91,7 +94,14 @@ GPU = Sizes(
     model="configs/model/vit-b16-bert-base-random.yaml",
     synthetic_images=4096,
     workers=min(12, max(1, (os.cpu_count() or 2) - 2)),
-    trainer=((256, 0, 0, False), (256, 0, 0, True), (1024, 256, 512, False), (1024, 256, 512, True)),
+    trainer=(
+        (256, 0, 0, "off"),
+        (256, 0, 0, "default"),
+        (256, 0, 0, "reduce-overhead"),
+        (1024, 256, 512, "off"),
+        (1024, 256, 512, "default"),
+    ),
+    profiled=(256, "reduce-overhead"),  # the fastest: what is left of its idle time
     steps=30,
     warmup=10,
     log_every=10,
@@ -109,7 +119,8 @@ DRY_RUN = Sizes(
     model="configs/model/tiny.yaml",
     synthetic_images=48,
     workers=1,
-    trainer=((16, 0, 0, False), (32, 8, 16, True)),  # compiled runs are eager here: each path once
+    trainer=((16, 0, 0, "off"), (32, 8, 16, "default")),  # compiled runs are eager here: each path once
+    profiled=(32, "default"),
     steps=4,
     warmup=1,
     log_every=2,
@@ -273,23 +284,26 @@ class _Bench:
             write_synthetic(shards / "train", self.sizes.synthetic_images)
         return shards
 
-    def _settings(self, image_chunk: int, text_chunk: int, compiled: bool = False) -> list[str]:
+    def _settings(self, image_chunk: int, text_chunk: int, compiling: Compiling = "off") -> list[str]:
         settings = [
             *self.overrides, "train.precision=bf16", f"data.workers={self.sizes.workers}",
-            f"batch.image_chunk={image_chunk}", f"batch.text_chunk={text_chunk}", f"train.compile={compiled}",
+            f"batch.image_chunk={image_chunk}", f"batch.text_chunk={text_chunk}",
+            f"train.compile={compiling != 'off'}",
         ]  # fmt: skip
+        if compiling != "off":
+            settings.append(f"train.compile_mode={compiling}")
         if self.device == "cpu" and self.matmul_tflops:  # no peak in the table: the measured rate stands in
             settings.append(f"log.peak_tflops={self.matmul_tflops}")
         return settings
 
     def trainer(self) -> dict[str, Any]:
-        """The trainer at each setting; the first compiled run (its fastest) is also profiled, in
-        steps before its measured windows, so the profile shows the loop as a run has it."""
+        """The trainer at each setting; one run (``Sizes.profiled``) is also profiled, in steps
+        before its measured windows, so the profile shows the loop as a run has it."""
         sizes, shards, runs, profile = self.sizes, self._shards(), [], None
-        for batch, image_chunk, text_chunk, compiled in sizes.trainer:
-            run = {"batch": batch, "chunks": [image_chunk, text_chunk], "compile": compiled}
-            settings = self._settings(image_chunk, text_chunk, compiled)
-            profiled = compiled and profile is None
+        for batch, image_chunk, text_chunk, compiling in sizes.trainer:
+            run = {"batch": batch, "chunks": [image_chunk, text_chunk], "compile": compiling}
+            settings = self._settings(image_chunk, text_chunk, compiling)
+            profiled = (batch, compiling) == sizes.profiled
             if profiled:
                 settings += [
                     f"log.profile_after={sizes.profile_after}",
@@ -299,7 +313,7 @@ class _Bench:
                 config=sizes.model, set=settings, shards=shards, steps=sizes.steps, warmup=sizes.warmup
             )
             self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
-            run_dir, started = self.work / f"run-{batch}-{compiled}", time.perf_counter()
+            run_dir, started = self.work / f"run-{batch}-{compiling}", time.perf_counter()
             try:
                 run |= run_clip_train(options, batch, 1, run_dir, sizes.log_every)
                 self._note((run_dir / OUTPUT).read_text())  # its start-up lines, progress and profile
@@ -307,6 +321,7 @@ class _Bench:
                     profile = {
                         "batch": batch,
                         "chunks": run["chunks"],
+                        "compile": compiling,
                         **self._keep_profile(run_dir / "profile"),
                     }
             except Exception as err:
@@ -335,8 +350,8 @@ class _Bench:
         ``bench step``'s measurement, each in one fresh process (not the command's two)."""
         parser, points = argparse.ArgumentParser(), []
         bench_step.add_arguments(parser)
-        for batch, image_chunk, text_chunk, compiled in self.sizes.trainer:
-            if compiled:  # bench step runs the towers eager
+        for batch, image_chunk, text_chunk, compiling in self.sizes.trainer:
+            if compiling != "off":  # bench step runs the towers eager
                 continue
             arguments = [
                 "--model", self.sizes.model, "--batch", str(batch), "--image-chunk", str(image_chunk),
@@ -502,7 +517,9 @@ def _startup_table(runs: list[dict[str, Any]]) -> list[str]:
 def _step_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]]) -> list[str]:
     """Each bare step beside the eager trainer at its batch and chunks: the loop's share of it."""
     trainer = {
-        (r["batch"], tuple(r["chunks"])): r for r in trainer_runs if not r["compile"] and "error" not in r
+        (r["batch"], tuple(r["chunks"])): r
+        for r in trainer_runs
+        if r["compile"] == "off" and "error" not in r
     }
     lines = [
         f"`clip-train bench step`, bf16, eager, median of {result['repeats']} steps after a warm-up; "
@@ -529,7 +546,7 @@ def _open_clip_table(result: dict[str, Any], trainer_runs: list[dict[str, Any]])
     """OpenCLIP's trainer beside the eager one-chunk trainer at its batch."""
     ours = next(
         (r["samples_per_s"] for r in trainer_runs
-         if (r["batch"], r["chunks"], r["compile"]) == (result["batch"], [0, 0], False) and "error" not in r),
+         if (r["batch"], r["chunks"], r["compile"]) == (result["batch"], [0, 0], "off") and "error" not in r),
         None,
     )  # fmt: skip
     ratio = ours / result["samples_per_s"] if ours else None
@@ -554,8 +571,8 @@ def _profile_tables(result: dict[str, Any]) -> list[str]:
     shares, (first, last) = result["shares"], result["steps_traced"]
     chunks = "one chunk" if result["chunks"] == [0, 0] else "chunks " + "/".join(map(str, result["chunks"]))
     lines = [
-        f"`clip-train train` at batch {result['batch']} ({chunks}) with train.compile, steps {first}-{last} "
-        f"under `log.profile_steps` (the trace: gpu-bench.trace.json.gz): {describe(result)}",
+        f"`clip-train train` at batch {result['batch']} ({chunks}), compile {result['compile']}, steps "
+        f"{first}-{last} under `log.profile_steps` (the trace: gpu-bench.trace.json.gz): {describe(result)}",
         "",
         "| " + " | ".join(SHARES) + " |",
         "|" + "---|" * len(SHARES),
