@@ -158,9 +158,10 @@ def _syncs(fn) -> int:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
-def test_tiled_loss_syncs_as_often_over_64_tiles_as_over_one() -> None:
-    """A forward and backward of the PyTorch tiles syncs as often at 8×8 tiles as at one, so no
-    tile waits for the host."""
+def test_tiled_loss_syncs_once_over_64_tiles_and_never_over_one() -> None:
+    """A forward and backward of the PyTorch tiles never waits for the device over one tile (the
+    scale, the upstream gradient and the column LSEs stay there) and once over 8×8 tiles (the
+    grid's underflowed columns), so no tile waits for the host."""
     images, texts = (_features(1024, 64, seed).float().to(CUDA) for seed in (0, 1))
 
     def syncs(tile: int) -> int:
@@ -170,13 +171,13 @@ def test_tiled_loss_syncs_as_often_over_64_tiles_as_over_one() -> None:
 
     for tile in (128, 1024):  # warm-up: first calls may sync to set up cuBLAS and the allocator
         syncs(tile)
-    assert syncs(128) == syncs(1024) > 0
+    assert (syncs(128), syncs(1024)) == (1, 0)
 
 
-def test_an_untimed_gradcache_step_syncs_only_where_the_loss_does() -> None:
+def test_an_untimed_gradcache_step_never_syncs() -> None:
     """The trainer's unlogged steps: with the batch on the device, a Gradient Cache step in chunks
-    (replay included) syncs as often as one call of the loss alone; the towers (BERT's padding mask
-    too), the chunking and the feature cache never wait for the device."""
+    (replay included) never waits for the device, nor does the loss alone: the towers (BERT's
+    padding mask too), the chunking, the feature cache and the loss over one tile stay there."""
     model = make_model(*NO_DROPOUT, dtype=torch.float32).to(CUDA)
     batch = [t.to(CUDA) for t in make_batch(rows=24)]
     engine = GradCache(model, image_chunk=8, text_chunk=12)
@@ -195,7 +196,7 @@ def test_an_untimed_gradcache_step_syncs_only_where_the_loss_does() -> None:
     for _ in range(2):  # warm-up: the compiled tiles, cuBLAS and the allocator
         step()
         loss_alone()
-    assert _syncs(step) == _syncs(loss_alone) > 0
+    assert (_syncs(step), _syncs(loss_alone)) == (0, 0)
 
 
 def test_the_guarded_update_and_the_ema_never_sync_and_a_non_finite_step_is_skipped_on_the_device(

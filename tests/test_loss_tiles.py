@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss import _adversarial, _assert_all_close, _features, _run, clip_loss_formula
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from clip_train.loss import contrastive_loss, tiles_torch
@@ -117,9 +118,10 @@ def test_backward_matches_formula(n, m, tile, strip_elements, path, hand_over) -
     for actual, expected in [(grad_images, expected_images), (grad_texts, expected_texts)]:
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12 * expected.abs().max())
     tiles = -(-n // tile) * -(-m // tile)
-    if path == "no_terms":
-        assert matmuls.count == 0 and not grad_images.any() and not grad_texts.any()
-    else:
+    assert not (path == "no_terms" and (grad_images.any() or grad_texts.any()))
+    if path == "no_terms" and not tiles_torch._fused(images.device):
+        assert matmuls.count == 0  # the strips read the zero coefficients and skip the block
+    else:  # the fused path never reads its coefficients: a zero one gives a zero G
         assert matmuls.count == tiles - hand_over  # the hand-over's tile is not recomputed
 
 
@@ -175,6 +177,50 @@ def test_fused_backward_matches_formula(path) -> None:
     test_backward_matches_formula(13, 11, 5, None, path, hand_over=True)
 
 
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("tile", [None, 8])  # one tile (exact column LSEs) and a 3x3 grid
+@pytest.mark.parametrize(
+    ("case", "scale", "upstream"),
+    [("random", 30.0, 1.0), ("random", 10.0, -2.5), ("random", 10.0, 0.0), ("split_columns", 400.0, 1.0)],
+)
+def test_fused_loss_matches_formula_fp64(tile, case, scale, upstream) -> None:
+    """The CUDA path's loss whole, its scale and coefficients on the device: at scale 400 the
+    grid's columns underflow and are recovered, the single tile takes them exactly, and a
+    negative or zero upstream gradient goes through the signs and shifts."""
+    images, texts = _adversarial(case)
+    expected = _run(lambda i, t, s: upstream * clip_loss_formula(i, t, s), images, texts, scale)
+    actual = _run(lambda i, t, s: upstream * contrastive_loss(i, t, s, tile_size=tile), images, texts, scale)
+    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.usefixtures("fused")
+def test_fused_hard_negatives_match_formula_fp64() -> None:
+    images, texts = _features(13, 9, 2), _features(40, 9, 3)
+    labels = torch.randint(0, 40, (13,), generator=torch.Generator().manual_seed(4))
+    expected = _run(lambda i, t, s: clip_loss_formula(i, t, s, labels), images, texts, 20.0)
+    actual = _run(lambda i, t, s: contrastive_loss(i, t, s, labels=labels, tile_size=5), images, texts, 20.0)
+    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize(
+    ("kind", "tile", "reads"), [("softmax", 64, 0), ("softmax", 16, 1), ("sigmoid", 16, 0)]
+)
+def test_the_fused_loss_reads_the_host_only_for_a_grids_underflow(monkeypatch, kind, tile, reads) -> None:
+    """What CUDA runs never waits for the device, but for the one read of a grid's underflowed
+    columns (a block of one tile takes its column LSEs exactly): the scale, the bias and the
+    upstream gradient stay on the device, and so would a step's loss at a small batch."""
+    seen, read = [], tiles_torch._read
+    monkeypatch.setattr(tiles_torch, "_read", lambda flags: seen.append(flags.shape) or read(flags))
+    images, texts = (t.requires_grad_() for t in _block(64, 64))
+    scale = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-5.0, dtype=torch.float64, requires_grad=True) if kind == "sigmoid" else None
+    with _CountOps(_host_read) as ops:
+        contrastive_loss(images, texts, scale, logit_bias=bias, kind=kind, tile_size=tile).backward()
+    assert (len(seen), ops.count) == (reads, 0)
+    assert images.grad.abs().sum() > 0 and scale.grad != 0
+
+
 def test_fused_sigmoid_matches_strips(monkeypatch) -> None:
     images, texts = _block(13, 11)
     results = {}
@@ -188,13 +234,15 @@ def test_fused_sigmoid_matches_strips(monkeypatch) -> None:
 
 
 def test_fused_backward_and_sigmoid_are_one_kernel_each() -> None:
-    """G (either loss) comes from one generated kernel: one read of the logits, one write of G."""
+    """G (either loss) comes from one generated kernel: one read of the tile's ``I·Tᵀ`` (the scale,
+    the shifts and the signs are device inputs), one write of G."""
     from torch._inductor import metrics
 
-    logits, coef = torch.randn(64, 48), torch.tensor(0.5)
+    products, scale, sign = torch.randn(64, 48), torch.tensor(20.0), torch.tensor(-1.0)
+    shifts = torch.randn(64), torch.randn(48)
     for fn, args in [
-        (tiles_torch._softmax_tile_grads, (logits, torch.randn(64), torch.randn(48), coef, torch.bfloat16)),
-        (tiles_torch._sigmoid_tile, (logits, torch.tensor(-8.0), coef, torch.bfloat16)),
+        (tiles_torch._softmax_tile_grads, (products, scale, *shifts, sign, -sign, torch.bfloat16)),
+        (tiles_torch._sigmoid_tile, (products, scale, torch.tensor(-8.0), sign, torch.bfloat16)),
     ]:
         torch._dynamo.reset()
         metrics.reset()

@@ -84,14 +84,15 @@ def backward_pass(
     return done
 
 
-def rank_coefficients(coef: float, batch: Batch, device: torch.device) -> list[float]:
-    """Every rank's loss coefficient (its upstream gradient over its rows), indexed by rank."""
+def rank_coefficients(coef: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Every rank's loss coefficient (its upstream gradient over its rows), indexed by rank: one
+    all-gather, on the device, never read by the host."""
     if batch.world == 1:
-        return [coef]
-    mine = torch.tensor([coef], dtype=torch.float64, device=device)
+        return coef.reshape(1)
+    mine = coef.reshape(1)
     every = [torch.empty_like(mine) for _ in range(batch.world)]
     dist.all_gather(every, mine, group=batch.group)
-    return torch.cat(every).tolist()  # one read of the device, whatever the world size
+    return torch.cat(every)
 
 
 def without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:

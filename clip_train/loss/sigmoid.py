@@ -16,16 +16,19 @@ import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
 from clip_train.loss.ring import forward_pass, rank_coefficients, without_autocast
-from clip_train.loss.tiles_torch import sigmoid_forward_backward, tile_operands
+from clip_train.loss.tiles_torch import device_scalar, sigmoid_forward_backward, tile_operands
 
 
-def _ring_pass(images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float) -> tuple[torch.Tensor, ...]:
+def _ring_pass(
+    images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float | torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """One pass of every rank's text block, each rank weighting its rows' ``G`` by its ``coef``:
     ``Σ softplus(X)``, ``Σ X_ii``, ``Σ G`` and this rank's gradients without the factor s."""
     batch: Batch = ctx.batch
     acc_dtype = torch.promote_types(images.dtype, torch.float32)
     n = images.shape[0]
     grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
+    coef = device_scalar(coef, grad_images)
     softplus_sum, g_sum, positives = (images.new_zeros((), dtype=acc_dtype) for _ in range(3))
 
     def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
@@ -35,8 +38,8 @@ def _ring_pass(images: torch.Tensor, texts: torch.Tensor, ctx: Any, coef: float)
         softplus_sum, g_sum = softplus_sum + softplus, g_sum + g
         if owner == batch.rank:  # the positives: -X_ii in the loss, -coef on G's diagonal
             positives = (row_dots(images, block, acc_dtype) * ctx.scale + ctx.bias).sum()
-            grad_images.sub_(block.to(acc_dtype), alpha=coef)
-            grad_block.sub_(images.to(acc_dtype), alpha=coef)
+            grad_images.addcmul_(block.to(acc_dtype), -coef)
+            grad_block.addcmul_(images.to(acc_dtype), -coef)
             g_sum = g_sum - coef * n
 
     grad_texts = texts.new_zeros(texts.shape, dtype=acc_dtype)
@@ -58,7 +61,9 @@ class SigmoidLoss(torch.autograd.Function):
     ) -> torch.Tensor:
         images, texts = tile_operands(image_features, text_features)
         ctx.batch, ctx.tile = batch, tile
-        ctx.scale, ctx.bias = float(logit_scale), float(logit_bias)
+        acc_dtype = torch.promote_types(images.dtype, torch.float32)
+        # Tensors: the tiles apply them on the device and never read them on the host.
+        ctx.scale, ctx.bias = (value.detach().to(acc_dtype) for value in (logit_scale, logit_bias))
         # Gradients for a unit coefficient and without the factor s: G0 = sigmoid(X) - I.
         softplus_sum, positives, g_sum, grad_images, grad_texts = _ring_pass(images, texts, ctx, 1.0)
         ctx.save_for_backward(images, texts, grad_images, grad_texts, g_sum)
@@ -72,9 +77,9 @@ class SigmoidLoss(torch.autograd.Function):
     @without_autocast
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         images, texts, grad_images, grad_texts, g_sum = ctx.saved_tensors
-        coef = float(grad_loss) / images.shape[0]
-        coefs = rank_coefficients(coef, ctx.batch, images.device)
-        if all(c == coef for c in coefs):  # every G scales alike: the forward's gradients serve
+        coef = grad_loss.to(grad_images.dtype) / images.shape[0]
+        # One process scales its forward's gradients without asking; ranks read whether they agree.
+        if ctx.batch.world == 1 or bool((rank_coefficients(coef, ctx.batch) == coef).all()):
             grad_images, grad_texts, grad_bias = grad_images * coef, grad_texts * coef, g_sum * coef
         else:
             *_, grad_bias, grad_images, grad_texts = _ring_pass(images, texts, ctx, coef)

@@ -41,7 +41,7 @@ class SoftmaxLoss(torch.autograd.Function):
     ) -> torch.Tensor:
         images, texts = tile_operands(image_features, text_features)
         acc_dtype = torch.promote_types(images.dtype, torch.float32)  # LSEs and gradient sums
-        scale = float(logit_scale)
+        scale = logit_scale.detach().to(acc_dtype)  # a tensor: the tiles never read it on the host
         (n, _), m = images.shape, texts.shape[0]
         row_lse = images.new_full((n,), -math.inf, dtype=acc_dtype)
         positive_logits = images.new_zeros(n, dtype=acc_dtype)
@@ -76,10 +76,10 @@ class SoftmaxLoss(torch.autograd.Function):
         batch: Batch = ctx.batch
         n, m = images.shape[0], block.shape[0]
         acc_dtype = row_lse.dtype
-        upstream = float(grad_loss)
+        upstream = grad_loss.to(acc_dtype)  # stays on the device, as the coefficients made of it
         # Each direction's mean over this rank's rows is scaled by this rank's upstream gradient.
         row_coef = upstream / (2 * n if batch.symmetric else n)
-        col_coefs = rank_coefficients(row_coef, batch, images.device) if batch.symmetric else None
+        col_coefs = rank_coefficients(row_coef, batch) if batch.symmetric else None
         # Gradients without the factor s (dI / s, dT / s): their dot with I and T gives ∂L/∂s.
         grad_images = images.new_zeros(images.shape, dtype=acc_dtype)
 
@@ -101,13 +101,13 @@ class SoftmaxLoss(torch.autograd.Function):
                 last_tile,
             )
             last_tile = None  # only the first block visited is the forward's last
-            pairs, positive_coef = _positives(batch, owner, m), upstream / n
+            pairs, positive_coef = _positives(batch, owner, m), -upstream / n
             if pairs is not None:
-                grad_images.index_add_(0, pairs[0], block[pairs[1]].to(acc_dtype), alpha=-positive_coef)
-                grad_block.index_add_(0, pairs[1], images[pairs[0]].to(acc_dtype), alpha=-positive_coef)
+                grad_images.index_add_(0, pairs[0], block[pairs[1]].to(acc_dtype) * positive_coef)
+                grad_block.index_add_(0, pairs[1], images[pairs[0]].to(acc_dtype) * positive_coef)
             elif owner == batch.rank:
-                grad_images.sub_(block.to(acc_dtype), alpha=positive_coef)
-                grad_block.sub_(images.to(acc_dtype), alpha=positive_coef)
+                grad_images.addcmul_(block.to(acc_dtype), positive_coef)
+                grad_block.addcmul_(images.to(acc_dtype), positive_coef)
             return grad_block
 
         grad_texts = backward_pass(batch, [block] + ([col_lse] if col_lse is not None else []), visit)

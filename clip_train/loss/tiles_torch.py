@@ -12,7 +12,10 @@ them), and bf16 features multiply in cuBLAS's bf16 GEMM with fp32 output: logits
 gradient sums stay fp32. The CPU keeps its cache-sized strips, whose results these functions match.
 
 Decisions that need values on the host are taken once per call, never per tile: on CUDA a host read
-waits for every kernel queued before it, and a 65k batch on one GPU is 128 tiles a step.
+waits for every kernel queued before it, and a 65k batch on one GPU is 128 tiles a step. The fused
+path takes the scale and the gradient coefficients as device tensors, which its kernels apply, so
+none of them reaches the host; its one read left is the forward's underflowed columns, and a block
+of one tile (a small batch) takes its columns' LSEs exactly instead, without it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import torch
 # several elementwise steps applied to it.
 STRIP_ELEMENTS = 1 << 20
 
+# The scale and the gradient coefficients: a number, or a 0-dim tensor that may live on the device.
+Scalar = float | torch.Tensor
+
 
 @dataclass(frozen=True)
 class LastTile:
@@ -38,10 +44,16 @@ class LastTile:
     rows: slice
     cols: slice
     buffer: torch.Tensor  # in the logits' dtype
+    scale: torch.Tensor | None = None  # fused: the buffer holds I·Tᵀ, which the kernels scale
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """The tile as the buffer holds it: the logits, or ``I·Tᵀ`` on the fused path."""
+        return _view(self.buffer, self.rows.stop - self.rows.start, self.cols.stop - self.cols.start)
 
     @property
     def logits(self) -> torch.Tensor:
-        return _view(self.buffer, self.rows.stop - self.rows.start, self.cols.stop - self.cols.start)
+        return self.stored if self.scale is None else self.stored * self.scale
 
 
 def tile_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -73,6 +85,14 @@ def default_tile(device: torch.device) -> int:
 def _read(flags: torch.Tensor) -> list[Any]:
     """The tile functions' one host read per call (a device sync on CUDA)."""
     return flags.tolist()
+
+
+def device_scalar(value: Scalar, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-dim tensor of ``like``'s dtype and device, for the fused kernels. A number
+    becomes a fill on the device: a copy from the host would wait for the stream on CUDA."""
+    if isinstance(value, torch.Tensor):
+        return value.to(like.device, like.dtype)
+    return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
 def _tiles(size: int, tile: int) -> list[slice]:
@@ -121,11 +141,13 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _softmax_tile_stats(
-    logits: torch.Tensor, with_cols: bool
+    products: torch.Tensor, scale: torch.Tensor, with_cols: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A tile's row shifts (maxima), their top, row sums of ``exp(X - shift)`` and, ``with_cols``,
-    the column sums of the same exponentials weighted by ``exp(shift - top)``: what
-    :func:`_exp_sums` computes in strips, as two reductions that never store the exponentials."""
+    """For ``X = scale · products`` (a tile's ``I·Tᵀ``): the row shifts (maxima), their top, row
+    sums of ``exp(X - shift)`` and, ``with_cols``, the column sums of the same exponentials weighted
+    by ``exp(shift - top)``: what :func:`_exp_sums` computes in strips, as two reductions that never
+    store the exponentials."""
+    logits = products * scale
     shift = logits.amax(dim=1)
     top = shift.max()
     exps = (logits - shift[:, None]).exp()
@@ -133,25 +155,35 @@ def _softmax_tile_stats(
     return shift, top, exps.sum(dim=1), col_sums
 
 
+def _column_lse(products: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The exact column LSEs of ``X = scale · products``, each column shifted by its own maximum."""
+    return (products * scale).logsumexp(dim=0)
+
+
 def _softmax_tile_grads(
-    logits: torch.Tensor,
+    products: torch.Tensor,
+    scale: torch.Tensor,
     row_shift: torch.Tensor,
     col_shift: torch.Tensor,
-    col_coef: float,
+    row_sign: torch.Tensor,
+    col_sign: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``exp(X - row_shift[:, None]) + col_coef·exp(X - col_shift[None, :])`` as ``dtype``, the GEMMs'
-    operand; an absent term has infinite shifts, which make it exactly 0. Two ``exp``s per element
-    cost nothing in a kernel bound by memory, so no rank-one shortcut is needed here."""
-    return ((logits - row_shift[:, None]).exp() + col_coef * (logits - col_shift[None, :]).exp()).to(dtype)
+    """``row_sign·exp(X - row_shift[:, None]) + col_sign·exp(X - col_shift[None, :])`` for
+    ``X = scale · products``, as ``dtype``, the GEMMs' operand; an absent term has infinite shifts,
+    which make it exactly 0. Two ``exp``s per element cost nothing in a kernel bound by memory, so
+    no rank-one shortcut is needed here."""
+    logits = products * scale
+    rows, cols = (logits - row_shift[:, None]).exp(), (logits - col_shift[None, :]).exp()
+    return (row_sign * rows + col_sign * cols).to(dtype)
 
 
 def _sigmoid_tile(
-    logits: torch.Tensor, bias: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype
+    products: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sigmoid tile's ``Σ softplus(X + b)``, ``Σ sigmoid(X + b)`` and ``coef·sigmoid(X + b)`` as
-    ``dtype``, from one read of the logits (the strips' formula)."""
-    x = logits + bias
+    """A sigmoid tile's ``Σ softplus(X)``, ``Σ sigmoid(X)`` and ``coef·sigmoid(X)`` as ``dtype``, for
+    ``X = scale · products + bias``, from one read of the tile (the strips' formula)."""
+    x = products * scale + bias
     probabilities = x.sigmoid()
     softplus = x.clamp(min=0) - x.abs().sigmoid().log()
     return softplus.sum(), probabilities.sum(), (coef * probabilities).to(dtype)
@@ -193,7 +225,7 @@ def _exp_sums(
 def softmax_forward(
     images: torch.Tensor,
     texts: torch.Tensor,
-    scale: float,
+    scale: Scalar,
     row_lse: torch.Tensor,
     col_lse: torch.Tensor | None,
     tile: int,
@@ -204,23 +236,33 @@ def softmax_forward(
     Rows are shifted by their maximum in the tile, so row sums lie in [1, t]. Columns reuse the
     same exponentials, weighted per row by ``exp(shift - max shift)`` ≤ 1; a rare column whose sum
     that underflows (large scales, fp32) is left out of the tile's merge and recomputed on its own
-    after the last tile. Returns the last tile for :func:`softmax_backward`.
+    after the last tile. A fused block of one tile takes its column LSEs exactly instead (one more
+    reduction over a small tile, where the underflow's host read would cost the most). Returns the
+    last tile for :func:`softmax_backward`.
     """
     finfo = torch.finfo(_logits_dtype(images))
     buffer = _tile_buffer(images, texts, tile)
     strip = _strip_buffer(images, texts, tile, strip_elements)
+    grid = _tile_grid(images, texts, tile)
+    fused = _fused(images.device)
+    # Fused: the buffer holds I·Tᵀ and the kernels apply the scale, which stays on the device.
+    device_scale, alpha = (device_scalar(scale, buffer), 1.0) if fused else (None, float(scale))
+    exact_cols = fused and col_lse is not None and len(grid) == 1
     # Per row tile, the columns whose sum underflowed there.
     underflowed = images.new_zeros((len(_tiles(len(images), tile)), len(texts)), dtype=torch.bool)
-    for rows, cols in _tile_grid(images, texts, tile):
-        logits = _logits(buffer, images[rows], texts[cols], scale)
-        if _fused(images.device):
-            shift, top, row_sums, col_sums = _compiled(_softmax_tile_stats)(logits, col_lse is not None)
+    for rows, cols in grid:
+        logits = _logits(buffer, images[rows], texts[cols], alpha)
+        if fused:
+            with_cols = col_lse is not None and not exact_cols
+            shift, top, row_sums, col_sums = _compiled(_softmax_tile_stats)(logits, device_scale, with_cols)
         else:
             shift = logits.amax(dim=1)
             top = shift.max()
             col_weights = (shift - top).exp_() if col_lse is not None else None
             row_sums, col_sums = _exp_sums(logits, shift, col_weights, strip)
         torch.logaddexp(row_lse[rows], row_sums.log_().add_(shift), out=row_lse[rows])
+        if exact_cols:
+            torch.logaddexp(col_lse[cols], _compiled(_column_lse)(logits, device_scale), out=col_lse[cols])
         if col_lse is None or col_sums is None:
             continue
         # Below this bound a sum may have lost more than a rounding error to underflow.
@@ -228,15 +270,15 @@ def softmax_forward(
         underflowed[rows.start // tile, cols] = unsafe
         col_tile_lse = col_sums.log_().add_(top).masked_fill_(unsafe, -math.inf)
         torch.logaddexp(col_lse[cols], col_tile_lse, out=col_lse[cols])
-    if col_lse is not None:
+    if col_lse is not None and not exact_cols:
         _merge_underflowed(images, texts, scale, col_lse, underflowed, tile)
-    return LastTile(rows, cols, buffer)
+    return LastTile(rows, cols, buffer, device_scale)
 
 
 def _merge_underflowed(
     images: torch.Tensor,
     texts: torch.Tensor,
-    scale: float,
+    scale: Scalar,
     col_lse: torch.Tensor,
     underflowed: torch.Tensor,
     tile: int,
@@ -249,7 +291,7 @@ def _merge_underflowed(
         rows = images[index * tile : (index + 1) * tile]
         for idx in underflowed[index].nonzero().squeeze(1).split(tile):
             buffer = images.new_empty(len(rows) * len(idx), dtype=_logits_dtype(images))
-            logits = _logits(buffer, rows, texts[idx], scale)
+            logits = _logits(buffer, rows, texts[idx], 1.0).mul_(scale)
             col_lse[idx] = torch.logaddexp(col_lse[idx], torch.logsumexp(logits, dim=0))
 
 
@@ -313,11 +355,11 @@ def _softmax_grads_(
 def softmax_backward(
     images: torch.Tensor,
     texts: torch.Tensor,
-    scale: float,
+    scale: Scalar,
     row_lse: torch.Tensor,
-    row_coef: float,
+    row_coef: Scalar,
     col_lse: torch.Tensor | None,
-    col_coef: float,
+    col_coef: Scalar,
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
@@ -328,18 +370,20 @@ def softmax_backward(
     ``G = row_coef·exp(X - row_lse[:, None]) + col_coef·exp(X - col_lse[None, :])``, both directions'
     softmax gradients. ``last_tile``, the forward's hand-over for this block, is not recomputed.
     """
-    row_shift, row_sign = _fold(row_lse, row_coef)
-    col_shift, col_sign = _fold(col_lse, col_coef)
-    if row_shift is None and col_shift is None:
-        return  # both coefficients are zero: G is zero
-    sign = row_sign if row_shift is not None else col_sign  # G's overall sign; the other is relative
     if _fused(images.device):
-        grads_of = _fused_softmax_grads(row_shift, col_shift, row_sign * col_sign, images.dtype)
+        grads_of = _fused_softmax_grads(row_lse, row_coef, col_lse, col_coef, scale, images.dtype)
+        sign, alpha = 1.0, 1.0  # G carries its signs; the kernels apply the scale
     else:
+        row_shift, row_sign = _fold(row_lse, float(row_coef))
+        col_shift, col_sign = _fold(col_lse, float(col_coef))
+        if row_shift is None and col_shift is None:
+            return  # both coefficients are zero: G is zero
+        sign = row_sign if row_shift is not None else col_sign  # G's overall sign; the other is relative
         grads_of = _strip_softmax_grads(
             images, texts, tile, row_shift, col_shift, row_sign * col_sign, strip_elements
         )
-    for rows, cols, logits in _backward_tiles(images, texts, scale, tile, last_tile):
+        alpha = float(scale)
+    for rows, cols, logits in _backward_tiles(images, texts, alpha, tile, last_tile):
         grads = grads_of(rows, cols, logits)
         _addmm_(grad_images[rows], grads, texts[cols], alpha=sign)
         _addmm_(grad_texts[cols], grads.t(), images[rows], alpha=sign)
@@ -349,18 +393,32 @@ TileGrads = Callable[[slice, slice, torch.Tensor], torch.Tensor]
 
 
 def _fused_softmax_grads(
-    row_shift: torch.Tensor | None, col_shift: torch.Tensor | None, col_coef: float, dtype: torch.dtype
+    row_lse: torch.Tensor,
+    row_coef: Scalar,
+    col_lse: torch.Tensor | None,
+    col_coef: Scalar,
+    scale: Scalar,
+    dtype: torch.dtype,
 ) -> TileGrads:
-    """G of a tile from one compiled pass over its logits, in the features' dtype."""
-    absent = (col_shift if row_shift is None else row_shift).new_tensor(math.inf)
-    # A tensor, not a float, so one compiled kernel serves every coefficient; a lone column term
-    # carries G's sign.
-    coef = absent.new_tensor(col_coef if row_shift is not None else 1.0)
+    """G of a tile from one compiled pass over its ``I·Tᵀ``, in the features' dtype. Each
+    coefficient stays on the device: ``log|coef|`` moves into its term's shift, so no exponential
+    can overflow, and its sign multiplies the term; a zero coefficient (or an absent term) shifts
+    by infinity, which makes its term exactly 0."""
+    scale = device_scalar(scale, row_lse)
 
-    def grads(rows: slice, cols: slice, logits: torch.Tensor) -> torch.Tensor:
-        r = row_shift[rows] if row_shift is not None else absent.expand(len(logits))
-        c = col_shift[cols] if col_shift is not None else absent.expand(logits.shape[1])
-        return _compiled(_softmax_tile_grads)(logits, r, c, coef, dtype)
+    def shift_and_sign(lse: torch.Tensor | None, coef: Scalar) -> tuple[torch.Tensor, torch.Tensor]:
+        if lse is None:
+            return device_scalar(math.inf, row_lse), device_scalar(0.0, row_lse)
+        coef = device_scalar(coef, lse)
+        return lse - coef.abs().log(), coef.sign()
+
+    row_shift, row_sign = shift_and_sign(row_lse, row_coef)
+    col_shift, col_sign = shift_and_sign(col_lse, col_coef)
+
+    def grads(rows: slice, cols: slice, products: torch.Tensor) -> torch.Tensor:
+        r = row_shift[rows] if row_shift.dim() else row_shift.expand(len(products))
+        c = col_shift[cols] if col_shift.dim() else col_shift.expand(products.shape[1])
+        return _compiled(_softmax_tile_grads)(products, scale, r, c, row_sign, col_sign, dtype)
 
     return grads
 
@@ -390,27 +448,27 @@ def _strip_softmax_grads(
 
 
 def _backward_tiles(
-    images: torch.Tensor, texts: torch.Tensor, scale: float, tile: int, last_tile: LastTile | None
+    images: torch.Tensor, texts: torch.Tensor, alpha: float, tile: int, last_tile: LastTile | None
 ) -> Iterator[tuple[slice, slice, torch.Tensor]]:
-    """Every tile's (rows, cols, logits), the forward's hand-over first (not recomputed); the
-    caller may overwrite each tile's logits before asking for the next."""
+    """Every tile's (rows, cols, ``alpha · I·Tᵀ``) as the forward stored it, the forward's
+    hand-over first (not recomputed); the caller may overwrite each tile before asking for the next."""
     order = _tile_grid(images, texts, tile)
     if last_tile is None:
         buffer = _tile_buffer(images, texts, tile)
     else:
         buffer = last_tile.buffer
         order.remove((last_tile.rows, last_tile.cols))
-        yield last_tile.rows, last_tile.cols, last_tile.logits
+        yield last_tile.rows, last_tile.cols, last_tile.stored
     for rows, cols in order:
-        yield rows, cols, _logits(buffer, images[rows], texts[cols], scale)
+        yield rows, cols, _logits(buffer, images[rows], texts[cols], alpha)
 
 
 def sigmoid_forward_backward(
     images: torch.Tensor,
     texts: torch.Tensor,
-    scale: float,
-    bias: float,
-    coef: float,
+    scale: Scalar,
+    bias: Scalar,
+    coef: Scalar,
     grad_images: torch.Tensor,
     grad_texts: torch.Tensor,
     tile: int,
@@ -425,16 +483,19 @@ def sigmoid_forward_backward(
     buffer = _tile_buffer(images, texts, tile)
     strip = _strip_buffer(images, texts, tile, strip_elements)
     softplus_total, sigmoid_total = (images.new_zeros((), dtype=buffer.dtype) for _ in range(2))
-    constants = buffer.new_tensor(bias), buffer.new_tensor(coef)  # tensors: one compiled kernel for all
-    for rows, cols in _tile_grid(images, texts, tile):
-        logits = _logits(buffer, images[rows], texts[cols], scale)
-        if _fused(images.device):
-            softplus, probabilities, grads = _compiled(_sigmoid_tile)(logits, *constants, images.dtype)
+    if _fused(images.device):  # the buffer holds I·Tᵀ; the constants stay on the device
+        constants = [device_scalar(value, buffer) for value in (scale, bias, coef)]
+        for rows, cols in _tile_grid(images, texts, tile):
+            products = _logits(buffer, images[rows], texts[cols], 1.0)
+            softplus, probabilities, grads = _compiled(_sigmoid_tile)(products, *constants, images.dtype)
             softplus_total += softplus
             sigmoid_total += probabilities
             _addmm_(grad_images[rows], grads, texts[cols])
             _addmm_(grad_texts[cols], grads.t(), images[rows])
-            continue
+        return softplus_total, sigmoid_total * constants[2]
+    scale, bias, coef = float(scale), float(bias), float(coef)
+    for rows, cols in _tile_grid(images, texts, tile):
+        logits = _logits(buffer, images[rows], texts[cols], scale)
         for part in _strips(logits, strip):
             x = logits[part].add_(bias)
             other = _view(strip, part.stop - part.start, logits.shape[1])
