@@ -9,7 +9,7 @@ and, once its first step ends, logs one line and adds ``startup/*`` to its first
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import psutil
 
@@ -31,11 +31,15 @@ class StartupClock:
     before each lap: waiting for the device there charges a stage's queued kernels (the FLOP count's
     forward, say) to that stage instead of the next."""
 
-    def __init__(self, settle: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, settle: Callable[[], None] = lambda: None, ended: Mapping[str, float] | None = None
+    ) -> None:
         self.started = process_started()
         self._settle = settle
         self._last = self.started
         self.laps: dict[str, float] = {}
+        for stage, when in (ended or {}).items():  # stages that ended before the clock, in order
+            self.laps[stage], self._last = when - self._last, when
 
     def lap(self, stage: str) -> None:
         """``stage`` took the time since the previous lap (or since the process started)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,13 @@ def chunks_kept_from(
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, startup_ended: Mapping[str, float] | None = None) -> None:
+        """``startup_ended``: when the start-up's stages before the trainer ended (``clip-train
+        train``'s imports and process group), the first laps of its start-up clock."""
         self.cfg, self.env = cfg, env
-        clock = StartupClock(settle=lambda: wait_for_device(env.device))
+        clock = StartupClock(settle=lambda: wait_for_device(env.device), ended=startup_ended)
         self.startup: StartupClock | None = clock  # None once this process's first step ended
-        clock.lap("launch")  # the interpreter, imports, config and process group
+        clock.lap("launch")  # since those stages (or the process's start): logging, the folder's lock
         self.startup_metrics: dict[str, float] = {}  # for the first metrics record after the first step
         self.run_dir = Path(cfg.train.out_dir)
         self.step = 0

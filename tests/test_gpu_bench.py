@@ -56,10 +56,10 @@ def test_the_dry_run_runs_every_section_and_prints_the_summary_last(tmp_path):
         assert run["of_matmul_rate"] == pytest.approx(run["mfu"], rel=1e-9)
         startup = run["startup_s"]  # the process's start to its first step's end, by stage
         assert startup["total"] == pytest.approx(sum(startup.values()) - startup["total"])
-        assert 0 < startup["launch"] < startup["total"] < run["wall_s"] and startup["first_step"] > 0
+        assert 0 < startup["imports"] < startup["total"] < run["wall_s"] and startup["first_step"] > 0
         assert f"| {startup['total']:.0f} | {run['wall_s']:.0f} |" in summary
     assert "start-up, s: from the process's start to the end of its first step" in summary
-    assert f"| 32 | default | {runs[1]['startup_s']['launch']:.1f} | " in summary
+    assert f"| 32 | default | {runs[1]['startup_s']['imports']:.1f} | " in summary
 
     (point,) = report["step"]["points"]  # the eager trainer's batch and chunks, beside its samples/s
     assert (point["batch"], point["chunks"]) == (16, [0, 0])

@@ -21,6 +21,21 @@ def test_the_first_lap_counts_from_the_process_start_not_from_the_clock():
     assert before - 0.02 <= started <= time.time() - launch and launch >= 0.5
 
 
+def test_stages_that_ended_before_the_clock_are_its_first_laps():
+    """``clip-train train`` ends its imports and its process group before the trainer's clock
+    exists: that clock laps them first, in order and back to back."""
+    ended = {"imports": time.time()}
+    time.sleep(0.1)
+    ended["process_group"] = time.time()
+    time.sleep(0.05)
+    clock = StartupClock(ended=ended)
+    clock.lap("launch")
+    assert list(clock.laps) == ["imports", "process_group", "launch"]
+    assert clock.laps["imports"] == pytest.approx(ended["imports"] - clock.started, abs=1e-9)
+    assert clock.laps["process_group"] >= 0.1 and clock.laps["launch"] >= 0.05
+    assert sum(clock.laps.values()) == pytest.approx(clock.total_s, abs=1e-9)  # one after the other
+
+
 def test_laps_add_up_to_the_total_with_the_first_step_and_what_came_between():
     clock = StartupClock()
     clock.lap("launch")

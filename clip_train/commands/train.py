@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from clip_train.config import load_config
@@ -38,8 +39,12 @@ def run(args: argparse.Namespace) -> int:
     from clip_train.stopping import StopWatch
     from clip_train.trainer import Trainer
 
+    # The start-up's first stages, for the trainer's clock: the interpreter, the config and the
+    # library (torch, timm, transformers), then the paths, the device's context and the process group.
+    ended = {"imports": time.time()}
     check_paths(cfg)
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    ended["process_group"] = time.time()
     set_main_only_timeout(cfg.train.io_timeout_s)
     setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
     watch = StopWatch(env, Path(cfg.train.out_dir))
@@ -49,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     with preemption_signals() as signals:
         try:
             with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, before the model is built
-                Trainer(cfg, env).run(signals)
+                Trainer(cfg, env, startup_ended=ended).run(signals)
         except (Exception, KeyboardInterrupt) as err:  # every way out is one line, the same on every rank
             return watch.ended_by(err)
         finally:
