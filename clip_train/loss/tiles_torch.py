@@ -248,13 +248,15 @@ def softmax_forward(
     # Fused: the buffer holds I·Tᵀ and the kernels apply the scale, which stays on the device.
     device_scale, alpha = (device_scalar(scale, buffer), 1.0) if fused else (None, float(scale))
     exact_cols = fused and col_lse is not None and len(grid) == 1
+    # Columns merged from the rows' weighted sums, whose rare underflow is recovered after the grid.
+    summed_cols = col_lse is not None and not exact_cols
     # Per row tile, the columns whose sum underflowed there.
-    underflowed = images.new_zeros((len(_tiles(len(images), tile)), len(texts)), dtype=torch.bool)
+    n_row_tiles = len(_tiles(len(images), tile))
+    underflowed = images.new_zeros((n_row_tiles, len(texts)), dtype=torch.bool) if summed_cols else None
     for rows, cols in grid:
         logits = _logits(buffer, images[rows], texts[cols], alpha)
         if fused:
-            with_cols = col_lse is not None and not exact_cols
-            shift, top, row_sums, col_sums = _compiled(_softmax_tile_stats)(logits, device_scale, with_cols)
+            shift, top, row_sums, col_sums = _compiled(_softmax_tile_stats)(logits, device_scale, summed_cols)
         else:
             shift = logits.amax(dim=1)
             top = shift.max()
@@ -263,14 +265,14 @@ def softmax_forward(
         torch.logaddexp(row_lse[rows], row_sums.log_().add_(shift), out=row_lse[rows])
         if exact_cols:
             torch.logaddexp(col_lse[cols], _compiled(_column_lse)(logits, device_scale), out=col_lse[cols])
-        if col_lse is None or col_sums is None:
+        if not summed_cols:
             continue
         # Below this bound a sum may have lost more than a rounding error to underflow.
         unsafe = col_sums < len(logits) * finfo.tiny / finfo.eps
         underflowed[rows.start // tile, cols] = unsafe
         col_tile_lse = col_sums.log_().add_(top).masked_fill_(unsafe, -math.inf)
         torch.logaddexp(col_lse[cols], col_tile_lse, out=col_lse[cols])
-    if col_lse is not None and not exact_cols:
+    if summed_cols:
         _merge_underflowed(images, texts, scale, col_lse, underflowed, tile)
     return LastTile(rows, cols, buffer, device_scale)
 
