@@ -221,6 +221,21 @@ def test_the_fused_loss_reads_the_host_only_for_a_grids_underflow(monkeypatch, k
     assert images.grad.abs().sum() > 0 and scale.grad != 0
 
 
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_the_fused_loss_allocates_no_strip(monkeypatch, kind) -> None:
+    """Its compiled kernels never use one, and the strips' default on CUDA was a whole tile."""
+
+    def no_strip(*args):
+        raise AssertionError("the fused path allocated a strip")
+
+    monkeypatch.setattr(tiles_torch, "_strip_buffer", no_strip)
+    images, texts = (t.requires_grad_() for t in _block(64, 64))
+    bias = torch.tensor(-5.0, dtype=torch.float64) if kind == "sigmoid" else None
+    contrastive_loss(images, texts, SCALE, logit_bias=bias, kind=kind, tile_size=16).backward()
+    assert images.grad.abs().sum() > 0
+
+
 def test_fused_sigmoid_matches_strips(monkeypatch) -> None:
     images, texts = _block(13, 11)
     results = {}

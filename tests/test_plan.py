@@ -106,7 +106,7 @@ def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl):
 
 def test_the_estimate_strips_tiles_as_the_pytorch_tiles_do(tiny_profile):
     assert STRIP_ELEMENTS == tiles_torch.STRIP_ELEMENTS  # the estimate keeps its own copy: no torch
-    # On CUDA the PyTorch tiles take the whole tile as one strip: a second t×t buffer, not 4 MiB.
+    # Beside the tile, CUDA's compiled kernels write its gradient G (a t×t), the CPU a 4 MiB strip.
     for kind in ("softmax", "sigmoid"):
         on_gpu, on_cpu = (
             loss_workspace("inf", 65536, 8, 512, 8192, kind, device) for device in ("cuda", "cpu")

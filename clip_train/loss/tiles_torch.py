@@ -192,11 +192,10 @@ def _sigmoid_tile(
 def _strip_buffer(
     images: torch.Tensor, texts: torch.Tensor, tile: int, strip_elements: int | None
 ) -> torch.Tensor:
-    """Room for as many whole rows of a tile as fit in ``strip_elements``, at least one. By default
-    cache-sized on CPU; on CUDA the whole tile (each strip op is a kernel launch there, and the
-    elementwise pass is bandwidth-bound either way)."""
+    """Room for as many whole rows of a tile as fit in ``strip_elements`` (by default cache-sized),
+    at least one. Only the CPU's path has strips: the fused one allocates none."""
     rows, cols = min(tile, len(images)), min(tile, len(texts))
-    elements = strip_elements or (STRIP_ELEMENTS if images.device.type == "cpu" else rows * cols)
+    elements = strip_elements or STRIP_ELEMENTS
     return images.new_empty(min(rows, max(1, elements // cols)) * cols, dtype=_logits_dtype(images))
 
 
@@ -242,9 +241,9 @@ def softmax_forward(
     """
     finfo = torch.finfo(_logits_dtype(images))
     buffer = _tile_buffer(images, texts, tile)
-    strip = _strip_buffer(images, texts, tile, strip_elements)
     grid = _tile_grid(images, texts, tile)
     fused = _fused(images.device)
+    strip = None if fused else _strip_buffer(images, texts, tile, strip_elements)
     # Fused: the buffer holds I·Tᵀ and the kernels apply the scale, which stays on the device.
     device_scale, alpha = (device_scalar(scale, buffer), 1.0) if fused else (None, float(scale))
     exact_cols = fused and col_lse is not None and len(grid) == 1
@@ -483,7 +482,6 @@ def sigmoid_forward_backward(
     ``G = coef · sigmoid(X)``, the negatives' gradient: it depends on each element alone.
     """
     buffer = _tile_buffer(images, texts, tile)
-    strip = _strip_buffer(images, texts, tile, strip_elements)
     softplus_total, sigmoid_total = (images.new_zeros((), dtype=buffer.dtype) for _ in range(2))
     if _fused(images.device):  # the buffer holds I·Tᵀ; the constants stay on the device
         constants = [device_scalar(value, buffer) for value in (scale, bias, coef)]
@@ -496,6 +494,7 @@ def sigmoid_forward_backward(
             _addmm_(grad_texts[cols], grads.t(), images[rows])
         return softplus_total, sigmoid_total * constants[2]
     scale, bias, coef = float(scale), float(bias), float(coef)
+    strip = _strip_buffer(images, texts, tile, strip_elements)
     for rows, cols in _tile_grid(images, texts, tile):
         logits = _logits(buffer, images[rows], texts[cols], scale)
         for part in _strips(logits, strip):

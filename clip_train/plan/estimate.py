@@ -174,8 +174,9 @@ def loss_workspace(
     (logits, signs, their product, its log-sigmoid and gradient) plus the gathered texts.
     inf: n×d blocks (row temporaries and, across GPUs, the ring's blocks and gradient accumulators in
     hand and in flight): softmax 2 on one GPU and 9 on several (8 at W = 2), sigmoid 2 and 7 (6 at
-    W = 2: no column state travels); plus one t×t tile, a strip of it (``STRIP_ELEMENTS`` on the
-    CPU, the whole tile on CUDA) and, for softmax, O(n) log-sum-exp vectors.
+    W = 2: no column state travels); plus one t×t tile, the elementwise work's room beside it (on
+    the CPU a strip of ``STRIP_ELEMENTS``; on CUDA the compiled kernels' gradient tile G, counted in
+    fp32) and, for softmax, O(n) log-sum-exp vectors.
     """
     n = batch // gpus
     if impl == "vanilla" and kind == "sigmoid":
@@ -187,10 +188,10 @@ def loss_workspace(
         return 4 * n * batch * FP32 + gathered
     if impl == "inf":
         side = min(tile, n)
-        strip = min(side * side, STRIP_ELEMENTS) if device == "cpu" else side * side
+        beside = min(side * side, STRIP_ELEMENTS) if device == "cpu" else side * side
         if kind == "sigmoid":
-            return ((7 if gpus > 1 else 2) * n * dim + side * side + strip) * FP32
-        return ((9 if gpus > 1 else 2) * n * dim + side * side + strip + 8 * n) * FP32
+            return ((7 if gpus > 1 else 2) * n * dim + side * side + beside) * FP32
+        return ((9 if gpus > 1 else 2) * n * dim + side * side + beside + 8 * n) * FP32
     raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(RESOLVED_LOSS_IMPLS)}")
 
 
