@@ -26,6 +26,7 @@ from clip_train.distributed import (
     sum_counts_over_ranks,
 )
 from clip_train.errors import UserError
+from clip_train.loss.checks import agreement_device, check_inputs
 
 KEYS = ("bad_image", "bad_json", "truncated_tar")
 
@@ -110,11 +111,15 @@ def test_a_gpu_per_local_rank_or_one_line_naming_the_visible_devices(monkeypatch
 NCCL_STAND_IN = "nccl_stand_in"  # a backend for CUDA tensors only, as NCCL is; no GPU here to run NCCL
 
 
+def _register_nccl_stand_in() -> None:
+    if NCCL_STAND_IN not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NCCL_STAND_IN, _create_fake_pg, extended_api=True, devices=["cuda"])
+
+
 def host_all_reduce(rank: int, world_size: int, backend: str) -> float | str:
     """A CPU tensor all-reduced in a group made with ``backend``'s device map, NCCL's part played by a
     stand-in (torch's fake group) that, like NCCL, takes CUDA tensors only; the sum or the error."""
-    if NCCL_STAND_IN not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NCCL_STAND_IN, _create_fake_pg, extended_api=True, devices=["cuda"])
+    _register_nccl_stand_in()
     group = dist.new_group(backend=backend.replace("nccl", NCCL_STAND_IN))
     host = torch.tensor([rank + 1.0])
     try:
@@ -133,6 +138,37 @@ def test_a_cuda_runs_group_reduces_host_tensors_on_gloo():
     assert run_distributed(host_all_reduce, 2, cuda_run, timeout_s=60) == [3.0, 3.0]
     for outcome in run_distributed(host_all_reduce, 2, "nccl", timeout_s=60):  # the group it replaces
         assert "No backend type associated with device type cpu" in outcome
+
+
+def loss_shape_agreement(rank: int, world_size: int) -> tuple[str, str, list[str]]:
+    """The loss's check that every rank holds the same rows, on meta features (a GPU's stand-in,
+    whose values no collective could carry) in the group a CUDA run makes, and where each group
+    would compare them."""
+    _register_nccl_stand_in()
+    group = dist.new_group(backend=process_group_backend(torch.device("cuda")).replace("nccl", NCCL_STAND_IN))
+    nccl_only = dist.new_group(backend=NCCL_STAND_IN)
+    scale = torch.tensor(1.0)
+    outcomes = []
+    for rows in (4, 4 + rank):  # the same rows on every rank, then one more on rank 1
+        images, texts = (torch.empty(rows, 8, device="meta") for _ in range(2))
+        try:
+            outcomes.append(str(check_inputs(images, texts, scale, None, group).labels.device))
+        except ValueError as err:
+            outcomes.append(str(err))
+    devices = [str(agreement_device(g, torch.device("cuda", 0))) for g in (group, nccl_only)]
+    return (*outcomes, devices)
+
+
+def test_the_losss_shape_check_runs_on_the_host_in_a_cuda_runs_group():
+    """On the host, the check never waits for the kernels queued before the loss; an NCCL-only
+    group, which has no host collectives, compares them beside the features."""
+    mismatch = (
+        "contrastive_loss: every rank must hold the same number of rows and dim, "
+        "got rank 0: n=4 m=4 d=8, rank 1: n=5 m=5 d=8"
+    )
+    assert (
+        run_distributed(loss_shape_agreement, 2, timeout_s=60) == [("meta", mismatch, ["cpu", "cuda:0"])] * 2
+    )
 
 
 def fail_on_some_ranks(rank: int, world_size: int, failing: tuple[int, ...]) -> str | None:
