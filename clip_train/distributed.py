@@ -168,6 +168,13 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def host_values_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where ranks exchange host values (shapes, counts) about tensors on ``device``: the host when
+    the group serves host tensors (a CUDA run's ``cuda:nccl,cpu:gloo``), since reading an NCCL
+    result waits for every kernel queued before it; ``device`` in a group that does not (NCCL alone)."""
+    return torch.device("cpu") if "cpu:" in dist.get_backend_config(group) else device
+
+
 def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list[int]]:
     """Every rank's 2-D ``rows`` concatenated in rank order, and each rank's row count.
 
@@ -177,11 +184,11 @@ def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     _, world = rank_and_world(group)
     if world == 1:
         return rows, [rows.shape[0]]
-    shape = torch.tensor(rows.shape, dtype=torch.long, device=rows.device)
+    shape = torch.tensor(rows.shape, dtype=torch.long, device=host_values_device(group, rows.device))
     shapes = [torch.empty_like(shape) for _ in range(world)]
     dist.all_gather(shapes, shape, group=group)
-    counts = [int(s[0]) for s in shapes]
-    width = max(int(s[1]) for s in shapes)
+    counts, widths = torch.stack(shapes).t().tolist()
+    width = max(widths)
     padded = rows.new_zeros((max(counts), width))
     padded[: rows.shape[0], : rows.shape[1]] = rows
     blocks = [torch.empty_like(padded) for _ in range(world)]

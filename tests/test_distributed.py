@@ -18,6 +18,8 @@ from clip_train.distributed import (
     announce_ending,
     decided_by_main,
     failing_together,
+    gather_rows,
+    host_values_device,
     local_gpu,
     process_group_backend,
     rank_and_world,
@@ -26,7 +28,7 @@ from clip_train.distributed import (
     sum_counts_over_ranks,
 )
 from clip_train.errors import UserError
-from clip_train.loss.checks import agreement_device, check_inputs
+from clip_train.loss.checks import check_inputs
 
 KEYS = ("bad_image", "bad_json", "truncated_tar")
 
@@ -140,6 +142,17 @@ def test_a_cuda_runs_group_reduces_host_tensors_on_gloo():
         assert "No backend type associated with device type cpu" in outcome
 
 
+def gathered_rows(rank: int, world_size: int) -> tuple[list[list[float]], list[int]]:
+    rows = torch.empty(0, 0) if rank == 1 else torch.full((rank + 1, 2), float(rank))
+    gathered, counts = gather_rows(rows)
+    return gathered.tolist(), counts
+
+
+def test_rows_of_uneven_ranks_gather_in_rank_order_and_an_empty_rank_may_pass_no_width():
+    expected = ([[0.0, 0.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]], [1, 0, 3])
+    assert run_distributed(gathered_rows, 3, timeout_s=60) == [expected] * 3
+
+
 def loss_shape_agreement(rank: int, world_size: int) -> tuple[str, str, list[str]]:
     """The loss's check that every rank holds the same rows, on meta features (a GPU's stand-in,
     whose values no collective could carry) in the group a CUDA run makes, and where each group
@@ -155,7 +168,7 @@ def loss_shape_agreement(rank: int, world_size: int) -> tuple[str, str, list[str
             outcomes.append(str(check_inputs(images, texts, scale, None, group).labels.device))
         except ValueError as err:
             outcomes.append(str(err))
-    devices = [str(agreement_device(g, torch.device("cuda", 0))) for g in (group, nccl_only)]
+    devices = [str(host_values_device(g, torch.device("cuda", 0))) for g in (group, nccl_only)]
     return (*outcomes, devices)
 
 

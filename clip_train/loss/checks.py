@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from clip_train.distributed import rank_and_world
+from clip_train.distributed import host_values_device, rank_and_world
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _agree(
 ) -> str:
     """The first rank's problem, or a disagreement about shapes, the same on every rank ("" if none)."""
     shape = (0, 0, 0) if problem else (*image_features.shape, text_features.shape[0])
-    mine = torch.tensor([bool(problem), *shape], device=agreement_device(group, image_features.device))
+    mine = torch.tensor([bool(problem), *shape], device=host_values_device(group, image_features.device))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     every = torch.stack(gathered).tolist()  # one read, whatever the world size
@@ -119,13 +119,6 @@ def _agree(
         described = ", ".join(f"rank {r}: n={s[0]} m={s[2]} d={s[1]}" for r, s in enumerate(shapes))
         return f"every rank must hold the same number of rows and dim, got {described}"
     return ""
-
-
-def agreement_device(group: dist.ProcessGroup, features: torch.device) -> torch.device:
-    """Where the ranks compare their shapes, host values: on the host when the group serves host
-    tensors (a CUDA run's ``cuda:nccl,cpu:gloo``), as reading an NCCL result would wait for every
-    kernel the step queued before the loss; beside the features in a group that does not (NCCL alone)."""
-    return torch.device("cpu") if "cpu:" in dist.get_backend_config(group) else features
 
 
 class _GatherRows(torch.autograd.Function):
