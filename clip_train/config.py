@@ -430,10 +430,12 @@ def _check_fsdp(train: TrainConfig) -> None:
 
 def _check_compile_mode(cfg: Config, world: int) -> None:
     """CUDA graphs (``reduce-overhead``) as measured: each compiled block runs once a step, with
-    gradients. Gradient Cache's no_grad pass, whose outputs the replay reads after later graphs ran,
-    stopped on an H200 with "accessing tensor output of CUDAGraphs that has been overwritten"; a
-    locked trunk (no_grad) and FSDP's gathers around the blocks are untried. Auto chunks are checked
-    once chosen (``one_chunk_for_cuda_graphs``)."""
+    gradients. Without gradients, each call of a compiled block starts a new generation of torch's
+    CUDA-graph trees (one per entry into compiled code while no backward is pending), which frees
+    the previous block's output, the input the call reads: Gradient Cache's no_grad encode stopped
+    at its second block on an H200 ("accessing tensor output of CUDAGraphs that has been
+    overwritten"), and a locked trunk's no_grad pass would too. FSDP's gathers around the blocks are
+    untried. Auto chunks are checked once chosen (``one_chunk_for_cuda_graphs``)."""
     if cfg.train.compile_mode == "default":
         return
     key = f"train.compile_mode={cfg.train.compile_mode}"
@@ -444,8 +446,9 @@ def _check_compile_mode(cfg: Config, world: int) -> None:
     for name in ("image", "text"):
         if getattr(cfg.model, name).lock:
             raise ConfigError(
-                f"{key} with model.{name}.lock=true: a locked trunk runs its blocks under no_grad, "
-                "which CUDA graphs do not take here; use train.compile_mode=default"
+                f"{key} with model.{name}.lock=true: a locked trunk runs its blocks without "
+                "gradients, where each CUDA-graphed block frees the previous block's output; "
+                "use train.compile_mode=default"
             )
     per_rank = cfg.batch.global_size // world
     for key_chunk in ("image_chunk", "text_chunk"):
@@ -458,8 +461,9 @@ def one_chunk_for_cuda_graphs(chunks: str, per_rank: int) -> str:
     """The error for CUDA graphs with Gradient Cache's chunks (set or chosen by auto)."""
     return (
         f"train.compile_mode=reduce-overhead needs one chunk a step, and {chunks} splits the per-rank "
-        f"batch {per_rank}: Gradient Cache's replay reads no_grad outputs that later CUDA graphs "
-        "overwrite. Set batch.image_chunk=0 and batch.text_chunk=0 (a batch that fits), or "
+        f"batch {per_rank}: Gradient Cache encodes its chunks without gradients, where each "
+        "CUDA-graphed block frees the previous block's output. Set batch.image_chunk=0 and "
+        "batch.text_chunk=0 (a batch that fits), or "
         "train.compile_mode=default"
     )
 

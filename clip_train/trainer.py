@@ -499,7 +499,8 @@ class Trainer:
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
         run = stoppable.run if stoppable is not None else lambda evaluate_on: evaluate_on(None)
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
-        # Under CUDA graphs each eval-mode graph and batch shape would be recorded and kept: eager.
+        # Under CUDA graphs, eager: a no_grad pass stops at its second graphed block
+        # (``_check_compile_mode``), and each eval shape would be recorded and kept.
         eager = torch.compiler.set_stance("force_eager") if self.cuda_graphs else contextlib.nullcontext()
         with preserved_rng(self.env.device), averaged, whole, eager, timed(f"step {self.step}: evaluating"):
             metrics = run(

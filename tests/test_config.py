@@ -215,7 +215,7 @@ CUDA_GRAPHS = [BERT, "train.compile=true", "train.compile_mode=reduce-overhead",
     [
         (["train.compile=false"], r"^train\.compile_mode=reduce-overhead needs train\.compile=true"),
         (["train.parallel=fsdp"], r"train\.parallel=fsdp: CUDA graphs run with ddp only"),
-        (["model.image.lock=true"], r"model\.image\.lock=true: a locked trunk runs its blocks under no_grad"),
+        (["model.image.lock=true"], r"model\.image\.lock=true: a locked trunk runs its blocks without grad"),
         (["model.text.lock=true"], r"model\.text\.lock=true"),
         (
             ["batch.image_chunk=16"],
@@ -225,7 +225,8 @@ CUDA_GRAPHS = [BERT, "train.compile=true", "train.compile_mode=reduce-overhead",
     ],
 )
 def test_cuda_graphs_take_one_chunk_of_trained_ddp_towers(overrides, message):
-    """Only what ran on a GPU: Gradient Cache's replay stopped there, the rest is untried."""
+    """Only what ran on a GPU: Gradient Cache's no_grad encode stopped there (a locked trunk runs
+    without gradients too), and FSDP is untried."""
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*CUDA_GRAPHS, *overrides]).validate(world_size=2)
     for one_chunk in (["batch.image_chunk=0", "batch.text_chunk=32"], ["batch.image_chunk=auto"]):
