@@ -223,6 +223,17 @@ def test_too_few_shards_for_ranks_times_workers_is_a_clear_error(even_shards):
     loader_for(dataclasses.replace(cfg, resampled=True), world_size=2)  # resampled: fine
 
 
+def test_a_table_in_too_few_pieces_names_the_rows_per_piece(table):
+    """A table's shards are its pieces of data.csv_shard_rows rows: the error names that key."""
+    cfg = config(str(table.path), resampled=False, num_samples=16, csv_shard_rows=12)
+    message = (
+        r"2 shards \(a table counts one per data\.csv_shard_rows=12 rows\), fewer than 2 ranks x 2 workers"
+    )
+    with pytest.raises(DataError, match=message + r".* or a smaller data\.csv_shard_rows=12$"):
+        loader_for(cfg, world_size=2)
+    loader_for(dataclasses.replace(cfg, csv_shard_rows=6), world_size=2)  # 4 pieces: one each
+
+
 def test_unknown_epoch_size_and_tiny_epochs_are_clear_errors(even_shards):
     root, _ = even_shards
     with pytest.raises(DataError, match=r"set data\.num_samples"):

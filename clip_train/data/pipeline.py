@@ -500,9 +500,12 @@ def build_train_loader(
         )
     roles = max(1, data_cfg.workers)
     if not data_cfg.resampled and len(urls) < world_size * roles:
+        rows = f"data.csv_shard_rows={data_cfg.csv_shard_rows}"
+        tables = f" (a table counts one per {rows} rows)" if any(map(is_piece, urls)) else ""
         raise DataError(
-            f"data.train has {len(urls)} shards, fewer than {world_size} ranks x {roles} workers: some "
-            "workers would get none. Use data.resampled=true, fewer data.workers, or more (smaller) shards"
+            f"data.train has {len(urls)} shards{tables}, fewer than {world_size} ranks x {roles} workers: "
+            "some workers would get none. Use data.resampled=true, fewer data.workers, or "
+            + (f"a smaller {rows}" if tables else "more (smaller) shards")
         )
     spec = _TrainSpec(
         urls=tuple(urls),
