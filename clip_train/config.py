@@ -164,6 +164,11 @@ class TrainConfig:
     ema_decay: float = 0.0  # EMA of the trainable weights, ema = d*ema + (1-d)*w after each step; 0: off
     ema_warmup_power: float = 0.0  # > 0: the decay at step t is min(ema_decay, 1 - (1+t)^-power) (timm's)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled blocks replay as CUDA graphs (``compile_mode=reduce-overhead``)."""
+        return self.compile_mode == "reduce-overhead"
+
 
 @dataclass
 class FsdpConfig:
@@ -436,7 +441,7 @@ def _check_compile_mode(cfg: Config, world: int) -> None:
     at its second block on an H200 ("accessing tensor output of CUDAGraphs that has been
     overwritten"), and a locked trunk's no_grad pass would too. FSDP's gathers around the blocks are
     untried. Auto chunks are checked once chosen (``one_chunk_for_cuda_graphs``)."""
-    if cfg.train.compile_mode == "default":
+    if not cfg.train.cuda_graphs:
         return
     key = f"train.compile_mode={cfg.train.compile_mode}"
     if not cfg.train.compile:

@@ -118,7 +118,6 @@ class Trainer:
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
         fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
         self.sharded = cfg.train.parallel == "fsdp"
-        self.cuda_graphs = cfg.train.compile_mode == "reduce-overhead"
         on_meta = self.sharded and builds_on_meta(cfg.fsdp)  # rank 0's weights reach it when sharded
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, load_pretrained=not cfg.model.init_from, on_meta=on_meta)
@@ -134,7 +133,7 @@ class Trainer:
         towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
         clock.lap("flops")
         if cfg.train.compile:  # before sharding, as torchtitan does: FSDP2 shards the compiled blocks
-            compile_towers(self.model, cuda_graphs=self.cuda_graphs)
+            compile_towers(self.model, cuda_graphs=cfg.train.cuda_graphs)
         measured = None
         if self.sharded:  # what needs the whole towers runs on rank 0 before they are sharded
             measured = self._measure_chunks() if "auto" in cfg.batch.chunks else None
@@ -197,7 +196,7 @@ class Trainer:
     def _check_one_chunk_for_cuda_graphs(self) -> None:
         """What ``Config.validate`` cannot see: the chunks auto chose (or a checkpoint kept)."""
         per_rank = self.cfg.batch.global_size // self.env.world_size
-        if self.cuda_graphs and self.chunks != (per_rank, per_rank):
+        if self.cfg.train.cuda_graphs and self.chunks != (per_rank, per_rank):
             chunks = "/".join(map(str, self.chunks))
             chosen = f"image/text chunks {chunks} ({self.chunk_note})"
             raise ConfigError(one_chunk_for_cuda_graphs(chosen, per_rank))
@@ -501,7 +500,11 @@ class Trainer:
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
         # Under CUDA graphs, eager: a no_grad pass stops at its second graphed block
         # (``_check_compile_mode``), and each eval shape would be recorded and kept.
-        eager = torch.compiler.set_stance("force_eager") if self.cuda_graphs else contextlib.nullcontext()
+        eager = (
+            torch.compiler.set_stance("force_eager")
+            if self.cfg.train.cuda_graphs
+            else contextlib.nullcontext()
+        )
         with preserved_rng(self.env.device), averaged, whole, eager, timed(f"step {self.step}: evaluating"):
             metrics = run(
                 lambda group: evaluate(

@@ -160,7 +160,7 @@ class GradCache:
             loss_impl=config.loss.impl,
             tile_size=config.loss.tile_size or None,
             sync_every_chunk=config.fsdp.sync_every_chunk,
-            graph_pools=config.train.compile_mode == "reduce-overhead",
+            graph_pools=config.train.cuda_graphs,
         )
 
     def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
