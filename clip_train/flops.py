@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from timm.layers import PatchDropout
 from torch import nn
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
@@ -98,13 +99,18 @@ def forward_flops(fn, *inputs: torch.Tensor) -> int:
 def tower_flops(model: nn.Module) -> tuple[TowerFlops, TowerFlops]:
     """Forward FLOPs of one sample through the image and the text tower of a ``CLIP`` (on its
     device, with every token of the context attended). In eval mode, so that no batch-norm
-    statistics move, and with the RNG restored: the run is the same with or without the count."""
+    statistics move, and with the RNG restored: the run is the same with or without the count.
+    A training ViT's patch dropout (timm's, as FLIP) stays on: the step's blocks see only the
+    tokens it keeps, a fixed number per sample."""
     device = model.logit_scale.device
     size, context = model.image_size, model.tokenizer.context_length
     image = torch.zeros(1, 3, size, size, dtype=torch.uint8, device=device)
     tokens = torch.ones(1, context, dtype=torch.long, device=device)
     counts, training = [], model.training
+    dropping = [m for m in model.modules() if isinstance(m, PatchDropout) and m.training]
     model.eval()
+    for module in dropping:
+        module.train()
     with preserved_rng(device):
         for tower, inputs in ((model.visual, (image,)), (model.text, (tokens, torch.ones_like(tokens)))):
             frozen = forward_flops(tower.encode_frozen, *inputs)

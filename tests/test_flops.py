@@ -60,12 +60,14 @@ def test_one_sample_forward_scales_to_the_whole_batch():
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in attention  # counted on the CPU too
 
 
-def test_the_start_up_count_matches_a_counted_step_with_and_without_replay():
+@pytest.mark.parametrize("overrides", [(), ("model.image.timm_kwargs.patch_drop_rate=0.5",)])
+def test_the_start_up_count_matches_a_counted_step_with_and_without_replay(overrides):
     """One chunk: forward + backward of the whole batch, which the count puts at 3 x forward (the
     patch embedding's input gradient, never computed, and the loss make the difference: 3 % here,
     where 8-px patches are a large share of a tiny tower). Image chunks of 4: the image tower
-    replays every sample, and the step grows by exactly that forward."""
-    model = _tiny_model()
+    replays every sample, and the step grows by exactly that forward. With patch dropout (FLIP)
+    the blocks see half the patches, and so does the count."""
+    model = _tiny_model(*overrides)
     one_chunk, counted_one = _step_flops(model)
     chunked, counted_chunked = _step_flops(model, image_chunk=4, text_chunk=0)
     assert counted_one == pytest.approx(one_chunk, rel=0.05)

@@ -127,6 +127,19 @@ def test_exact_full_batch_gradients_with_dropout(image_chunk, text_chunk):
     assert_grads_close(got, want, rtol=1e-10)
 
 
+def test_patch_dropout_replays_the_patches_it_kept():
+    """FLIP's patch dropout (timm's, ``timm_kwargs.patch_drop_rate``) draws the patches it keeps from
+    the RNG stream that each chunk's replay restores: the blocks see the class token and half the
+    patches in both passes, and the gradients are the whole batch's."""
+    model, batch = make_model(*DROPOUT, "model.image.timm_kwargs.patch_drop_rate=0.5"), make_batch()
+    tokens = []  # the sequence length each pass hands the first block
+    model.visual.trunk.blocks[0].register_forward_pre_hook(lambda _, args: tokens.append(args[0].shape[1]))
+    got = gc_grads(model, batch, image_chunk=3, text_chunk=5, precision="fp64")
+    assert tokens == [1 + 16 // 2] * 8  # 4 chunks encoded, then each replayed
+    want = reference_grads(model, batch, 3, 5)
+    assert_grads_close(got, want, rtol=1e-10)
+
+
 @pytest.mark.parametrize(("offload", "lock"), [(False, False), (True, False), (False, True)])
 def test_sigmoid_loss_exact_with_offload_and_lit(offload, lock):
     """A model with a logit bias trains with the sigmoid loss; bias and scale gradients included."""
