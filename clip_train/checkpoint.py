@@ -21,6 +21,7 @@ import pickle
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -425,19 +426,33 @@ def _weights_in(folder: Path) -> Path:
     )
 
 
-def load_weights(path: str | os.PathLike, model: nn.Module, *, kept_if_absent: tuple[str, ...] = ()) -> None:
+Adapt = Callable[[dict[str, torch.Tensor]], None]  # replaces tensors of a weights file in place
+
+
+def load_weights(
+    path: str | os.PathLike,
+    model: nn.Module,
+    *,
+    kept_if_absent: tuple[str, ...] = (),
+    adapt: Adapt | None = None,
+) -> None:
     """Load the weights ``find_weights(path, verify=True)`` names, as ``load_weights_file`` does."""
-    load_weights_file(find_weights(path, verify=True), model, kept_if_absent=kept_if_absent)
+    load_weights_file(find_weights(path, verify=True), model, kept_if_absent=kept_if_absent, adapt=adapt)
 
 
-def load_weights_file(file: Path, model: nn.Module, *, kept_if_absent: tuple[str, ...] = ()) -> None:
+def load_weights_file(
+    file: Path, model: nn.Module, *, kept_if_absent: tuple[str, ...] = (), adapt: Adapt | None = None
+) -> None:
     """Load a weights file strictly: a file that does not fit raises a one-line ``UserError`` naming
     the first few missing, unexpected and mis-shaped keys, a damaged one a line naming the file. The
-    model keeps its own values of the ``kept_if_absent`` keys that the file lacks."""
+    model keeps its own values of the ``kept_if_absent`` keys that the file lacks. ``adapt`` may
+    replace the file's tensors before they are checked (fine-tuning at another image size)."""
     try:
         weights = load_file(file, device=str(next(model.parameters()).device))
     except SafetensorError as err:
         raise UserError(f"{file} is damaged (truncated or not a safetensors file): {err}") from None
+    if adapt is not None:
+        adapt(weights)
     own = model.state_dict()
     problems = {
         "Missing key(s)": sorted(own.keys() - weights.keys() - set(kept_if_absent)),

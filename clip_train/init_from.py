@@ -1,12 +1,20 @@
 """``model.init_from``: a clip_train checkpoint (a file, checkpoint or run directory) or, with the
-``open_clip:`` prefix, an open_clip CLIP; the run takes its weights and nothing else."""
+``open_clip:`` prefix, an open_clip CLIP; the run takes its weights and nothing else. A ViT's
+position embedding from another image size is resampled to the run's (fine-tuning at a new
+resolution, as OpenCLIP's ``--force-image-size``)."""
 
 from __future__ import annotations
 
-from clip_train.checkpoint import find_weights, load_weights
+import torch
+
+from clip_train.checkpoint import Adapt, find_weights, load_weights
 from clip_train.config import ModelConfig
+from clip_train.logs import get_logger
 from clip_train.model import CLIP
 from clip_train.model.from_open_clip import KEPT_IF_ABSENT, check_open_clip, is_open_clip, load_open_clip
+from clip_train.model.image import resampled_position_embedding
+
+POSITION_EMBEDDING = "visual.trunk.pos_embed"
 
 
 def check_init_from(spec: str) -> None:
@@ -21,7 +29,24 @@ def check_init_from(spec: str) -> None:
 def load_init_from(cfg: ModelConfig, model: CLIP) -> None:
     """Replace every weight of ``model`` with those ``cfg.init_from`` names; a sigmoid-loss run from
     softmax weights keeps its ``model.init_logit_bias``."""
+    adapt = at_the_run_image_size(model)
     if is_open_clip(cfg.init_from):
-        load_open_clip(cfg.init_from, model, cfg)
+        load_open_clip(cfg.init_from, model, cfg, adapt=adapt)
     else:
-        load_weights(cfg.init_from, model, kept_if_absent=KEPT_IF_ABSENT)
+        load_weights(cfg.init_from, model, kept_if_absent=KEPT_IF_ABSENT, adapt=adapt)
+
+
+def at_the_run_image_size(model: CLIP) -> Adapt:
+    """Resamples the weights' ViT position embedding to ``model``'s patch grid, saying so."""
+
+    def adapt(weights: dict[str, torch.Tensor]) -> None:
+        embedding = weights.get(POSITION_EMBEDDING)
+        if embedding is None or (resampled := resampled_position_embedding(model.visual, embedding)) is None:
+            return
+        weights[POSITION_EMBEDDING] = resampled
+        get_logger().info(
+            f"model.init_from: {POSITION_EMBEDDING} resampled (bicubic) from {tuple(embedding.shape)} to "
+            f"{tuple(resampled.shape)}, the patch grid of {model.image_size} px images"
+        )
+
+    return adapt

@@ -102,6 +102,20 @@ def test_weights_that_do_not_fit_fail_at_start_up(demo_run, digits, tmp_path, ov
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_run_at_another_image_size_resamples_the_position_embedding_and_trains(demo_run, digits, tmp_path):
+    """The demo's 2x2 patch grid at 16 px into a run at 24 px (3x3): the position embedding's grid is
+    resampled, the rest loads as saved, and the run trains on 24 px images."""
+    start = source_weights(demo_run)
+    run = trainer(digits, tmp_path, 1, f"model.init_from={demo_run}", "model.image.timm_kwargs.img_size=24")
+    key = "visual.trunk.pos_embed"
+    weights = run.model.state_dict()
+    assert tuple(start[key].shape) == (1, 5, 32) and tuple(weights[key].shape) == (1, 10, 32)
+    assert torch.equal(weights[key][:, :1], start[key][:, :1])
+    assert all(torch.equal(tensor, start[name]) for name, tensor in weights.items() if name != key)
+    run.run()
+    assert run.step == 1 and (tmp_path / "checkpoints" / "step_00000001").is_dir()
+
+
 def test_a_missing_source_is_one_line(digits, tmp_path):
     message = f"model.init_from={tmp_path / 'nope'}: checkpoint not found: {tmp_path / 'nope'} does not exist"
     with pytest.raises(UserError, match=re.escape(message)):

@@ -18,6 +18,7 @@ import huggingface_hub
 import open_clip
 import pytest
 import torch
+import torch.nn.functional as F
 from processes import run_to_end
 from safetensors.torch import load_file, save_file
 from small_runs import DEMO_CONFIG, TINY_MODEL, TINY_MODEL_CONFIG, run_overrides
@@ -216,8 +217,10 @@ SHAPE = "{} (open_clip's {}) is {} in the weights but {} in the model: make the 
             DIFFER.format("vit_base_patch16_224", "norm eps 1e-05 vs 1e-06"),
         ),
         (
-            ["model.image.timm_kwargs={img_size: 32, patch_size: 8, embed_dim: 32, depth: 2, num_heads: 2}"],
-            SHAPE.format("visual.trunk.pos_embed", "visual.positional_embedding", (1, 5, 32), (1, 17, 32)),
+            ["model.image.timm_kwargs={img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2}"],
+            SHAPE.format(
+                "visual.trunk.patch_embed.proj.weight", "visual.conv1.weight", (32, 3, 8, 8), (32, 3, 4, 4)
+            ),
         ),
         (["model.embed_dim=8"], SHAPE.format("visual.proj.weight", "visual.proj", (16, 32), (8, 32))),
         (
@@ -237,7 +240,7 @@ SHAPE = "{} (open_clip's {}) is {} in the weights but {} in the model: make the 
         "activation",
         "global-pool",
         "norm-eps",
-        "image-size",
+        "patch-size",
         "embed-dim",
         "depth",
         "resnet",
@@ -246,6 +249,30 @@ SHAPE = "{} (open_clip's {}) is {} in the weights but {} in the model: make the 
 def test_a_run_config_that_differs_fails_in_one_line(vit_bert, overrides, message):
     folder, run = vit_bert
     assert one_line_error([*run, *overrides], f"open_clip:local-dir:{folder}").startswith(message)
+
+
+def test_a_vit_at_another_image_size_takes_the_position_embedding_resampled(vit_bert, capsys):
+    """Fine-tuning at a new resolution (OpenCLIP's ``--force-image-size``): open_clip's 2x2 patch grid
+    at 16 px becomes the run's 4x4 at 32 px, bicubically (antialiased, as timm resamples); the class
+    token's entry and every other weight load as they are, and the tower encodes 32 px images."""
+    folder, run = vit_bert
+    spec = f"open_clip:local-dir:{folder}"
+    same = initialised(run, spec).state_dict()
+    capsys.readouterr()
+    model = initialised([*run, "model.image.timm_kwargs.img_size=32"], spec)
+    key, width = "visual.trunk.pos_embed", 32
+    assert f"{key} resampled (bicubic) from (1, 5, {width}) to (1, 17, {width})" in capsys.readouterr().err
+    theirs, ours = same[key], model.state_dict()[key]
+    grid = theirs[:, 1:].reshape(1, 2, 2, width).permute(0, 3, 1, 2)
+    resampled = F.interpolate(grid, size=(4, 4), mode="bicubic", antialias=True)
+    assert torch.equal(ours[:, 1:], resampled.permute(0, 2, 3, 1).reshape(1, 16, width))
+    assert torch.equal(ours[:, :1], theirs[:, :1])
+    assert all(torch.equal(t, same[name]) for name, t in model.state_dict().items() if name != key)
+    images = torch.randint(
+        0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        assert model.encode_image(images).isfinite().all()
 
 
 @pytest.mark.parametrize(

@@ -501,12 +501,19 @@ def check_open_clip(spec: str) -> None:
             raise ModelLoadError(f"the {tower} tower does not map ({tower_map.leftover})")
 
 
-def load_open_clip(spec: str, model: CLIP, cfg: ModelConfig) -> None:
+def load_open_clip(
+    spec: str, model: CLIP, cfg: ModelConfig, adapt: Callable[[dict[str, torch.Tensor]], None] | None = None
+) -> None:
     """Replace every weight of ``model`` with the open_clip model's; a one-line ``ModelLoadError`` names
-    what does not map, the config difference or the first key whose shape differs."""
+    what does not map, the config difference or the first key whose shape differs. ``adapt`` may
+    replace the mapped tensors before their shapes are checked."""
     source = resolve(spec)
     maps = tower_maps(source.model_cfg)
     weights = to_clip_train(read_weights(source.weights), maps)
+    if adapt is not None:
+        tensors = {key: tensor for key, (_, tensor) in weights.items()}
+        adapt(tensors)
+        weights = {key: (origin, tensors[key]) for key, (origin, _) in weights.items()}
     for tower in maps.values():
         if tower.problem and (problem := tower.problem(model, cfg)):
             raise ModelLoadError(problem)

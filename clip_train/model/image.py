@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from timm.data import resolve_model_data_config
+from timm.layers import resample_abs_pos_embed
 from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -98,6 +100,24 @@ class ImageTower(LockableTower):
                 hidden = blocks(hidden)
             pooled = trunk.forward_head(trunk.norm(hidden))
         return F.normalize(self.proj(pooled), dim=-1)
+
+
+def resampled_position_embedding(tower: ImageTower, embedding: torch.Tensor) -> torch.Tensor | None:
+    """A ViT's learned position embedding from another patch grid (weights trained at another image
+    size), resampled bicubically to this tower's grid, as timm and OpenCLIP do to fine-tune at a new
+    resolution; the class token's entry is kept. None when there is nothing to resample (the same
+    shape, not a ViT, another width, not a square grid): loading then names any mismatch."""
+    trunk = tower.trunk
+    if not isinstance(trunk, VisionTransformer) or embedding.shape == trunk.pos_embed.shape:
+        return None
+    prefix = 0 if trunk.no_embed_class else trunk.num_prefix_tokens
+    if embedding.ndim != 3 or embedding.shape[2] != trunk.pos_embed.shape[2]:
+        return None
+    side = math.isqrt(embedding.shape[1] - prefix)
+    if side * side != embedding.shape[1] - prefix:
+        return None
+    grid = list(trunk.patch_embed.grid_size)
+    return resample_abs_pos_embed(embedding, grid, [side, side], num_prefix_tokens=prefix)
 
 
 def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained: bool = True) -> ImageTower:
