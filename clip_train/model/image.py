@@ -113,8 +113,9 @@ def resampled_position_embedding(tower: ImageTower, embedding: torch.Tensor) -> 
     prefix = 0 if trunk.no_embed_class else trunk.num_prefix_tokens
     if embedding.ndim != 3 or embedding.shape[2] != trunk.pos_embed.shape[2]:
         return None
-    side = math.isqrt(embedding.shape[1] - prefix)
-    if side * side != embedding.shape[1] - prefix:
+    patches = embedding.shape[1] - prefix
+    side = math.isqrt(max(patches, 0))
+    if patches <= 0 or side * side != patches:
         return None
     grid = list(trunk.patch_embed.grid_size)
     return resample_abs_pos_embed(embedding, grid, [side, side], num_prefix_tokens=prefix)
