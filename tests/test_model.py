@@ -225,6 +225,34 @@ def test_bad_lock_settings_are_config_errors():
     assert [p is tower.proj.weight for p in tower.trainable_parameters()] == [True]
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model.image.timm_kwargs.patch_drop_rate=1.5",
+            r"^model\.image\.timm_kwargs=\{.*'patch_drop_rate': 1\.5\}: "
+            r"assert 0 <= prob < 1\. \(patch_dropout\.py:\d+\)$",
+        ),
+        (
+            "model.image.timm_kwargs.patch_drops=0.5",
+            r"^model\.image\.timm_kwargs=\{.*\}: .*unexpected keyword argument "
+            r"'patch_drops'$",
+        ),
+        (
+            "model.text.hf_config.hidden_size=130",
+            r"^model\.text\.hf_config: The hidden size \(130\) is not a "
+            r"multiple of the number of attention heads \(4\)$",
+        ),
+    ],
+    ids=["timm-assert", "timm-keyword", "transformers-value"],
+)
+def test_a_value_a_tower_library_refuses_is_one_line_naming_the_key(override, message):
+    """timm asserts without a message and transformers raises ValueError: each is a ConfigError
+    naming the key, the message on one line (an assert's own line when it has none)."""
+    with pytest.raises(ConfigError, match=message):
+        tiny(override)
+
+
 def test_wrong_image_input_is_a_clear_error():
     model = tiny()
     with pytest.raises(ValueError, match="NCHW with 3 channels"):

@@ -16,6 +16,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from clip_train.config import ConfigError, ImageTowerConfig
+from clip_train.errors import refusal
 from clip_train.model.freezing import LockableTower, init_projection
 from clip_train.model.hub import ModelLoadError, download_hint
 
@@ -131,8 +132,8 @@ def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained:
     hub = load_pretrained and cfg.pretrained == "hub"
     try:
         trunk = timm.create_model(cfg.timm, pretrained=hub, **cfg.timm_kwargs, num_classes=0)
-    except TypeError as err:
-        raise ConfigError(f"model.image.timm_kwargs={cfg.timm_kwargs}: {err}") from None
+    except (TypeError, ValueError, AssertionError) as err:  # a keyword or a value timm refuses
+        raise ConfigError(f"model.image.timm_kwargs={cfg.timm_kwargs}: {refusal(err)}") from None
     except OSError:  # huggingface_hub's "not in the local cache" errors are OSErrors
         hub_id = timm.models.get_pretrained_cfg(cfg.timm).hf_hub_id or cfg.timm
         raise ModelLoadError(

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModel, CLIPTextModel, PreTrainedConfig,
 from transformers.masking_utils import create_causal_mask
 
 from clip_train.config import ConfigError, TextTowerConfig
+from clip_train.errors import refusal
 from clip_train.model.freezing import LockableTower, init_projection
 from clip_train.model.hub import load_hf
 
@@ -148,7 +149,11 @@ def create_encoder(
     # fp32 master weights, whatever dtype the config records
     options = {"attn_implementation": "sdpa", "dtype": torch.float32}
     if cfg.hf_config:
-        encoder = AutoModel.from_config(_config_from_keys(cfg.hf_config, vocab_size), **options)
+        config = _config_from_keys(cfg.hf_config, vocab_size)
+        try:
+            encoder = AutoModel.from_config(config, **options)
+        except (ValueError, AssertionError) as err:  # values the architecture refuses (heads, sizes)
+            raise ConfigError(f"model.text.hf_config: {refusal(err)}") from None
     elif load_pretrained:
         encoder = load_hf(AutoModel, cfg.hf, "model.text.hf", **options)
     else:
