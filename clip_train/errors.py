@@ -21,9 +21,12 @@ def naming_key(key: str, value: str) -> Iterator[None]:
 
 
 def refusal(err: BaseException) -> str:
-    """What a library said when it refused a value, on one line: its message, or for a bare
-    ``assert`` the asserted line and where it stands."""
-    if message := " ".join(str(err).split()):
+    """What a library said when it refused a value, on one line: the message of a ``ValueError`` or
+    ``TypeError``, written for its caller; otherwise (a bare ``assert``, a division by zero) the
+    line that raised and where it stands, after the message if there is one."""
+    message = " ".join(str(err).split())
+    if message and isinstance(err, (ValueError, TypeError)):
         return message
     frame = traceback.extract_tb(err.__traceback__)[-1]
-    return f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+    where = f"{frame.line} ({Path(frame.filename).name}:{frame.lineno})"
+    return f"{message}: {where}" if message else where

@@ -243,12 +243,23 @@ def test_bad_lock_settings_are_config_errors():
             r"^model\.text\.hf_config: The hidden size \(130\) is not a "
             r"multiple of the number of attention heads \(4\)$",
         ),
+        (
+            "model.image.timm_kwargs.img_size=4",
+            r"^model\.image\.timm_kwargs=\{.*\}: 4x4 px images hold no 8x8 px patch; raise img_size or "
+            r"lower patch_size$",
+        ),
+        (
+            "model.text.hf_config.num_attention_heads=0",
+            r"^model\.text\.hf_config: integer modulo by zero: .*num_attention_heads.* "
+            r"\(modeling_bert\.py:\d+\)$",
+        ),
     ],
-    ids=["timm-assert", "timm-keyword", "transformers-value"],
+    ids=["timm-assert", "timm-keyword", "transformers-value", "no-patch", "transformers-division"],
 )
 def test_a_value_a_tower_library_refuses_is_one_line_naming_the_key(override, message):
-    """timm asserts without a message and transformers raises ValueError: each is a ConfigError
-    naming the key, the message on one line (an assert's own line when it has none)."""
+    """timm asserts without a message, transformers raises ValueError or divides by zero, and a ViT
+    smaller than a patch builds but cannot run: each is a ConfigError naming the key, on one line
+    (for an assert or a division, the line that raised)."""
     with pytest.raises(ConfigError, match=message):
         tiny(override)
 

@@ -132,7 +132,7 @@ def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained:
     hub = load_pretrained and cfg.pretrained == "hub"
     try:
         trunk = timm.create_model(cfg.timm, pretrained=hub, **cfg.timm_kwargs, num_classes=0)
-    except (TypeError, ValueError, AssertionError) as err:  # a keyword or a value timm refuses
+    except (TypeError, ValueError, AssertionError, ArithmeticError) as err:  # a keyword or value timm refuses
         raise ConfigError(f"model.image.timm_kwargs={cfg.timm_kwargs}: {refusal(err)}") from None
     except OSError:  # huggingface_hub's "not in the local cache" errors are OSErrors
         hub_id = timm.models.get_pretrained_cfg(cfg.timm).hf_hub_id or cfg.timm
@@ -144,11 +144,21 @@ def build_image_tower(cfg: ImageTowerConfig, embed_dim: int, *, load_pretrained:
         if not hub:
             raise
         raise ModelLoadError(f"model.image.pretrained=hub: {err}") from None
+    patches = getattr(getattr(trunk, "patch_embed", None), "grid_size", None)
+    if patches is not None and min(patches) < 1:  # timm builds it; its first forward would fail
+        raise ConfigError(
+            f"model.image.timm_kwargs={cfg.timm_kwargs}: {_px(trunk.patch_embed.img_size)} images hold no "
+            f"{_px(trunk.patch_embed.patch_size)} patch; raise img_size or lower patch_size"
+        )
     if load_pretrained and cfg.pretrained not in ("", "hub"):
         load_local_weights(trunk, cfg.pretrained)
     if cfg.grad_checkpointing:
         trunk.set_grad_checkpointing(True)
     return ImageTower(trunk, embed_dim, cfg)
+
+
+def _px(size: tuple[int, int]) -> str:
+    return "x".join(map(str, size)) + " px"
 
 
 def local_weights_file(source: str) -> Path:

@@ -152,7 +152,7 @@ def create_encoder(
         config = _config_from_keys(cfg.hf_config, vocab_size)
         try:
             encoder = AutoModel.from_config(config, **options)
-        except (ValueError, AssertionError) as err:  # values the architecture refuses (heads, sizes)
+        except (ValueError, AssertionError, ArithmeticError) as err:  # values the architecture refuses
             raise ConfigError(f"model.text.hf_config: {refusal(err)}") from None
     elif load_pretrained:
         encoder = load_hf(AutoModel, cfg.hf, "model.text.hf", **options)
