@@ -33,6 +33,7 @@ from timm.models._hub import save_config_for_hf  # timm's own writer; timm.model
 
 from clip_train.checkpoint import WRITE_ERRORS, replace_folder, save_weights, write_failure
 from clip_train.errors import UserError
+from clip_train.eval.encode import inference
 from clip_train.model import CLIP, HFTokenizer
 from clip_train.model.clip_text_names import PROJECTION, encoder_names, open_clip_text_cfg
 from clip_train.model.text import POOLERS
@@ -127,6 +128,8 @@ def open_clip_config(model: CLIP, at: Location) -> dict:
     }
     if model.visual.drop_path_rate is not None:  # training the export in OpenCLIP regularises alike
         vision_cfg["timm_drop_path"] = model.visual.drop_path_rate
+    if model.visual.patch_drop_rate:  # and drops patches alike (open_clip hands it to timm)
+        vision_cfg["patch_dropout"] = model.visual.patch_drop_rate
     preprocess = {
         "mean": list(model.image_mean),
         "std": list(model.image_std),
@@ -255,7 +258,8 @@ def write_export_files(model: CLIP, folder: Path, at: Location) -> None:
 
 
 def verify(model: CLIP, at: Location) -> tuple[float, float]:
-    """Largest |difference| between open_clip's image and text embeddings and clip_train's."""
+    """Largest |difference| between open_clip's image and text embeddings and clip_train's, both in
+    eval mode (a training model is compared without its dropout, then handed back training)."""
     theirs, _, _ = open_clip.create_model_and_transforms(at.name)
     tokenizer = open_clip.get_tokenizer(at.name)
     theirs.eval()
@@ -263,7 +267,7 @@ def verify(model: CLIP, at: Location) -> tuple[float, float]:
     images = torch.randint(
         0, 256, (4, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )
-    with torch.no_grad():
+    with inference(model, model.logit_scale.device, "fp32"):
         image = model.encode_image(images) - theirs.encode_image(model.visual.prepare(images), normalize=True)
         tokens = model.tokenizer(PROBE_CAPTIONS)
         text = model.encode_text(tokens["input_ids"], attention_mask=tokens["attention_mask"])

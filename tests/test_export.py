@@ -148,10 +148,24 @@ def test_open_clip_builds_the_export_with_the_runs_stochastic_depth(exported_dem
     assert rates[0] == rates[1] and max(rates[0]) == pytest.approx(0.1)
     trunk = "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2}"
     plain = build_model(load_config(TINY_MODEL_CONFIG, [*TINY_MODEL, trunk]).model)
-    assert (
-        "timm_drop_path"
-        not in open_clip_config(plain, Location.folder(exported_demo))["model_cfg"]["vision_cfg"]
+    assert not {"timm_drop_path", "patch_dropout"} & set(
+        open_clip_config(plain, Location.folder(exported_demo))["model_cfg"]["vision_cfg"]
     )
+
+
+def test_open_clip_builds_the_export_with_the_runs_patch_dropout(tmp_path):
+    """FLIP's patch dropout (``timm_kwargs.patch_drop_rate``) goes on as open_clip's ``patch_dropout``,
+    which open_clip hands back to the timm trunk. The export's own check compares the towers in eval
+    mode, where every patch is seen, and hands a training model back training."""
+    overrides = [*TINY_MODEL, "model.image.timm_kwargs.patch_drop_rate=0.5"]
+    export = tmp_path / "export"
+    model = build_model(load_config(TINY_MODEL_CONFIG, overrides).model)  # training: dropout on
+    clip_train.export.export_open_clip(model, export)
+    assert model.training
+    vision_cfg = json.loads((export / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]
+    assert vision_cfg["patch_dropout"] == 0.5
+    theirs, _, _ = open_clip.create_model_and_transforms(f"local-dir:{export}")
+    assert theirs.visual.trunk.patch_drop.prob == 0.5
 
 
 @pytest.mark.parametrize(
