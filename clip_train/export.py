@@ -29,6 +29,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME
 from open_clip.hf_configs import arch_dict
 from open_clip.push_to_hf_hub import generate_readme
+from timm.layers import PatchDropout
 from timm.models._hub import save_config_for_hf  # timm's own writer; timm.models does not re-export it
 
 from clip_train.checkpoint import WRITE_ERRORS, replace_folder, save_weights, write_failure
@@ -128,8 +129,9 @@ def open_clip_config(model: CLIP, at: Location) -> dict:
     }
     if model.visual.drop_path_rate is not None:  # training the export in OpenCLIP regularises alike
         vision_cfg["timm_drop_path"] = model.visual.drop_path_rate
-    if model.visual.patch_drop_rate:  # and drops patches alike (open_clip hands it to timm)
-        vision_cfg["patch_dropout"] = model.visual.patch_drop_rate
+    patch_drop = getattr(model.visual.trunk, "patch_drop", None)  # a timm ViT's, when its rate is > 0
+    if isinstance(patch_drop, PatchDropout):  # and drops patches alike (open_clip hands it to timm)
+        vision_cfg["patch_dropout"] = patch_drop.prob
     preprocess = {
         "mean": list(model.image_mean),
         "std": list(model.image_std),

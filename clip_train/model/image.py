@@ -43,7 +43,6 @@ class ImageTower(LockableTower):
         self.trunk = trunk
         # Stochastic depth as configured (None: the architecture's default): an export hands it on.
         self.drop_path_rate: float | None = cfg.timm_kwargs.get("drop_path_rate")
-        self.patch_drop_rate: float = cfg.timm_kwargs.get("patch_drop_rate", 0.0)  # FLIP's, likewise
         self.proj = init_projection(trunk.num_features, embed_dim)
         self.lock(cfg, "model.image")
 
