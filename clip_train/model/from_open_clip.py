@@ -21,7 +21,6 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import open_clip
 import torch
@@ -44,9 +43,6 @@ from clip_train.model import CLIP
 from clip_train.model.clip_text_names import PROJECTION, encoder_names
 from clip_train.model.hub import ModelLoadError
 from clip_train.model.text import POOLERS
-
-if TYPE_CHECKING:  # the hook's type only: checkpoint reads clip_train's own files
-    from clip_train.checkpoint import Adapt
 
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins
@@ -505,7 +501,9 @@ def check_open_clip(spec: str) -> None:
             raise ModelLoadError(f"the {tower} tower does not map ({tower_map.leftover})")
 
 
-def load_open_clip(spec: str, model: CLIP, cfg: ModelConfig, adapt: Adapt | None = None) -> None:
+def load_open_clip(
+    spec: str, model: CLIP, cfg: ModelConfig, adapt: Callable[[dict[str, torch.Tensor]], None] | None = None
+) -> None:
     """Replace every weight of ``model`` with the open_clip model's; a one-line ``ModelLoadError`` names
     what does not map, the config difference or the first key whose shape differs. ``adapt`` may
     replace the mapped tensors before their shapes are checked."""
