@@ -82,9 +82,21 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """argparse's parse, except that ``key=value`` overrides may also follow a command's options
+    (``clip-train plan CONFIG --gpus 8 batch.global_size=65536``): argparse alone takes a command's
+    positionals in one run and refuses those after an option."""
+    args, unparsed = parser.parse_known_args(argv)
+    if unparsed and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in unparsed):
+        args.overrides = [*args.overrides, *unparsed]
+    elif unparsed:
+        parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    args = parse(build_parser(argv), argv)
     try:
         os.environ.update(torchrun_env_from_slurm(os.environ))
         return args.run(args)

@@ -135,6 +135,17 @@ def test_config_keys_of_a_config_lists_its_values_with_overrides(capsys):
     assert main(["config", str(DEMO_CONFIG), "model.text.hf=/models/bert", "--keys"]) == 2
 
 
+def test_overrides_may_follow_a_commands_options(capsys):
+    """argparse alone refuses ``key=value`` after an option; anything else left over still fails."""
+    assert main(["config", str(DEMO_CONFIG), "train.max_steps=7", "--keys", "model.embed_dim=64"]) == 0
+    values = key_values(capsys.readouterr().out)
+    assert [values[k] for k in ("model.embed_dim", "train.max_steps")] == ["64", "7"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["config", str(DEMO_CONFIG), "--keys", "stray"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "clip-train: error: unrecognized arguments: stray"
+
+
 def test_config_reference_rewrites_only_the_marked_section(tmp_path):
     from clip_train.commands.config import REFERENCE_BEGIN, REFERENCE_END, markdown_table
 
