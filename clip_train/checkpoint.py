@@ -256,6 +256,13 @@ def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     return cfg
 
 
+def checkpoint_init_from(checkpoint: Path) -> str:
+    """The ``model.init_from`` of the run that wrote the checkpoint: "" for a run from scratch."""
+    own = checkpoint / MODEL_CONFIG_FILE
+    config = own if own.is_file() else run_config_file(checkpoint)
+    return "" if config is None else load_config(config, saved=True).model.init_from
+
+
 def run_config_file(checkpoint: Path) -> Path | None:
     """The config.yaml of the run a checkpoint directory belongs to, while it is still beside it."""
     path = checkpoint.parent.parent / RUN_CONFIG_FILE  # {out_dir}/checkpoints/step_N

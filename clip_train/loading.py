@@ -13,6 +13,7 @@ from clip_train.data.transforms import ImageTransform, eval_transform
 from clip_train.ema import load_ema_weights
 from clip_train.model import CLIP, build_model
 from clip_train.model.tokenizer import IdsTokenizer
+from clip_train.wise_ft import mix_into, start_of
 
 
 class LoadedCLIP(CLIP):
@@ -62,11 +63,18 @@ class LoadedCLIP(CLIP):
 
 
 def load(
-    path: str | os.PathLike, *, device: str | torch.device = "cpu", ema: bool = False
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    ema: bool = False,
+    wise_ft: float | None = None,
+    wise_ft_from: str = "",
 ) -> tuple[LoadedCLIP, ImageTransform, IdsTokenizer]:
     """``(model, preprocess, tokenizer)`` from a checkpoint, a run directory (its newest complete
     checkpoint) or a checkpoint's ``model.safetensors``; the model is in eval mode on ``device``.
     ``ema=True``: the checkpoint's moving average of the weights (``train.ema_decay``) instead.
+    ``wise_ft=alpha``: those weights mixed with the ones the run started from (WiSE-FT), its
+    ``model.init_from`` or ``wise_ft_from``: ``(1 - alpha) * start + alpha * fine_tuned``.
 
     ``preprocess`` turns a PIL image into a uint8 (3, H, W) tensor, which the model normalises
     itself; ``tokenizer`` returns ids as open_clip's does, and ``encode_text`` derives their mask::
@@ -76,10 +84,13 @@ def load(
         text_features = model.encode_text(tokenizer(["a photo of the digit 3", "a photo of the digit 5"]))
     """
     weights = find_weights(path, verify=True)
-    model = _open_clip_shaped(build_model(checkpoint_model_config(weights.parent), load_pretrained=False))
+    cfg = checkpoint_model_config(weights.parent)
+    model = _open_clip_shaped(build_model(cfg, load_pretrained=False))
     load_weights_file(weights, model)
     if ema:
         load_ema_weights(weights.parent, model)
+    if wise_ft is not None:
+        mix_into(model, cfg, wise_ft, start_of(weights.parent, wise_ft_from))
     return model.to(device).eval(), eval_transform(model.image_size), IdsTokenizer(model.tokenizer)
 
 
