@@ -95,6 +95,9 @@ class DataConfig:
     max_skip_fraction: float = 0.1  # abort when more than this share of samples is bad
     rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
     rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])  # its aspect-ratio range
+    color_jitter: list[float] = field(default_factory=list)  # brightness, contrast, saturation, hue; []: off
+    color_jitter_prob: float = 1.0  # with color_jitter: the share of images jittered
+    grayscale_prob: float = 0.0  # the share of images made gray (after any jitter)
     csv_separator: str = ""  # tables (train and val): one character or \t; "" = tab for .tsv, else comma
     csv_image_key: str = ""  # tables: image-path column (relative to its folder); "" = filepath or path
     csv_caption_key: str = ""  # tables: caption column; "" = title (OpenCLIP's) or caption
@@ -288,8 +291,10 @@ class Config:
             low_high = getattr(self.data, key)
             if len(low_high) != 2 or not 0.0 < low_high[0] <= low_high[1]:
                 raise ConfigError(f"data.{key}={low_high} must be two numbers 0 < low <= high")
-        if not 0.0 <= self.data.max_skip_fraction <= 1.0:
-            raise ConfigError(f"data.max_skip_fraction={self.data.max_skip_fraction} must lie in [0, 1]")
+        for key in ("max_skip_fraction", "color_jitter_prob", "grayscale_prob"):
+            if not 0.0 <= (value := getattr(self.data, key)) <= 1.0:
+                raise ConfigError(f"data.{key}={value} must lie in [0, 1]")
+        _check_color_jitter(self.data.color_jitter)
         if len(self.data.csv_separator) > 1 and self.data.csv_separator != "\\t":
             raise ConfigError(
                 f"data.csv_separator={self.data.csv_separator!r} must be one character, \\t for a tab, "
@@ -378,6 +383,16 @@ def _check_finite(section: Any, prefix: str = "") -> None:
             _check_finite(value, key + ".")
         elif not all(math.isfinite(v) for v in numbers):
             raise ConfigError(f"{key}={value} must be a finite number")
+
+
+def _check_color_jitter(strengths: list[float]) -> None:
+    """torchvision's ColorJitter takes each strength s as the range [max(0, 1 - s), 1 + s] (hue:
+    [-s, s] of the colour wheel, at most half of it)."""
+    if strengths and (len(strengths) != 4 or min(strengths) < 0 or strengths[3] > 0.5):
+        raise ConfigError(
+            f"data.color_jitter={strengths} must be four strengths >= 0 (brightness, contrast, saturation, "
+            "hue <= 0.5), e.g. [0.4, 0.4, 0.4, 0.1], or [] for none"
+        )
 
 
 def _check_schedule(optim: OptimConfig, max_steps: int) -> None:

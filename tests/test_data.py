@@ -39,6 +39,7 @@ from clip_train.data.pipeline import position_at, read_source, role_batches, sou
 from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_sample, sample_key
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
+from clip_train.data.transforms import apply_seeded, train_transform
 from clip_train.data.writers import Record, csv_pairs, write_pairs, write_shards
 from clip_train.logs import setup_logging
 
@@ -780,6 +781,70 @@ def test_mixture_options_are_checked_at_start_up_naming_the_key():
         load_config(None, [*base, "data.train_weights=[1,0]"]).validate()
     with pytest.raises(ConfigError, match=r"data\.train_weights needs data\.resampled=true"):
         load_config(None, [*base, "data.train_weights=[1,1]", "data.resampled=false"]).validate()
+
+
+# --------------------------------------------------------------------------------------------
+# Colour augmentation (OpenCLIP's --aug-cfg color_jitter / gray_scale_prob)
+# --------------------------------------------------------------------------------------------
+
+CROP = {"scale": (0.5, 1.0), "ratio": (0.75, 4 / 3)}
+
+
+def augmented(image: Image.Image, seed: int, **colour) -> torch.Tensor:
+    return apply_seeded(train_transform(IMAGE_SIZE, **CROP, **colour), image, seed)
+
+
+def test_colour_augmentation_follows_the_crop_it_was_seeded_with():
+    """Off, it leaves the crop as it was; grayscale is PIL's luma of that same crop; brightness
+    jitter scales it by one factor within the strength's range; each applies to its share."""
+    image = Image.open(io.BytesIO(png(3, size=40)))
+    for seed in range(5):
+        plain = augmented(image, seed)
+        assert torch.equal(augmented(image, seed, color_jitter=[0.4] * 4, color_jitter_prob=0.0), plain)
+        assert torch.equal(augmented(image, seed, grayscale_prob=0.0), plain)
+        gray = augmented(image, seed, grayscale_prob=1.0)
+        luma = torch.tensor(np.array(Image.fromarray(plain.permute(1, 2, 0).numpy()).convert("L")))
+        assert all(torch.equal(channel, luma) for channel in gray)
+
+        brighter = augmented(image, seed, color_jitter=[0.5, 0, 0, 0]).double()
+        assert torch.equal(augmented(image, seed, color_jitter=[0.5, 0, 0, 0]).double(), brighter)  # seeded
+        unclamped = (brighter > 0) & (brighter < 255) & (plain > 8)
+        factor = (brighter[unclamped] / plain[unclamped].double()).median()
+        assert 0.5 <= factor <= 1.5 and not torch.equal(brighter, plain.double())
+        assert (brighter[unclamped] - plain[unclamped].double() * factor).abs().max() <= 1.5
+    jittered = [
+        not torch.equal(
+            augmented(image, s, color_jitter=[0.4] * 4, color_jitter_prob=0.3), augmented(image, s)
+        )
+        for s in range(200)
+    ]
+    grayed = [bool((augmented(image, s, grayscale_prob=0.3).diff(dim=0) == 0).all()) for s in range(200)]
+    assert 0.2 < np.mean(jittered) < 0.4 and 0.2 < np.mean(grayed) < 0.4
+
+
+def test_colour_augmentation_reaches_the_loader_and_bad_settings_name_their_key(even_shards):
+    root, keys = even_shards
+    (batch,) = take(loader_for(config(str(root), num_samples=len(keys), workers=0, grayscale_prob=1.0)), 1)
+    assert (batch.images.diff(dim=1) == 0).all()
+    base = ["model.text.hf=bert-base-uncased", "data.train=/a"]
+    data = load_config(None, [*base, "data.color_jitter=[0.4,0.4,0.4,0.1]", "data.grayscale_prob=0.2"]).data
+    assert (data.color_jitter, data.color_jitter_prob, data.grayscale_prob) == (
+        [0.4, 0.4, 0.4, 0.1],
+        1.0,
+        0.2,
+    )
+    for override, message in [
+        (
+            "data.color_jitter=[0.4,0.4,0.4]",
+            r"data\.color_jitter=\[0\.4, 0\.4, 0\.4\] must be four strengths",
+        ),
+        ("data.color_jitter=[0.4,0.4,0.4,0.6]", r"data\.color_jitter=.* hue <= 0\.5"),
+        ("data.color_jitter=[-0.1,0,0,0]", r"data\.color_jitter=\[-0\.1, .* must be four strengths >= 0"),
+        ("data.grayscale_prob=1.5", r"data\.grayscale_prob=1\.5 must lie in \[0, 1\]"),
+        ("data.color_jitter_prob=-0.1", r"data\.color_jitter_prob=-0\.1 must lie in \[0, 1\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*base, override]).validate()
 
 
 def test_a_mixture_changed_since_the_saved_state_is_refused(two_sources):

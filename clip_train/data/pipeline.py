@@ -521,7 +521,14 @@ def build_train_loader(
         shuffle_buffer=data_cfg.shuffle_buffer,
         max_skip_fraction=data_cfg.max_skip_fraction,
     )
-    transform = train_transform(image_size, data_cfg.rrc_scale, data_cfg.rrc_ratio)
+    transform = train_transform(
+        image_size,
+        data_cfg.rrc_scale,
+        data_cfg.rrc_ratio,
+        color_jitter=data_cfg.color_jitter,
+        color_jitter_prob=data_cfg.color_jitter_prob,
+        grayscale_prob=data_cfg.grayscale_prob,
+    )
     return TrainLoader(spec, transform, tokenizer, workers=data_cfg.workers, pin_memory=pin_memory)
 
 

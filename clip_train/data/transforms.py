@@ -15,20 +15,31 @@ from torchvision.transforms import v2
 ImageTransform = Callable[[Image.Image], torch.Tensor]
 
 
-def train_transform(image_size: int, scale: Sequence[float], ratio: Sequence[float]) -> ImageTransform:
-    """CLIP's training augmentation: a random resized crop, nothing else."""
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(
-                image_size,
-                scale=(scale[0], scale[1]),
-                ratio=(ratio[0], ratio[1]),
-                interpolation=v2.InterpolationMode.BICUBIC,
-                antialias=True,
-            ),
-            v2.PILToTensor(),
-        ]
+def train_transform(
+    image_size: int,
+    scale: Sequence[float],
+    ratio: Sequence[float],
+    *,
+    color_jitter: Sequence[float] = (),
+    color_jitter_prob: float = 1.0,
+    grayscale_prob: float = 0.0,
+) -> ImageTransform:
+    """CLIP's training augmentation, a random resized crop; optionally, as OpenCLIP's ``--aug-cfg``
+    offers, colour jitter (brightness, contrast, saturation, hue) on a share of the images, then
+    grayscale on another."""
+    crop = v2.RandomResizedCrop(
+        image_size,
+        scale=(scale[0], scale[1]),
+        ratio=(ratio[0], ratio[1]),
+        interpolation=v2.InterpolationMode.BICUBIC,
+        antialias=True,
     )
+    colour = []
+    if color_jitter and color_jitter_prob > 0:
+        colour.append(v2.RandomApply([v2.ColorJitter(*color_jitter)], p=color_jitter_prob))
+    if grayscale_prob > 0:
+        colour.append(v2.RandomGrayscale(p=grayscale_prob))
+    return v2.Compose([crop, *colour, v2.PILToTensor()])
 
 
 def eval_transform(image_size: int) -> ImageTransform:
