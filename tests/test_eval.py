@@ -27,6 +27,7 @@ from dist_utils import run_distributed
 from PIL import Image
 from processes import run_to_end
 from safetensors.torch import save_file
+from timm.data import ImageNetInfo
 from torch import nn
 
 from clip_train.cli import main as cli_main
@@ -34,11 +35,13 @@ from clip_train.config import DataConfig, EvalConfig, load_config
 from clip_train.data.eval_sources import shard_batches
 from clip_train.errors import UserError
 from clip_train.eval import (
+    EvalError,
     build_zeroshot_classifier,
     evaluate,
     hits_at_k,
     retrieval_recall,
     zeroshot_accuracy,
+    zeroshot_from_features,
     zeroshot_metadata,
 )
 from clip_train.logs import setup_logging
@@ -267,6 +270,82 @@ def test_zeroshot_on_an_image_folder(data):
         "zeroshot/n": NUM_SAMPLES,
         "zeroshot/skipped": 0,
     }
+
+
+class NamedToy(ToyCLIP):
+    """A toy for many named classes: a prompt's class is the name a template filled in; class i's
+    images hold (red, green) = (i % 250, i // 250), and its feature is class i's, or with a
+    ``decoy`` leans to the decoy's (1 against 0.9), so the decoy wins whenever it is scored."""
+
+    def __init__(self, classnames: list[str], templates: list, decoy: int | None = None) -> None:
+        super().__init__(PERFECT)
+        self.dim, self.decoy = len(classnames), decoy
+        self.prompts = {template(name): i for i, name in enumerate(classnames) for template in templates}
+
+    def tokenizer(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([[self.prompts[text]] for text in texts])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        self._check_inference()
+        red, green = images[:, :2].double().mean((2, 3)).round().long().unbind(1)
+        features = F.one_hot(red + 250 * green, self.dim).double()
+        if self.decoy is not None:
+            features = 0.9 * features + F.one_hot(torch.full_like(red, self.decoy), self.dim)
+        return F.normalize(features, dim=-1)
+
+
+def class_folders(root: Path, folders: dict[str, int], per_class: int = 2) -> str:
+    """An ImageFolder: ``folders`` maps each folder's name to the class its 20 px images show."""
+    for name, label in folders.items():
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.zeros((20, 20, 3), np.uint8)
+            pixels[..., 0], pixels[..., 1], pixels[..., 2] = label % 250, label // 250, i
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return str(root)
+
+
+def test_zeroshot_on_a_subset_of_imagenet_scores_among_its_classes(tmp_path, capsys):
+    """ImageNet-R's and ImageNet-A's layout: 200 of the synset folders. Scored among all 1000
+    classes every image here would go to the decoy; among the folder's own, each is right."""
+    classnames, templates = zeroshot_metadata("imagenet-simple")
+    synsets = ImageNetInfo().label_names()
+    chosen = [10, 300, 998]
+    folder = class_folders(tmp_path, {synsets[c]: c for c in chosen})
+    model = NamedToy(classnames, templates, decoy=500)
+    eval_cfg = EvalConfig(zeroshot="imagenet-simple", zeroshot_data=folder, retrieval=False)
+    setup_logging()
+    metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0}
+    assert f"eval: {folder} holds 3 of the 1000 classes" in capsys.readouterr().err
+
+    model.eval()
+    with torch.no_grad():
+        images = torch.stack([img for c in chosen for img in (class_image(c), class_image(c))])
+        everything = build_zeroshot_classifier(model, classnames, templates, device=CPU, batch_size=64)
+        labels = torch.tensor([c for c in chosen for _ in range(2)])
+        assert zeroshot_from_features(model.encode_image(images).float(), labels, everything)["top1"] == 0.0
+
+
+def class_image(label: int) -> torch.Tensor:
+    return torch.tensor([label % 250, label // 250, 0], dtype=torch.uint8)[:, None, None].expand(3, 16, 16)
+
+
+def test_zeroshot_folders_named_by_number_take_the_number_as_label(tmp_path):
+    """ImageNet-V2's layout: folders 0 to 999. Sorted as text, 10 and 11 would come before 2."""
+    classnames, templates = [f"thing {i}" for i in range(12)], ["a photo of a {}."]
+    (tmp_path / "names.json").write_text(json.dumps({"classnames": classnames, "templates": templates}))
+    folder = class_folders(tmp_path / "v2", {str(i): i for i in range(12)})
+    model = NamedToy(classnames, [t.format for t in templates])
+    eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=folder, retrieval=False)
+    metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 24, "zeroshot/skipped": 0}
+    class_folders(tmp_path / "v2", {"12": 0})
+    with pytest.raises(
+        EvalError, match=re.escape(f"eval.zeroshot_data={folder}: class folder 12 names no class of 12")
+    ):
+        evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from clip_train.config import DataConfig, EvalConfig
 from clip_train.data.pipeline import build_eval_loader
 from clip_train.data.transforms import eval_transform
 from clip_train.errors import UserError
+from clip_train.logs import get_logger
 from clip_train.preemption import signal_free_workers
 
 
@@ -53,21 +54,21 @@ def is_image_folder(source: str) -> bool:
 def image_folder_batches(
     root: str,
     *,
-    num_classes: int,
+    classnames: Sequence[str],
+    synsets: Sequence[str] = (),
     image_size: int,
     batch_size: int,
     workers: int,
     rank: int,
     world_size: int,
     pin_memory: bool = False,
-) -> Iterator[LabelledImages]:
-    """This rank's strided share of an ImageFolder as uint8 centre crops, checked now, before any
-    encoding. Class folders sort into label order, for ImageNet's synsets open_clip's class order."""
+) -> tuple[list[str], Iterator[LabelledImages]]:
+    """The class names the folder's images are scored among and this rank's strided share of the
+    folder as uint8 centre crops, checked now, before any encoding (labels as ``folder_classes``)."""
     dataset = ImageFolder(root, transform=eval_transform(image_size))
-    if len(dataset.classes) != num_classes:
-        raise EvalError(
-            f"eval.zeroshot_data={root}: {len(dataset.classes)} class folders but {num_classes} class names"
-        )
+    scored, labels = folder_classes(root, dataset.classes, classnames, synsets)
+    if labels is not None:
+        dataset.target_transform = labels.__getitem__
     share = Subset(dataset, range(rank, len(dataset), world_size))
     loader = DataLoader(
         share,
@@ -76,7 +77,41 @@ def image_folder_batches(
         pin_memory=pin_memory,
         **signal_free_workers(),
     )
-    return (LabelledImages(images, labels) for images, labels in loader)
+    return scored, (LabelledImages(images, labels) for images, labels in loader)
+
+
+def folder_classes(
+    root: str, folders: list[str], classnames: Sequence[str], synsets: Sequence[str]
+) -> tuple[list[str], list[int] | None]:
+    """The class names scored, and each folder's label where it is not the folder's sorted place.
+
+    * Folders named by ``synsets`` (the class names' WordNet ids: ImageNet's ``n01440764``, …): a
+      subset, such as ImageNet-R's or ImageNet-A's 200 classes, is scored among itself, as those
+      sets are evaluated.
+    * Folders named by numbers (ImageNet-V2's ``0`` to ``999``): the number is the label, which sorting
+      the names as text (``10`` before ``2``) would not give.
+    * Otherwise one folder per class name, in sorted order (ImageNet's val layout).
+    """
+    if synsets and set(folders) <= set(synsets):
+        index = {synset: i for i, synset in enumerate(synsets)}
+        if len(folders) < len(synsets):
+            get_logger().info(
+                f"eval: {root} holds {len(folders)} of the {len(synsets)} classes (folders named by their "
+                "WordNet ids); its images are scored among those"
+            )
+        return [classnames[index[folder]] for folder in folders], None  # sorted synsets: label order
+    if all(folder.isdecimal() for folder in folders):
+        if max(int(folder) for folder in folders) >= len(classnames):
+            raise EvalError(
+                f"eval.zeroshot_data={root}: class folder {max(folders, key=int)} names no class of "
+                f"{len(classnames)} (folders named by number are labels 0 to {len(classnames) - 1})"
+            )
+        return list(classnames), [int(folder) for folder in folders]
+    if len(folders) != len(classnames):
+        raise EvalError(
+            f"eval.zeroshot_data={root}: {len(folders)} class folders but {len(classnames)} class names"
+        )
+    return list(classnames), None
 
 
 def shard_batches(

@@ -26,7 +26,12 @@ from clip_train.data.samples import caption_keys
 from clip_train.distributed import rank_and_world
 from clip_train.eval.encode import encode_split
 from clip_train.eval.metrics import hits_at_k, retrieval_recall, validation_loss, zeroshot_from_features
-from clip_train.eval.zeroshot import build_zeroshot_classifier, zeroshot_accuracy, zeroshot_metadata
+from clip_train.eval.zeroshot import (
+    build_zeroshot_classifier,
+    synsets_of,
+    zeroshot_accuracy,
+    zeroshot_metadata,
+)
 
 __all__ = [
     "EvalError",
@@ -77,8 +82,12 @@ def evaluate(
         if shared_pass:
             zeroshot_batches = None
         elif is_image_folder(zeroshot_source):
-            zeroshot_batches = image_folder_batches(
-                zeroshot_source, num_classes=len(classnames), image_size=model.image_size, **share
+            classnames, zeroshot_batches = image_folder_batches(
+                zeroshot_source,
+                classnames=classnames,
+                synsets=synsets_of(eval_cfg.zeroshot),
+                image_size=model.image_size,
+                **share,
             )
         else:  # only labels count here: a caption under data.caption_key or txt makes a sample usable
             either = [*caption_keys(data_cfg.caption_key), "txt"]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from open_clip import zero_shot_metadata
+from timm.data import ImageNetInfo
 from torch import nn
 
 from clip_train.data import Batch
@@ -55,6 +56,12 @@ def zeroshot_metadata(spec: str) -> tuple[list[str], list[Template]]:
                 "no other field (a literal brace is written twice: '{{' or '}}')"
             )
     return classnames, [t.format for t in templates]
+
+
+def synsets_of(spec: str) -> list[str]:
+    """The WordNet ids of the built-in ImageNet classes, in label order (timm ships them; they sort
+    as the labels run), so class folders named by them map to labels; none for a JSON file."""
+    return ImageNetInfo().label_names() if spec in BUILTIN_ZEROSHOT else []
 
 
 def _fills_one_name(template: str) -> bool:
