@@ -216,6 +216,7 @@ class EvalConfig:
     every_steps: int = 0  # 0 = only at the end of training
     zeroshot: str = ""  # class names + templates: a JSON file, or imagenet / imagenet-simple
     zeroshot_data: str = ""  # labelled shards or an ImageFolder directory; "" means data.val
+    zeroshot_sets: dict[str, str] = field(default_factory=dict)  # more sets by name: zeroshot/NAME/top1, ...
     retrieval: bool = True  # image<->text recall@k on data.val
     batch_size: int = 256  # eval batch per rank
     use_ema: bool = False  # evaluate the EMA weights (train.ema_decay > 0, or a checkpoint's ema.safetensors)
@@ -295,6 +296,7 @@ class Config:
             if not 0.0 <= (value := getattr(self.data, key)) <= 1.0:
                 raise ConfigError(f"data.{key}={value} must lie in [0, 1]")
         _check_color_jitter(self.data.color_jitter)
+        _check_zeroshot_sets(self.eval)
         if len(self.data.csv_separator) > 1 and self.data.csv_separator != "\\t":
             raise ConfigError(
                 f"data.csv_separator={self.data.csv_separator!r} must be one character, \\t for a tab, "
@@ -392,6 +394,24 @@ def _check_color_jitter(strengths: list[float]) -> None:
         raise ConfigError(
             f"data.color_jitter={strengths} must be four strengths >= 0 (brightness, contrast, saturation, "
             "hue <= 0.5), e.g. [0.4, 0.4, 0.4, 0.1], or [] for none"
+        )
+
+
+def _check_zeroshot_sets(eval_cfg: EvalConfig) -> None:
+    """Each name becomes a metric prefix (zeroshot/NAME/top1): one path segment, not a metric's name."""
+    for name, source in eval_cfg.zeroshot_sets.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)) or name in ("top1", "top5", "n", "skipped"):
+            raise ConfigError(
+                f"eval.zeroshot_sets: the name {name!r} must be letters, digits, '_', '.' or '-' and not "
+                "top1, top5, n or skipped (it names the metrics zeroshot/NAME/top1, ...)"
+            )
+        if not isinstance(source, str) or not source:
+            raise ConfigError(
+                f"eval.zeroshot_sets.{name}={source!r} must name shards or a folder of class folders"
+            )
+    if eval_cfg.zeroshot_sets and not eval_cfg.zeroshot:
+        raise ConfigError(
+            "eval.zeroshot_sets needs eval.zeroshot: the class names and templates to score them with"
         )
 
 

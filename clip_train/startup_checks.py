@@ -8,9 +8,9 @@ from __future__ import annotations
 from clip_train.checkpoint import resolve_resume
 from clip_train.config import Config, ModelConfig
 from clip_train.data import check_caption_options, check_readable, expand_urls, source_urls
-from clip_train.data.eval_sources import is_image_folder, labelled_images
+from clip_train.data.eval_sources import class_map, is_image_folder, zeroshot_sources
 from clip_train.errors import naming_key
-from clip_train.eval import zeroshot_metadata
+from clip_train.eval import synsets_of, zeroshot_metadata
 from clip_train.init_from import check_init_from
 from clip_train.model.hub import check_local_dir
 from clip_train.model.image import local_weights_file
@@ -25,11 +25,12 @@ def check_paths(cfg: Config) -> None:
         val = source_urls(cfg.data.val, cfg.data, what="data.val")
         check_readable(val, what="data.val")
     check_caption_options(cfg.data, train + val)
-    if cfg.eval.zeroshot:  # eval.zeroshot_data is read only then
-        zeroshot_metadata(cfg.eval.zeroshot)
-        labelled_images(cfg.eval, cfg.data)
-        if cfg.eval.zeroshot_data and not is_image_folder(cfg.eval.zeroshot_data):
-            expand_urls(cfg.eval.zeroshot_data, what="eval.zeroshot_data")
+    if cfg.eval.zeroshot:  # the zero-shot sets are read only then
+        classnames, _ = zeroshot_metadata(cfg.eval.zeroshot)
+        for key, source in zeroshot_sources(cfg.eval, cfg.data).values():
+            class_map(source, classnames, synsets_of(cfg.eval.zeroshot), key)
+            if not is_image_folder(source) and source != cfg.data.val:  # data.val: checked above
+                expand_urls(source, what=key)
     _check_model_sources(cfg.model)
     resume_from = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir)
     if cfg.model.init_from and resume_from is None:  # a resumed run never reads init_from

@@ -200,6 +200,18 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["optim.text_lr=.nan"], 1, r"^optim\.text_lr=nan must be a finite number$"),
         (["train.ema_decay=0.9", "train.ema_warmup_power=.nan"], 1, r"^train\.ema_warmup_power=nan must be"),
         (["optim.betas=[0.9,.nan]"], 1, r"^optim\.betas=\[0\.9, nan\] must be a finite number$"),
+        (["eval.zeroshot_sets={v2: /data/v2}"], 1, r"^eval\.zeroshot_sets needs eval\.zeroshot: the class"),
+        (
+            ["eval.zeroshot=imagenet", "eval.zeroshot_sets={top1: /data/v2}"],
+            1,
+            r"^eval\.zeroshot_sets: the name 'top1' must be letters, .* and not top1, top5, n or skipped",
+        ),
+        (["eval.zeroshot=imagenet", "eval.zeroshot_sets={a/b: /data/v2}"], 1, r"the name 'a/b' must be"),
+        (
+            ["eval.zeroshot=imagenet", "eval.zeroshot_sets={v2: ''}"],
+            1,
+            r"^eval\.zeroshot_sets\.v2='' must name",
+        ),
     ],
 )
 def test_cross_field_validation(overrides, world, message):

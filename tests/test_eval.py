@@ -328,6 +328,25 @@ def test_zeroshot_on_a_subset_of_imagenet_scores_among_its_classes(tmp_path, cap
         assert zeroshot_from_features(model.encode_image(images).float(), labels, everything)["top1"] == 0.0
 
 
+def test_more_zeroshot_sets_are_scored_each_under_its_name(tmp_path):
+    """ImageNet-R's layout beside ImageNet-V2's, as OpenCLIP's --imagenet-v2 adds a set: the same
+    classifier, each set's own classes (the decoy wins only where all 1000 are scored)."""
+    synsets = ImageNetInfo().label_names()
+    chosen = [10, 300, 998]
+    r_like = class_folders(tmp_path / "r", {synsets[c]: c for c in chosen})
+    v2_like = class_folders(tmp_path / "v2", {str(c): c for c in chosen}, per_class=1)
+    classnames, templates = zeroshot_metadata("imagenet-simple")
+    eval_cfg = EvalConfig(
+        zeroshot="imagenet-simple", zeroshot_data=r_like, zeroshot_sets={"v2": v2_like}, retrieval=False
+    )
+    model = NamedToy(classnames, templates, decoy=500)
+    metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {
+        **{"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0},
+        **{"zeroshot/v2/top1": 0.0, "zeroshot/v2/top5": 1.0, "zeroshot/v2/n": 3, "zeroshot/v2/skipped": 0},
+    }
+
+
 def class_image(label: int) -> torch.Tensor:
     return torch.tensor([label % 250, label // 250, 0], dtype=torch.uint8)[:, None, None].expand(3, 16, 16)
 

@@ -35,6 +35,10 @@ MISSING = [  # (overrides, the error's start); DIGITS stands for the digits set'
         "eval.zeroshot is set but neither eval.zeroshot_data nor data.val names labelled images",
     ),
     (
+        ["eval.zeroshot=DIGITS/zeroshot.json", "data.val=DIGITS/val", "eval.zeroshot_sets={v2: /no/such/v2}"],
+        "eval.zeroshot_sets.v2: no such file or directory: /no/such/v2",
+    ),
+    (
         ["model.image.pretrained=/no/such/vit.safetensors"],
         "model.image.pretrained='/no/such/vit.safetensors': no such file or directory",
     ),
@@ -56,6 +60,25 @@ def test_a_missing_path_is_named(digits, tmp_path, overrides, message):
     with pytest.raises(UserError) as err:
         check_paths(cfg)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["eval.zeroshot_data", "eval.zeroshot_sets.odd"])
+def test_class_folders_that_map_to_no_class_names_fail_at_start_up(digits, tmp_path, key):
+    """Not after the last step, where the evaluation reads them."""
+    folder = tmp_path / "folders"
+    for name in ("cats", "dogs", "owls"):
+        (folder / name).mkdir(parents=True)
+    where = (
+        f"eval.zeroshot_data={folder}"
+        if key == "eval.zeroshot_data"
+        else f"eval.zeroshot_sets={{odd: {folder}}}"
+    )
+    cfg = run_config(
+        digits, tmp_path / "run", f"eval.zeroshot={digits}/zeroshot.json", f"data.val={digits}/val", where
+    )
+    with pytest.raises(UserError) as err:
+        check_paths(cfg)
+    assert str(err.value) == f"{key}={folder}: 3 class folders but 10 class names"
 
 
 def test_zeroshot_data_is_not_checked_while_zeroshot_is_off(digits, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import find_classes
 
 from clip_train.config import DataConfig, EvalConfig
 from clip_train.data.pipeline import build_eval_loader
@@ -32,14 +34,20 @@ class LabelledImages:
     skipped: dict[str, int] = field(default_factory=dict)  # always empty: an ImageFolder skips no file
 
 
-def labelled_images(eval_cfg: EvalConfig, data_cfg: DataConfig) -> str:
-    """Where zero-shot classification reads its images: ``eval.zeroshot_data``, else ``data.val``."""
+def zeroshot_sources(eval_cfg: EvalConfig, data_cfg: DataConfig) -> dict[str, tuple[str, str]]:
+    """Each zero-shot set's metric prefix, key and images: ``zeroshot`` reads ``eval.zeroshot_data``,
+    else ``data.val``; ``zeroshot/NAME`` each of ``eval.zeroshot_sets``."""
     source = eval_cfg.zeroshot_data or data_cfg.val
     if not source:
         raise EvalError(
             "eval.zeroshot is set but neither eval.zeroshot_data nor data.val names labelled images"
         )
-    return source
+    main = {"zeroshot": ("eval.zeroshot_data" if eval_cfg.zeroshot_data else "data.val", source)}
+    extra = {
+        f"zeroshot/{name}": (f"eval.zeroshot_sets.{name}", path)
+        for name, path in eval_cfg.zeroshot_sets.items()
+    }
+    return main | extra
 
 
 def is_image_folder(source: str) -> bool:
@@ -54,19 +62,17 @@ def is_image_folder(source: str) -> bool:
 def image_folder_batches(
     root: str,
     *,
-    classnames: Sequence[str],
-    synsets: Sequence[str] = (),
+    labels: list[int] | None,
     image_size: int,
     batch_size: int,
     workers: int,
     rank: int,
     world_size: int,
     pin_memory: bool = False,
-) -> tuple[list[str], Iterator[LabelledImages]]:
-    """The class names the folder's images are scored among and this rank's strided share of the
-    folder as uint8 centre crops, checked now, before any encoding (labels as ``folder_classes``)."""
+) -> Iterator[LabelledImages]:
+    """This rank's strided share of an ImageFolder as uint8 centre crops; ``labels``: each class
+    folder's label (``folder_classes``), None for its sorted place."""
     dataset = ImageFolder(root, transform=eval_transform(image_size))
-    scored, labels = folder_classes(root, dataset.classes, classnames, synsets)
     if labels is not None:
         dataset.target_transform = labels.__getitem__
     share = Subset(dataset, range(rank, len(dataset), world_size))
@@ -77,13 +83,26 @@ def image_folder_batches(
         pin_memory=pin_memory,
         **signal_free_workers(),
     )
-    return scored, (LabelledImages(images, labels) for images, labels in loader)
+    return (LabelledImages(images, labels) for images, labels in loader)
 
 
-def folder_classes(
-    root: str, folders: list[str], classnames: Sequence[str], synsets: Sequence[str]
-) -> tuple[list[str], list[int] | None]:
-    """The class names scored, and each folder's label where it is not the folder's sorted place.
+@dataclass(frozen=True)
+class FolderClasses:
+    """How a folder of class folders maps to the class names: the classes its images are scored
+    among (None: all) and each folder's label (None: its sorted place)."""
+
+    scored: list[int] | None = None
+    labels: list[int] | None = None
+
+
+def class_map(source: str, classnames: Sequence[str], synsets: Sequence[str], key: str) -> FolderClasses:
+    """How a zero-shot set's labels map to the class names: a folder's by ``folder_classes``;
+    shards and tables carry the labels themselves."""
+    return folder_classes(source, classnames, synsets, key) if is_image_folder(source) else FolderClasses()
+
+
+def folder_classes(root: str, classnames: Sequence[str], synsets: Sequence[str], key: str) -> FolderClasses:
+    """Read from the class folders' names alone, so that it is checked at start-up:
 
     * Folders named by ``synsets`` (the class names' WordNet ids: ImageNet's ``n01440764``, …): a
       subset, such as ImageNet-R's or ImageNet-A's 200 classes, is scored among itself, as those
@@ -92,26 +111,31 @@ def folder_classes(
       the names as text (``10`` before ``2``) would not give.
     * Otherwise one folder per class name, in sorted order (ImageNet's val layout).
     """
+    folders, _ = find_classes(root)
     if synsets and set(folders) <= set(synsets):
+        if len(folders) == len(synsets):
+            return FolderClasses()
         index = {synset: i for i, synset in enumerate(synsets)}
-        if len(folders) < len(synsets):
-            get_logger().info(
-                f"eval: {root} holds {len(folders)} of the {len(synsets)} classes (folders named by their "
-                "WordNet ids); its images are scored among those"
-            )
-        return [classnames[index[folder]] for folder in folders], None  # sorted synsets: label order
+        _say_scored_among(root, len(folders), len(synsets))
+        return FolderClasses(scored=[index[folder] for folder in folders])  # sorted synsets: label order
     if all(folder.isdecimal() for folder in folders):
         if max(int(folder) for folder in folders) >= len(classnames):
             raise EvalError(
-                f"eval.zeroshot_data={root}: class folder {max(folders, key=int)} names no class of "
-                f"{len(classnames)} (folders named by number are labels 0 to {len(classnames) - 1})"
+                f"{key}={root}: class folder {max(folders, key=int)} names no class of {len(classnames)} "
+                f"(folders named by number are labels 0 to {len(classnames) - 1})"
             )
-        return list(classnames), [int(folder) for folder in folders]
+        return FolderClasses(labels=[int(folder) for folder in folders])
     if len(folders) != len(classnames):
-        raise EvalError(
-            f"eval.zeroshot_data={root}: {len(folders)} class folders but {len(classnames)} class names"
-        )
-    return list(classnames), None
+        raise EvalError(f"{key}={root}: {len(folders)} class folders but {len(classnames)} class names")
+    return FolderClasses()
+
+
+@functools.cache
+def _say_scored_among(root: str, count: int, total: int) -> None:
+    get_logger().info(
+        f"eval: {root} holds {count} of the {total} classes (folders named by their WordNet ids); its "
+        "images are scored among those"
+    )
 
 
 def shard_batches(

@@ -7,6 +7,7 @@ work scales with the ranks instead of leaving them idle while rank 0 evaluates.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -17,10 +18,12 @@ from clip_train.checkpoint import checkpoint_model_config, run_config_file
 from clip_train.config import Config, DataConfig, EvalConfig, load_config
 from clip_train.data.eval_sources import (
     EvalError,
+    FolderClasses,
+    class_map,
     image_folder_batches,
     is_image_folder,
-    labelled_images,
     shard_batches,
+    zeroshot_sources,
 )
 from clip_train.data.samples import caption_keys
 from clip_train.distributed import rank_and_world
@@ -42,6 +45,7 @@ __all__ = [
     "evaluates_anything",
     "hits_at_k",
     "retrieval_recall",
+    "synsets_of",
     "zeroshot_accuracy",
     "zeroshot_from_features",
     "zeroshot_metadata",
@@ -66,9 +70,7 @@ def evaluate(
     ``data.val`` too, one pass over it serves both.
     """
     rank, world = rank_and_world(group)
-    zeroshot_source = labelled_images(eval_cfg, data_cfg) if eval_cfg.zeroshot else ""
     retrieval = eval_cfg.retrieval and bool(data_cfg.val)
-    shared_pass = retrieval and zeroshot_source == data_cfg.val
     encode = dict(device=device, precision=precision, group=group)
     share = dict(
         batch_size=eval_cfg.batch_size,
@@ -77,46 +79,50 @@ def evaluate(
         world_size=world,
         pin_memory=device.type == "cuda",
     )
-    if eval_cfg.zeroshot:  # check the class names and the labelled data before any long work
+    sets: dict[str, tuple[str, FolderClasses, Iterable | None]] = {}  # prefix: source, classes, batches
+    if eval_cfg.zeroshot:  # check the class names and every labelled set before any long work
         classnames, templates = zeroshot_metadata(eval_cfg.zeroshot)
-        if shared_pass:
-            zeroshot_batches = None
-        elif is_image_folder(zeroshot_source):
-            classnames, zeroshot_batches = image_folder_batches(
-                zeroshot_source,
-                classnames=classnames,
-                synsets=synsets_of(eval_cfg.zeroshot),
-                image_size=model.image_size,
-                **share,
-            )
-        else:  # only labels count here: a caption under data.caption_key or txt makes a sample usable
-            either = [*caption_keys(data_cfg.caption_key), "txt"]
-            labelled = dataclasses.replace(data_cfg, caption_key=either)
-            zeroshot_batches = shard_batches(zeroshot_source, model, data_cfg=labelled, **share)
+        for prefix, (key, source) in zeroshot_sources(eval_cfg, data_cfg).items():
+            classes = class_map(source, classnames, synsets_of(eval_cfg.zeroshot), key)
+            shared_pass = retrieval and source == data_cfg.val  # labels read in the retrieval pass
+            batches = None if shared_pass else _labelled_batches(source, classes, model, data_cfg, share)
+            sets[prefix] = source, classes, batches
     metrics: dict[str, float] = {}
     if retrieval:
-        batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, **share)
-        val_split = encode_split(model, batches, text=True, labels=shared_pass, source=data_cfg.val, **encode)
+        val_batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, **share)
+        labels = any(batches is None for _, _, batches in sets.values())
+        val_split = encode_split(model, val_batches, text=True, labels=labels, source=data_cfg.val, **encode)
         recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
         metrics |= {f"retrieval/{k}": v for k, v in recall.items()}
         metrics["retrieval/skipped"] = sum(val_split.skipped.values())
         scale, bias = model.logit_scale.exp(), model.logit_bias
         features = val_split.image_features, val_split.text_features
         metrics["val/loss"] = validation_loss(*features, scale, bias, group=group)
-    if eval_cfg.zeroshot:
+    if sets:
         classifier = build_zeroshot_classifier(
             model, classnames, templates, batch_size=eval_cfg.batch_size, **encode
         )
-        if shared_pass:
-            split = val_split
-        else:
-            split = encode_split(
-                model, zeroshot_batches, text=False, labels=True, source=zeroshot_source, **encode
-            )
-        accuracy = zeroshot_from_features(split.image_features, split.labels, classifier, group=group)
-        metrics |= {f"zeroshot/{k}": v for k, v in accuracy.items()}
-        metrics["zeroshot/skipped"] = sum(split.skipped.values())
+        for prefix, (source, classes, batches) in sets.items():
+            if batches is None:
+                split = val_split
+            else:
+                split = encode_split(model, batches, text=False, labels=True, source=source, **encode)
+            rows = classifier if classes.scored is None else classifier[classes.scored]
+            accuracy = zeroshot_from_features(split.image_features, split.labels, rows, group=group)
+            metrics |= {f"{prefix}/{k}": v for k, v in accuracy.items()}
+            metrics[f"{prefix}/skipped"] = sum(split.skipped.values())
     return metrics
+
+
+def _labelled_batches(
+    source: str, classes: FolderClasses, model: nn.Module, data_cfg: DataConfig, share: dict
+) -> Iterable:
+    """This rank's batches of a zero-shot set: a folder of class folders, or shards or a table."""
+    if is_image_folder(source):
+        return image_folder_batches(source, labels=classes.labels, image_size=model.image_size, **share)
+    # only labels count here: a caption under data.caption_key or txt makes a sample usable
+    either = [*caption_keys(data_cfg.caption_key), "txt"]
+    return shard_batches(source, model, data_cfg=dataclasses.replace(data_cfg, caption_key=either), **share)
 
 
 def evaluates_anything(eval_cfg: EvalConfig, data_cfg: DataConfig) -> bool:
