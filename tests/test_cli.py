@@ -236,6 +236,16 @@ def test_report_of_a_run_without_eval_shows_its_training(demo_run, tmp_path, cap
     assert lines[3].endswith(f"step 40: {losses[-1]:.3f}") and f"step 10: {losses[0]:.3f}, " in lines[3]
 
 
+def test_report_shows_each_zero_shot_set_before_the_main_top1(demo_run, tmp_path, capsys):
+    run = metrics_without_eval(demo_run, tmp_path / "sets")
+    evaluated = {"step": 40, "zeroshot/top1": 0.5, "zeroshot/v2/top1": 0.25, "zeroshot/v2/n": 8.0}
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({**evaluated, "zeroshot/r/top1": 0.125, "zeroshot/r/top5": 0.5}) + "\n")
+    assert main(["report", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == ["run: zero-shot sets  top-1 v2 0.250, r 0.125", "run: zero-shot top-1 = 0.500"]
+
+
 def test_report_of_a_run_with_no_steps_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err.splitlines() == [

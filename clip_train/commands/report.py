@@ -2,8 +2,9 @@
 
 Reads ``metrics.jsonl`` and the checkpoints, so it works on any run that has logged a training step,
 finished or still running: steps, time, throughput and the loss curve, then the last eval's
-retrieval and zero-shot results where the run evaluated. The zero-shot top-1, when there is one, is
-the last line (e.g. ``demo: zero-shot top-1 = 0.953``), for scripts.
+retrieval and zero-shot results (the main set's and those of ``eval.zeroshot_sets``) where the run
+evaluated. The main zero-shot top-1, when there is one, is the last line (e.g.
+``demo: zero-shot top-1 = 0.953``), for scripts.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def _eval_lines(final: dict[str, Any]) -> list[str]:
             f"retrieval R@1   image->text {final['retrieval/image_to_text_R@1']:.3f}, "
             f"text->image {final['retrieval/text_to_image_R@1']:.3f}"
         )
+    named = [
+        key for key in final if key.startswith("zeroshot/") and key.count("/") == 2 and key.endswith("/top1")
+    ]
+    if named:  # eval.zeroshot_sets
+        sets = ", ".join(f"{key.split('/')[1]} {final[key]:.3f}" for key in named)
+        lines.append(f"zero-shot sets  top-1 {sets}")
     if "zeroshot/top1" in final:
         lines.append(f"zero-shot top-1 = {final['zeroshot/top1']:.3f}")
     return lines
