@@ -62,7 +62,8 @@ def evaluate(
     precision: str,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """Zero-shot and retrieval metrics (``zeroshot/top1``, ``retrieval/image_to_text_R@1``, …),
+    """Zero-shot and retrieval metrics (``zeroshot/top1``, for each of ``eval.zeroshot_sets``
+    ``zeroshot/NAME/top1``, ``retrieval/image_to_text_R@1``, …),
     with retrieval the loss over ``data.val`` as one batch (``val/loss``), and for each the samples
     counted (``/n``) and the bad ones skipped (``/skipped``).
 
