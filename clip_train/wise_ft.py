@@ -21,6 +21,7 @@ from clip_train.checkpoint import checkpoint_init_from
 from clip_train.config import ModelConfig
 from clip_train.errors import UserError
 from clip_train.init_from import load_init_from
+from clip_train.logs import get_logger
 from clip_train.model import CLIP, build_model
 
 ENDS = "0: the weights the run started from, 1: the fine-tuned weights"
@@ -93,6 +94,9 @@ def mixtures(model: CLIP, cfg: ModelConfig, alphas: list[float], source: str) ->
     fine_tuned = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     for alpha in alphas:
         model.load_state_dict(mixture(start, fine_tuned, alpha))
+        get_logger().info(
+            f"WiSE-FT alpha {alpha:g}: {1 - alpha:g} x {source} + {alpha:g} x the fine-tuned weights"
+        )
         yield alpha
 
 

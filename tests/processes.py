@@ -111,6 +111,11 @@ class Watched:
         return self.stdout.text + self.stderr.text
 
 
+def both_ends(text: str, size: int = 3000) -> str:
+    """A long output's start (where a failing multi-node run said why) and its end (how it ended)."""
+    return text if len(text) <= 2 * size else f"{text[:size]}\n[...]\n{text[-size:]}"
+
+
 def run_to_end(
     command: Sequence[str], *, idle_limit_s: float = IDLE_LIMIT_S, **popen_kwargs
 ) -> subprocess.CompletedProcess:

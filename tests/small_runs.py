@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -43,6 +44,15 @@ def run_overrides(digits: Path, out_dir: Path, steps: int, *extra: str) -> list[
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no listener holds, for a rendezvous the test starts later. It is drawn below the
+    kernel's ephemeral range (32768 and up): a port the kernel hands out for binding 0 is also handed
+    out as the local port of outgoing connections (gloo makes many), which may take it first."""
+    draw = random.Random()
+    while True:
+        port = draw.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port

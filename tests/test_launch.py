@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import FilesGrowing, Watched, run_to_end
+from processes import FilesGrowing, Watched, both_ends, run_to_end
 from small_runs import DEMO_CONFIG, ROOT, free_port, run_overrides
 
 from clip_train.checkpoint import STATE_FILE, checkpoint_step, complete_checkpoints
@@ -87,7 +87,7 @@ def test_sbatch_script_under_simulated_two_node_allocation(digits, tmp_path):
     out = tmp_path / "run"
     command = ["bash", str(ROOT / "launch/slurm/train.sbatch"), str(DEMO_CONFIG)]
     result = run_to_end([*command, *run_overrides(digits, out, 2, "checkpoint.every_steps=2")], env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + both_ends(result.stderr)
     assert f"rendezvous at localhost:{port}" in result.stdout
     srun_line = (tmp_path / "srun.log").read_text()
     assert "torch.distributed.run" in srun_line and "--rdzv_backend c10d" in srun_line

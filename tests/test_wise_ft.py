@@ -103,12 +103,18 @@ def test_eval_at_the_ends_gives_the_released_models_and_the_runs_metrics(
 ):
     zeroshot = [f"eval.zeroshot={digits}/zeroshot.json", f"eval.zeroshot_data={digits}/val"]
     assert cli_main(["eval", str(fine_tuned), "--wise-ft", "0,1", *zeroshot]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    printed = captured.out.splitlines()
     reported = [json.loads(line) for line in printed if line.startswith("{")]
     assert [r.pop("wise_ft") for r in reported] == [
         {"alpha": alpha, "from": f"open_clip:local-dir:{released}"} for alpha in (0.0, 1.0)
     ]
     assert printed[0].split() == ["alpha", "0", "1"]
+    start = f"open_clip:local-dir:{released}"
+    assert [line for line in captured.err.splitlines() if "WiSE-FT alpha" in line] == [
+        f"clip-train: WiSE-FT alpha 0: 1 x {start} + 0 x the fine-tuned weights",
+        f"clip-train: WiSE-FT alpha 1: 0 x {start} + 1 x the fine-tuned weights",
+    ]
 
     file = fine_tuned / "checkpoints" / "step_00000003" / MODEL_FILE
     cfg = eval_config(file, None, zeroshot)
