@@ -347,6 +347,23 @@ def test_more_zeroshot_sets_are_scored_each_under_its_name(tmp_path):
     }
 
 
+def test_a_missing_set_is_named_by_its_key(data, tmp_path):
+    """``clip-train eval`` runs no start-up checks: the evaluation names the key itself."""
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_sets={"v2": str(tmp_path / "nope")})
+    with pytest.raises(
+        UserError, match=re.escape(f"eval.zeroshot_sets.v2: no such file or directory: {tmp_path}")
+    ):
+        evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(val=data["exact"]), device=CPU, precision="fp32")
+    with pytest.raises(UserError, match=re.escape(f"data.val: no such file or directory: {tmp_path}")):
+        evaluate(
+            ToyCLIP(PERFECT),
+            EvalConfig(),
+            DataConfig(val=str(tmp_path / "gone")),
+            device=CPU,
+            precision="fp32",
+        )
+
+
 def class_image(label: int) -> torch.Tensor:
     return torch.tensor([label % 250, label // 250, 0], dtype=torch.uint8)[:, None, None].expand(3, 16, 16)
 

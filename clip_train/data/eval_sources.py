@@ -148,6 +148,7 @@ def shard_batches(
     workers: int = 0,
     pin_memory: bool = False,
     data_cfg: DataConfig | None = None,
+    what: str = "eval data",
 ) -> DataLoader:
     """This rank's samples of a set of WebDataset shards or tables (read with ``data_cfg``'s
     ``csv_*`` keys), each sample seen by exactly one rank."""
@@ -161,4 +162,5 @@ def shard_batches(
         workers=workers,
         pin_memory=pin_memory,
         data_cfg=data_cfg,
+        what=what,
     )

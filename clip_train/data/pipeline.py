@@ -582,6 +582,7 @@ def build_eval_loader(
     workers: int = 2,
     pin_memory: bool = False,
     data_cfg: DataConfig | None = None,
+    what: str = "eval data",
 ) -> DataLoader:
     """A re-iterable loader over eval shards or tables (a spec as for ``data.val``, tables read
     with ``data_cfg``'s ``csv_*`` keys, shards' captions with its ``caption_key``): deterministic,
@@ -589,7 +590,7 @@ def build_eval_loader(
     no usable sample one empty batch that carries its skip counts. Ranks may get different numbers
     of batches; gather features after the loop, not per batch."""
     data_cfg = data_cfg or DataConfig()
-    shard_urls = source_urls(urls, data_cfg, what="eval data")
+    shard_urls = source_urls(urls, data_cfg, what=what)  # what: the key that names them, for errors
     dataset = EvalStream(
         shard_urls,
         rank=rank,

@@ -86,11 +86,11 @@ def evaluate(
         for prefix, (key, source) in zeroshot_sources(eval_cfg, data_cfg).items():
             classes = class_map(source, classnames, synsets_of(eval_cfg.zeroshot), key)
             shared_pass = retrieval and source == data_cfg.val  # labels read in the retrieval pass
-            batches = None if shared_pass else _labelled_batches(source, classes, model, data_cfg, share)
+            batches = None if shared_pass else _labelled_batches(source, key, classes, model, data_cfg, share)
             sets[prefix] = source, classes, batches
     metrics: dict[str, float] = {}
     if retrieval:
-        val_batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, **share)
+        val_batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, what="data.val", **share)
         labels = any(batches is None for _, _, batches in sets.values())
         val_split = encode_split(model, val_batches, text=True, labels=labels, source=data_cfg.val, **encode)
         recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
@@ -116,14 +116,15 @@ def evaluate(
 
 
 def _labelled_batches(
-    source: str, classes: FolderClasses, model: nn.Module, data_cfg: DataConfig, share: dict
+    source: str, key: str, classes: FolderClasses, model: nn.Module, data_cfg: DataConfig, share: dict
 ) -> Iterable:
     """This rank's batches of a zero-shot set: a folder of class folders, or shards or a table."""
     if is_image_folder(source):
         return image_folder_batches(source, labels=classes.labels, image_size=model.image_size, **share)
     # only labels count here: a caption under data.caption_key or txt makes a sample usable
     either = [*caption_keys(data_cfg.caption_key), "txt"]
-    return shard_batches(source, model, data_cfg=dataclasses.replace(data_cfg, caption_key=either), **share)
+    labelled = dataclasses.replace(data_cfg, caption_key=either)
+    return shard_batches(source, model, data_cfg=labelled, what=key, **share)
 
 
 def evaluates_anything(eval_cfg: EvalConfig, data_cfg: DataConfig) -> bool:
