@@ -73,7 +73,9 @@ def check_alphas(alphas: list[float]) -> None:
         raise UserError(f"WiSE-FT alpha {outside[0]:g} is outside [0, 1] ({ENDS})")
 
 
-def mixture(start: dict[str, torch.Tensor], fine_tuned: dict[str, torch.Tensor], alpha: float) -> dict:
+def mixture(
+    start: dict[str, torch.Tensor], fine_tuned: dict[str, torch.Tensor], alpha: float
+) -> dict[str, torch.Tensor]:
     """``(1 - alpha) * start + alpha * fine_tuned`` for every floating-point tensor, in the fine-tuned
     tensor's dtype and device; other tensors (integer buffers) are the fine-tuned model's own."""
     if start.keys() != fine_tuned.keys():

@@ -57,13 +57,13 @@ def run(args: argparse.Namespace) -> int:
     check_target(out)  # before the seconds that loading takes
     source = find_weights(args.checkpoint)
     log = get_logger()
+    start = "" if args.wise_ft is None else start_of(source.parent, args.wise_ft_from)
     with timed(f"export: loading {source}"):
-        model, _, _ = load(source, ema=args.ema, wise_ft=args.wise_ft, wise_ft_from=args.wise_ft_from)
+        model, _, _ = load(source, ema=args.ema, wise_ft=args.wise_ft, wise_ft_from=start)
     with timed(f"export: writing {out} and loading it back with open_clip"):
         image, text = export_open_clip(model, out)
     what = f"the EMA of {source}" if args.ema else str(source)
     if args.wise_ft is not None:
-        start = start_of(source.parent, args.wise_ft_from)
         what = f"the WiSE-FT mixture {1 - args.wise_ft:g} x {start} + {args.wise_ft:g} x {what}"
     log.info(f'exported {what} to {out}: open_clip.create_model_and_transforms("local-dir:{out}")')
     log.info(f"open_clip gives clip_train's embeddings: max |difference| image {image:.1e}, text {text:.1e}")
