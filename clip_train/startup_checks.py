@@ -8,7 +8,7 @@ from __future__ import annotations
 from clip_train.checkpoint import resolve_resume
 from clip_train.config import Config, ModelConfig
 from clip_train.data import check_caption_options, check_readable, expand_urls, source_urls
-from clip_train.data.eval_sources import class_map, is_image_folder, zeroshot_sources
+from clip_train.data.eval_sources import class_map, zeroshot_sources
 from clip_train.errors import naming_key
 from clip_train.eval import synsets_of, zeroshot_metadata
 from clip_train.init_from import check_init_from
@@ -27,9 +27,10 @@ def check_paths(cfg: Config) -> None:
     check_caption_options(cfg.data, train + val)
     if cfg.eval.zeroshot:  # the zero-shot sets are read only then
         classnames, _ = zeroshot_metadata(cfg.eval.zeroshot)
+        synsets = synsets_of(cfg.eval.zeroshot)
         for key, source in zeroshot_sources(cfg.eval, cfg.data).values():
-            class_map(source, classnames, synsets_of(cfg.eval.zeroshot), key)
-            if not is_image_folder(source) and source != cfg.data.val:  # data.val: checked above
+            folder = class_map(source, classnames, synsets, key)
+            if folder is None and source != cfg.data.val:  # shards; data.val: checked above
                 expand_urls(source, what=key)
     _check_model_sources(cfg.model)
     resume_from = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir)

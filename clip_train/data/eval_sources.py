@@ -95,10 +95,12 @@ class FolderClasses:
     labels: list[int] | None = None
 
 
-def class_map(source: str, classnames: Sequence[str], synsets: Sequence[str], key: str) -> FolderClasses:
-    """How a zero-shot set's labels map to the class names: a folder's by ``folder_classes``;
-    shards and tables carry the labels themselves."""
-    return folder_classes(source, classnames, synsets, key) if is_image_folder(source) else FolderClasses()
+def class_map(
+    source: str, classnames: Sequence[str], synsets: Sequence[str], key: str
+) -> FolderClasses | None:
+    """How a zero-shot set's class folders map to the class names (``folder_classes``); None for
+    shards and tables, whose samples carry their labels."""
+    return folder_classes(source, classnames, synsets, key) if is_image_folder(source) else None
 
 
 def folder_classes(root: str, classnames: Sequence[str], synsets: Sequence[str], key: str) -> FolderClasses:

@@ -21,7 +21,6 @@ from clip_train.data.eval_sources import (
     FolderClasses,
     class_map,
     image_folder_batches,
-    is_image_folder,
     shard_batches,
     zeroshot_sources,
 )
@@ -80,11 +79,14 @@ def evaluate(
         world_size=world,
         pin_memory=device.type == "cuda",
     )
-    sets: dict[str, tuple[str, FolderClasses, Iterable | None]] = {}  # prefix: source, classes, batches
+    sets: dict[
+        str, tuple[str, FolderClasses | None, Iterable | None]
+    ] = {}  # prefix: source, classes, batches
     if eval_cfg.zeroshot:  # check the class names and every labelled set before any long work
         classnames, templates = zeroshot_metadata(eval_cfg.zeroshot)
+        synsets = synsets_of(eval_cfg.zeroshot)
         for prefix, (key, source) in zeroshot_sources(eval_cfg, data_cfg).items():
-            classes = class_map(source, classnames, synsets_of(eval_cfg.zeroshot), key)
+            classes = class_map(source, classnames, synsets, key)
             shared_pass = retrieval and source == data_cfg.val  # labels read in the retrieval pass
             batches = None if shared_pass else _labelled_batches(source, key, classes, model, data_cfg, share)
             sets[prefix] = source, classes, batches
@@ -108,7 +110,8 @@ def evaluate(
                 split = val_split
             else:
                 split = encode_split(model, batches, text=False, labels=True, source=source, **encode)
-            rows = classifier if classes.scored is None else classifier[classes.scored]
+            scored = None if classes is None else classes.scored
+            rows = classifier if scored is None else classifier[scored]
             accuracy = zeroshot_from_features(split.image_features, split.labels, rows, group=group)
             metrics |= {f"{prefix}/{k}": v for k, v in accuracy.items()}
             metrics[f"{prefix}/skipped"] = sum(split.skipped.values())
@@ -116,10 +119,11 @@ def evaluate(
 
 
 def _labelled_batches(
-    source: str, key: str, classes: FolderClasses, model: nn.Module, data_cfg: DataConfig, share: dict
+    source: str, key: str, classes: FolderClasses | None, model: nn.Module, data_cfg: DataConfig, share: dict
 ) -> Iterable:
-    """This rank's batches of a zero-shot set: a folder of class folders, or shards or a table."""
-    if is_image_folder(source):
+    """This rank's batches of a zero-shot set: a folder of class folders (``classes``), or shards or a
+    table (None)."""
+    if classes is not None:
         return image_folder_batches(source, labels=classes.labels, image_size=model.image_size, **share)
     # only labels count here: a caption under data.caption_key or txt makes a sample usable
     either = [*caption_keys(data_cfg.caption_key), "txt"]
