@@ -113,6 +113,13 @@ class LossConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: str = ""  # frozen CLIP to match (--distill-model): checkpoint, run dir or open_clip:ARCH/TAG
+    teacher_model: str = ""  # an open_clip: teacher's architecture, a model YAML (configs/model/*.yaml)
+    weight: float = 1.0  # loss = contrastive + weight x distillation (OpenCLIP's: 1)
+
+
+@dataclass
 class BatchConfig:
     global_size: int = 256  # contrastive batch across all ranks
     image_chunk: int | Literal["auto"] = "auto"  # per-rank sub-batch; 0 = all; auto: fitted to memory_budget
@@ -227,6 +234,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -317,6 +325,7 @@ class Config:
                 f"checkpoint.keep_every={self.checkpoint.keep_every} must be 0 or a multiple of "
                 f"checkpoint.every_steps={self.checkpoint.every_steps}: only saved steps can be kept"
             )
+        _check_distill(self.distill, self.loss)
         _check_text_source(self.model.text)
         _check_data_sources(self.data)
         _check_fsdp(self.train)
@@ -346,6 +355,28 @@ def _check_text_source(text: TextTowerConfig) -> None:
         raise ConfigError(
             "model.text.pooling=eot pools at the largest token id, the end token of open_clip's BPE: set "
             f"model.text.tokenizer=open_clip (got {text.tokenizer or text.hf!r})"
+        )
+
+
+def _check_distill(distill: DistillConfig, loss: LossConfig) -> None:
+    """The teacher's term is a softmax cross-entropy, beside the softmax loss only (as OpenCLIP's)."""
+    if not distill.teacher:
+        if distill.teacher_model:
+            raise ConfigError(
+                f"distill.teacher_model={distill.teacher_model!r} has no distill.teacher to build"
+            )
+        return
+    if loss.kind != "softmax":
+        raise ConfigError(
+            f"distill.teacher with loss.kind={loss.kind}: distillation matches the teacher's softmax, "
+            "beside the softmax loss only"
+        )
+    if distill.weight <= 0:
+        raise ConfigError(f"distill.weight={distill.weight} must be > 0")
+    if distill.teacher.startswith("open_clip:") and not distill.teacher_model:
+        raise ConfigError(
+            f"distill.teacher={distill.teacher} needs its architecture: set distill.teacher_model to a model "
+            "YAML, e.g. configs/model/ViT-L-14.yaml"
         )
 
 
@@ -697,6 +728,17 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is a value, not a section")
     node[leaf] = value
+
+
+def load_model_config(path: str | os.PathLike, key: str) -> ModelConfig:
+    """The ``model:`` section of a YAML file (``configs/model/*.yaml``); ``key`` names the setting
+    that pointed at it, in errors."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{key}={str(path)!r}: no such file")
+    raw = _read_yaml_with_includes(Path(path))
+    if not isinstance(raw.get("model"), dict):
+        raise ConfigError(f"{key}={str(path)!r} has no model: section")
+    return _build(ModelConfig, raw["model"], "model.")
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

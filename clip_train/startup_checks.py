@@ -6,7 +6,7 @@ Remote sources (``pipe:`` and URL shards, hub names) cannot be checked offline a
 from __future__ import annotations
 
 from clip_train.checkpoint import resolve_resume
-from clip_train.config import Config, ModelConfig
+from clip_train.config import Config, ModelConfig, load_model_config
 from clip_train.data import check_caption_options, check_readable, expand_urls, source_urls
 from clip_train.data.eval_sources import class_map, zeroshot_sources
 from clip_train.errors import naming_key
@@ -37,6 +37,11 @@ def check_paths(cfg: Config) -> None:
     if cfg.model.init_from and resume_from is None:  # a resumed run never reads init_from
         with naming_key("model.init_from", cfg.model.init_from):
             check_init_from(cfg.model.init_from)
+    if cfg.distill.teacher:  # read at every start, a resumed one's too
+        with naming_key("distill.teacher", cfg.distill.teacher):
+            check_init_from(cfg.distill.teacher)
+        if cfg.distill.teacher_model:
+            load_model_config(cfg.distill.teacher_model, "distill.teacher_model")
 
 
 def _check_model_sources(model: ModelConfig) -> None:

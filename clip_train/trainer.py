@@ -50,6 +50,7 @@ from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
 from clip_train.startup_time import StartupClock
 from clip_train.stopping import StoppableEvaluation, writing_checkpoint
+from clip_train.teacher import load_teacher
 
 
 @dataclass
@@ -127,6 +128,9 @@ class Trainer:
             self._load_init_from()
         if fine_tune and self.sharded:
             main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
+        # Loaded at every start, a resumed one's too: the teacher is an input, never checkpointed.
+        dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
+        self.teacher = load_teacher(cfg.distill, model, env.device, dtype) if cfg.distill.teacher else None
         clock.lap("model")
         self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)
         # Counted on the whole towers, before compiling (one-sample shapes) and sharding.
@@ -185,7 +189,7 @@ class Trainer:
         clock.lap("chunks")
         # The engine wraps the towers in DDP, which broadcasts rank 0's weights: they are final now.
         # Towers sharded with FSDP2 reduce their own gradients.
-        self.engine = GradCache.from_config(self.model, cfg, self.chunks)
+        self.engine = GradCache.from_config(self.model, cfg, self.chunks, self.teacher)
         self.flops_per_sample = None
         if towers_flops is not None:
             rows = cfg.batch.global_size // env.world_size
@@ -427,10 +431,12 @@ class Trainer:
             return
         stats, bias = result.stats, self.model.logit_bias
         on_device = [stats.loss, result.grad_norm, self.model.logit_scale.detach().exp()]
-        on_device += [bias.detach()] if bias is not None else []
-        loss, grad_norm, scale, *bias_value = torch.stack(
-            [value.to(self.env.device, torch.float64) for value in on_device]
+        on_device += [value for value in (stats.distill_loss, bias) if value is not None]
+        loss, grad_norm, scale, *distill_and_bias = torch.stack(
+            [value.detach().to(self.env.device, torch.float64) for value in on_device]
         ).tolist()
+        distilled = {"train/distill_loss": distill_and_bias.pop(0)} if stats.distill_loss is not None else {}
+        bias_value = distill_and_bias
         samples_per_s = self.cfg.batch.global_size * window.steps / window.elapsed
         lr = self.update.lr
         peak = stats.peak_mem or peak_bytes(self.env.device)
@@ -458,6 +464,7 @@ class Trainer:
             "train/lr": lr,
             "train/logit_scale": scale,
             **({"train/logit_bias": bias_value[0]} if bias_value else {}),
+            **distilled,
             "train/grad_norm": grad_norm,
             "train/samples_per_s": samples_per_s,
             **utilization,

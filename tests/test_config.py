@@ -212,6 +212,18 @@ def test_malformed_override_and_missing_file(tmp_path):
             1,
             r"^eval\.zeroshot_sets\.v2='' must name",
         ),
+        (["distill.teacher_model=m.yaml"], 1, r"^distill\.teacher_model='m\.yaml' has no distill\.teacher"),
+        (
+            ["distill.teacher=runs/a", "loss.kind=sigmoid"],
+            1,
+            r"^distill\.teacher with loss\.kind=sigmoid: distillation matches the teacher's softmax",
+        ),
+        (["distill.teacher=runs/a", "distill.weight=0"], 1, r"^distill\.weight=0\.0 must be > 0$"),
+        (
+            ["distill.teacher=open_clip:ViT-L-14/openai"],
+            1,
+            r"^distill\.teacher=open_clip:ViT-L-14/openai needs its architecture: set distill\.teacher_model",
+        ),
     ],
 )
 def test_cross_field_validation(overrides, world, message):

@@ -49,6 +49,7 @@ MISSING = [  # (overrides, the error's start); DIGITS stands for the digits set'
     (["model.text.tokenizer=./no/such/tokenizer"], "model.text.tokenizer='./no/such/tokenizer': no such"),
     (["model.init_from=/no/such/run"], "model.init_from=/no/such/run: checkpoint not found: /no/such/run"),
     (["checkpoint.resume=/no/such/step"], "checkpoint.resume=/no/such/step: not a complete checkpoint"),
+    (["distill.teacher=/no/such/run"], "distill.teacher=/no/such/run: checkpoint not found: /no/such/run"),
 ]
 
 

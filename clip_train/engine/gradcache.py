@@ -3,8 +3,10 @@ chunk sizes, not the batch size, and exactly the full-batch gradients of the glo
 
 1. encode every chunk without a graph, keeping the (B, d) features and the RNG state each chunk
    started from (with ``keep_last_graph``, the last chunk of the last trained tower keeps its graph,
-   and every trained tower does when each is one chunk: then nothing is encoded twice);
-2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache;
+   and every trained tower does when each is one chunk: then nothing is encoded twice); a
+   distillation teacher encodes every chunk too, never with a graph;
+2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache; with a
+   teacher, it adds the distillation term towards the teacher's features (``clip_train.loss.distill``);
 3. replay each chunk under its RNG state (same dropout and drop-path masks) and backprop its
    cached gradient into the tower; DDP syncs on each tower's last backward only, and so does a
    tower sharded with FSDP2 (``clip_train.parallel``), unless ``sync_every_chunk``;
@@ -32,6 +34,7 @@ from clip_train.distributed import rank_and_world, wait_for_device
 from clip_train.engine.offload import ChunkStream, Rows, chunk_bounds
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
+from clip_train.loss.distill import distillation_loss
 from clip_train.loss.tiles_torch import tile_dtype
 from clip_train.parallel import GatherWaits, gradient_sync, is_sharded
 from clip_train.precision import autocast
@@ -52,6 +55,7 @@ class StepStats:
     cache_bytes: int  # features, their gradients and any frozen-trunk cache: O(B·d), wherever kept
     batch_bytes: int  # the raw batch (host memory with offload, else the device)
     max_live_chunks: int  # most input chunks alive at once in any run of the stream (<= 2 by construction)
+    distill_loss: torch.Tensor | None = None  # the distillation term (unweighted, within ``loss``), 0-dim
 
 
 class TrainableHead(nn.Module):
@@ -121,6 +125,8 @@ class GradCache:
         group: dist.ProcessGroup | None = None,
         sync_every_chunk: bool = False,
         graph_pools: bool = False,
+        teacher: nn.Module | None = None,
+        distill_weight: float = 1.0,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}")
@@ -145,11 +151,15 @@ class GradCache:
         sharded = self.image.sharded or self.text.sharded
         self.gather_waits = GatherWaits(model, self.device) if sharded else None
         self.chunk_stream = ChunkStream(self.device, offload)  # the engine's, with its CUDA side stream
+        self.teacher, self.distill_weight = teacher, distill_weight  # a frozen CLIP, eval mode
 
     @classmethod
-    def from_config(cls, model: nn.Module, config: Config, chunks: tuple[int, int]) -> GradCache:
-        """Offload, precision and loss options from a run config (default process group), with the
-        image and text ``chunks`` the run resolved (``auto`` is measured first)."""
+    def from_config(
+        cls, model: nn.Module, config: Config, chunks: tuple[int, int], teacher: nn.Module | None = None
+    ) -> GradCache:
+        """Offload, precision, loss and distillation options from a run config (default process
+        group), with the image and text ``chunks`` the run resolved (``auto`` is measured first) and
+        the run's distillation ``teacher``, if any."""
         return cls(
             model,
             image_chunk=chunks[0],
@@ -161,6 +171,8 @@ class GradCache:
             tile_size=config.loss.tile_size or None,
             sync_every_chunk=config.fsdp.sync_every_chunk,
             graph_pools=config.train.cuda_graphs,
+            teacher=teacher,
+            distill_weight=config.distill.weight,
         )
 
     def _tower(self, name: str, module: nn.Module, chunk: int) -> _Tower:
@@ -216,11 +228,14 @@ class GradCache:
         with phase("encode"):
             image = self._encode(self.image, image_inputs, image_bounds, keep_graph=image_keeps)
             text = self._encode(self.text, text_inputs, text_bounds, keep_graph=text_keeps)
+            targets = self._encode_teacher((image_inputs, text_inputs), (image_bounds, text_bounds))
         encoded = clock()
         encode_gather_s = self._gather_s() if timed else 0.0
         with phase("loss"):
-            loss, image_grad, text_grad = self._loss(image.features, text.features, scale_loss)
-        cache_bytes = _bytes([image.features, text.features, image_grad, text_grad])
+            loss, distill_loss, image_grad, text_grad = self._loss(
+                image.features, text.features, scale_loss, targets
+            )
+        cache_bytes = _bytes([image.features, text.features, image_grad, text_grad, *targets])
         cache_bytes += _bytes(image.trunk_cache + text.trunk_cache)
         image.features = text.features = None  # replay needs only their gradients
         lossed = clock()
@@ -240,6 +255,7 @@ class GradCache:
             cache_bytes=cache_bytes,
             batch_bytes=_bytes(batch),
             max_live_chunks=self.chunk_stream.max_live,
+            distill_loss=distill_loss,
         )
 
     def _graph_keepers(self, image_chunks: int, text_chunks: int) -> tuple[bool, bool]:
@@ -304,6 +320,35 @@ class GradCache:
         self.chunk_stream.run(inputs, bounds, encode)
         return out
 
+    def _encode_teacher(
+        self, inputs: tuple[Sequence[torch.Tensor], ...], bounds: tuple[list[Rows], ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """The teacher's image and text features for the whole batch, in the towers' chunks; none
+        without a teacher."""
+        if self.teacher is None:
+            return ()
+        encoders = (self.teacher.encode_image, self.teacher.encode_text)
+        return tuple(
+            self._teacher_features(encode, tower_inputs, tower_bounds)
+            for encode, tower_inputs, tower_bounds in zip(encoders, inputs, bounds, strict=True)
+        )
+
+    def _teacher_features(
+        self, encode: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], bounds: list[Rows]
+    ) -> torch.Tensor:
+        out: list[torch.Tensor] = []  # the (rows, d') buffer, once the first chunk gives d'
+
+        def encode_chunk(index: int, chunk: tuple[torch.Tensor, ...]) -> None:
+            with torch.no_grad(), self._autocast():
+                features = encode(*chunk)
+            if not out:
+                out.append(_rows_like(features, bounds[-1][1], dtype=self._loss_dtype(features.dtype)))
+            start, end = bounds[index]
+            out[0][start:end] = features
+
+        self.chunk_stream.run(inputs, bounds, encode_chunk)
+        return out[0]
+
     def _loss_dtype(self, features: torch.dtype) -> torch.dtype:
         """The dtype the loss takes: in bf16 training on CUDA, bf16 for the tiles (``tile_dtype``:
         half the bytes; LSEs and gradient sums stay fp32), otherwise >= fp32."""
@@ -316,28 +361,46 @@ class GradCache:
         image_features: torch.Tensor,
         text_features: torch.Tensor,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Stage 2: the loss on leaf features; their gradients are the cache."""
+        targets: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Stage 2: the loss on leaf features, plus the weighted distillation term towards the
+        teacher's ``targets`` if any; their gradients are the cache. Returns the loss, the
+        distillation term and the two gradients."""
         image_features.requires_grad_(self.image.replays)
         text_features.requires_grad_(self.text.replays)
         params = [p for p in (self.model.logit_scale, self.model.logit_bias) if p is not None]
         leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
+        scale = leaves[0].exp()
         loss = contrastive_loss(
             image_features,
             text_features,
-            leaves[0].exp(),
+            scale,
             logit_bias=leaves[1] if len(leaves) > 1 else None,
             kind=self.loss_kind,
             impl=self.loss_impl,
             group=self.group,
             tile_size=self.tile_size,
         )
+        distill_loss = None
+        if targets:
+            teacher_scale = self.teacher.logit_scale.detach().exp()
+            distill_loss = distillation_loss(
+                image_features,
+                text_features,
+                scale,
+                *targets,
+                teacher_scale,
+                group=self.group,
+                tile_size=self.tile_size,
+            )
+            loss = loss + self.distill_weight * distill_loss
         if loss.requires_grad:
             (scale_loss(loss) if scale_loss is not None else loss).backward()
         trained = [(p, leaf.grad) for p, leaf in zip(params, leaves, strict=True) if leaf.grad is not None]
         if trained:
             self._accumulate_rank_average(trained)
-        return loss.detach(), image_features.grad, text_features.grad
+        distill_loss = None if distill_loss is None else distill_loss.detach()
+        return loss.detach(), distill_loss, image_features.grad, text_features.grad
 
     def _accumulate_rank_average(self, trained: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """The loss's parameters (scale, bias) are not DDP's: each rank's loss is its share of the

@@ -117,7 +117,7 @@ def _tile_buffer(images: torch.Tensor, texts: torch.Tensor, tile: int) -> torch.
     return images.new_empty(rows * cols, dtype=_logits_dtype(images))
 
 
-def _addmm_(
+def addmm_(
     out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0, alpha: float = 1.0
 ) -> torch.Tensor:
     """``out = beta·out + alpha·a @ b`` in ``out``'s dtype. 16-bit operands go through cuBLAS's
@@ -298,7 +298,7 @@ def _merge_underflowed(
 
 def _logits(buffer: torch.Tensor, images: torch.Tensor, texts: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale · images @ textsᵀ`` into the front of ``buffer`` (beta=0: its old contents are ignored)."""
-    return _addmm_(_view(buffer, len(images), len(texts)), images, texts.t(), beta=0.0, alpha=scale)
+    return addmm_(_view(buffer, len(images), len(texts)), images, texts.t(), beta=0.0, alpha=scale)
 
 
 def _fold(lse: torch.Tensor | None, coef: float) -> tuple[torch.Tensor | None, float]:
@@ -386,8 +386,8 @@ def softmax_backward(
         alpha = float(scale)
     for rows, cols, logits in _backward_tiles(images, texts, alpha, tile, last_tile):
         grads = grads_of(rows, cols, logits)
-        _addmm_(grad_images[rows], grads, texts[cols], alpha=sign)
-        _addmm_(grad_texts[cols], grads.t(), images[rows], alpha=sign)
+        addmm_(grad_images[rows], grads, texts[cols], alpha=sign)
+        addmm_(grad_texts[cols], grads.t(), images[rows], alpha=sign)
 
 
 TileGrads = Callable[[slice, slice, torch.Tensor], torch.Tensor]
@@ -490,8 +490,8 @@ def sigmoid_forward_backward(
             softplus, probabilities, grads = _compiled(_sigmoid_tile)(products, *constants, images.dtype)
             softplus_total += softplus
             sigmoid_total += probabilities
-            _addmm_(grad_images[rows], grads, texts[cols])
-            _addmm_(grad_texts[cols], grads.t(), images[rows])
+            addmm_(grad_images[rows], grads, texts[cols])
+            addmm_(grad_texts[cols], grads.t(), images[rows])
         return softplus_total, sigmoid_total * constants[2]
     scale, bias, coef = float(scale), float(bias), float(coef)
     strip = _strip_buffer(images, texts, tile, strip_elements)
@@ -505,6 +505,6 @@ def sigmoid_forward_backward(
             softplus_total += torch.clamp(x, min=0, out=other).sum()
             softplus_total -= torch.abs(x, out=other).sigmoid_().log_().sum()
             sigmoid_total += x.sigmoid_().sum()
-        _addmm_(grad_images[rows], logits, texts[cols], alpha=coef)
-        _addmm_(grad_texts[cols], logits.t(), images[rows], alpha=coef)
+        addmm_(grad_images[rows], logits, texts[cols], alpha=coef)
+        addmm_(grad_texts[cols], logits.t(), images[rows], alpha=coef)
     return softplus_total, sigmoid_total * coef
