@@ -359,7 +359,7 @@ def _check_text_source(text: TextTowerConfig) -> None:
 
 
 def _check_distill(distill: DistillConfig, loss: LossConfig) -> None:
-    """The teacher's term is a softmax cross-entropy, beside the softmax loss only (as OpenCLIP's)."""
+    """The teacher's term is a softmax cross-entropy, beside the tiled softmax loss only."""
     if not distill.teacher:
         if distill.teacher_model:
             raise ConfigError(
@@ -370,6 +370,11 @@ def _check_distill(distill: DistillConfig, loss: LossConfig) -> None:
         raise ConfigError(
             f"distill.teacher with loss.kind={loss.kind}: distillation matches the teacher's softmax, "
             "beside the softmax loss only"
+        )
+    if loss.impl not in ("auto", "inf"):
+        raise ConfigError(
+            f"distill.teacher with loss.impl={loss.impl}: the loss and the distillation term are computed "
+            "together in tiles (loss.impl=inf); drop loss.impl"
         )
     if distill.weight <= 0:
         raise ConfigError(f"distill.weight={distill.weight} must be > 0")

@@ -12,6 +12,7 @@ from processes import run_to_end
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 
 from clip_train.bench.data import write_synthetic
+from clip_train.cli import main as cli_main
 
 
 def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
@@ -27,6 +28,22 @@ def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
     (paired,) = report["paired"]
     assert set(paired["median_s"]) == {"vanilla", "inf", "open_clip"}
     assert "inf / open_clip" in result.stdout
+
+
+def test_bench_loss_distill_measures_ours_and_checks_it_against_open_clips_formula(tmp_path):
+    """``--kind distill``: the loss plus the distillation term; its accuracy is measured against
+    open_clip's ``DistillClipLoss`` in fp64 (the benchmark's own check, asserted here)."""
+    out = tmp_path / "distill.json"
+    command = ["bench", "loss", "--kind", "distill", "--batch", "64", "--dim", "16", "--impl", "inf"]
+    assert cli_main([*command, "--repeats", "1", "--accuracy", "48", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(point["kind"], point["impl"]) for point in report["points"]] == [
+        ("distill", "floor"),
+        ("distill", "inf"),
+    ]
+    assert all(point["time_s"] > 0 for point in report["points"])
+    (accuracy,) = report["accuracy"]
+    assert accuracy["loss_rel_error"] < 1e-6 and accuracy["grad_rel_error"] < 1e-5, accuracy
 
 
 def test_bench_step_measures_each_mode_fresh_then_both_in_turn(tmp_path):

@@ -220,6 +220,11 @@ def test_malformed_override_and_missing_file(tmp_path):
         ),
         (["distill.teacher=runs/a", "distill.weight=0"], 1, r"^distill\.weight=0\.0 must be > 0$"),
         (
+            ["distill.teacher=runs/a", "loss.impl=local"],
+            1,
+            r"^distill\.teacher with loss\.impl=local: the loss",
+        ),
+        (
             ["distill.teacher=open_clip:ViT-L-14/openai"],
             1,
             r"^distill\.teacher=open_clip:ViT-L-14/openai needs its architecture: set distill\.teacher_model",

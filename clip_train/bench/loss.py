@@ -11,6 +11,10 @@ matmul (computed in row chunks, so it needs no b×b output), timed in the same r
 softmax loss ``open_clip`` is its ``ClipLoss`` (``local_loss`` and ``gather_with_grad`` across
 ranks), and ``inf_cl`` is Inf-CL's ``cal_inf_loss`` (both directions; CUDA, when installed).
 
+``--kind distill`` benchmarks the softmax loss plus the distillation term towards a teacher's
+features (d as the student's): ``inf`` is clip_train's (both at once, tiled and ringed),
+``open_clip`` its ``DistillClipLoss``, which builds the student's and the teacher's logits.
+
 ``--accuracy ROWS`` also compares each implementation's loss and gradients, in ``--dtype``, with the
 same inputs' loss and gradients in fp64 (the materialised formula) at ROWS rows.
 """
@@ -35,16 +39,19 @@ import torch.nn.functional as F
 from clip_train.bench import positive_ints
 from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
-from clip_train.config import LOSS_KINDS, RESOLVED_LOSS_IMPLS
+from clip_train.config import RESOLVED_LOSS_IMPLS
 from clip_train.distributed import resolve_device, wait_for_device
 from clip_train.loss import contrastive_loss
+from clip_train.loss.distill import contrastive_and_distillation_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
 
 # local is softmax-only; open_clip's SigLipLoss runs beside the sigmoid loss.
 IMPLS = {
     "softmax": (*RESOLVED_LOSS_IMPLS, "open_clip", "inf_cl"),
     "sigmoid": (*(i for i in RESOLVED_LOSS_IMPLS if i != "local"), "open_clip"),
+    "distill": ("inf", "open_clip"),
 }
+TEACHER_SCALE = 50.0  # the teacher's logit scale in --kind distill
 # Estimated peak extra bytes per rank, per element of the similarity matrix it materialises
 # (logits, log-softmaxes or log-sigmoids, labels and gradients), measured at small sizes with headroom.
 MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8, "inf_cl": 0}
@@ -53,7 +60,9 @@ MATRIX_COPIES = {"vanilla": 7, "local": 8, "open_clip": 8, "inf_cl": 0}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="4096,8192,16384,32768", help="comma-separated global batch sizes")
     parser.add_argument("--dim", type=int, default=512, help="embedding dimension")
-    parser.add_argument("--kind", default="softmax", choices=LOSS_KINDS, help="the loss")
+    parser.add_argument(
+        "--kind", default="softmax", choices=tuple(IMPLS), help="the loss; distill: softmax + distillation"
+    )
     parser.add_argument(
         "--impl",
         default="",
@@ -182,10 +191,12 @@ def _estimate_bytes(spec: dict[str, Any]) -> float:
     features = 16 * (b // w) * d * itemsize
     if spec["impl"] == "inf":
         tile = spec["tile"] or 4096
-        return features + 4 * tile * tile * itemsize
+        buffers = 12 if spec["kind"] == "distill" else 4  # distill: two logit tiles and their exponentials
+        return features + buffers * tile * tile * itemsize
     # Rows of the matrix each rank builds: all of them for the softmax vanilla loss, its own otherwise.
     rows = b if (spec["kind"], spec["impl"]) == ("softmax", "vanilla") else b // w
-    return features + MATRIX_COPIES[spec["impl"]] * rows * b * itemsize
+    matrices = 2 if spec["kind"] == "distill" else 1  # the student's logits and the teacher's
+    return features + matrices * MATRIX_COPIES[spec["impl"]] * rows * b * itemsize
 
 
 def _available_bytes(device: str) -> float:
@@ -228,8 +239,11 @@ def _errors_against_fp64(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     exact = [t.to(device).clone().requires_grad_() for t in inputs]
     low = [t.to(device, dtype if t.ndim else torch.float32).clone().requires_grad_() for t in inputs]
-    bias = exact[3] if spec["kind"] == "sigmoid" else None
-    reference = contrastive_loss(*exact[:3], logit_bias=bias, kind=spec["kind"], impl="vanilla")
+    if spec["kind"] == "distill":  # open_clip's formula, which builds both matrices, in fp64
+        reference = _loss_fn({**spec, "impl": "open_clip", "dtype": "float64"}, 0, 1)(*exact)
+    else:
+        bias = exact[3] if spec["kind"] == "sigmoid" else None
+        reference = contrastive_loss(*exact[:3], logit_bias=bias, kind=spec["kind"], impl="vanilla")
     reference.backward()
     loss = _loss_fn({**spec, "impl": spec["of"]}, 0, 1)(*low)
     loss.backward()
@@ -358,6 +372,8 @@ def _paired_times(specs: list[dict[str, Any]]) -> dict[str, float]:
 
 def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
     """``(images, texts, scale, bias) -> loss`` for the benchmarked implementation."""
+    if spec["kind"] == "distill":
+        return _distill_loss_fn(spec, rank, world)
     if spec["impl"] == "open_clip":  # imported here: importing open_clip costs every fresh process ~3 s
         from open_clip.loss import ClipLoss, SigLipLoss
 
@@ -376,6 +392,28 @@ def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
     def loss(images: Any, texts: Any, scale: Any, bias: Any) -> Any:
         return contrastive_loss(
             images, texts, scale, logit_bias=bias if spec["kind"] == "sigmoid" else None, **options
+        )
+
+    return loss
+
+
+def _distill_loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
+    """The softmax loss plus the distillation term towards fixed teacher features of this rank's rows."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    rows, device, dtype = spec["batch"] // world, torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    exact = [torch.randn(rows, spec["dim"], generator=gen, dtype=torch.float64) for _ in range(2)]
+    teacher = [F.normalize(features, dim=1).to(device, dtype) for features in exact]
+    teacher_scale = torch.tensor(TEACHER_SCALE, device=device)
+    if spec["impl"] == "open_clip":
+        from open_clip.loss import DistillClipLoss
+
+        distill = DistillClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
+        return lambda images, texts, scale, bias: sum(distill(images, texts, scale, *teacher, teacher_scale))
+    tile = spec["tile"] or None
+
+    def loss(images: Any, texts: Any, scale: Any, bias: Any) -> Any:
+        return sum(
+            contrastive_and_distillation_loss(images, texts, scale, *teacher, teacher_scale, tile_size=tile)
         )
 
     return loss

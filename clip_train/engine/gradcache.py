@@ -34,7 +34,7 @@ from clip_train.distributed import rank_and_world, wait_for_device
 from clip_train.engine.offload import ChunkStream, Rows, chunk_bounds
 from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
-from clip_train.loss.distill import distillation_loss
+from clip_train.loss.distill import contrastive_and_distillation_loss
 from clip_train.loss.tiles_torch import tile_dtype
 from clip_train.parallel import GatherWaits, gradient_sync, is_sharded
 from clip_train.precision import autocast
@@ -370,21 +370,11 @@ class GradCache:
         text_features.requires_grad_(self.text.replays)
         params = [p for p in (self.model.logit_scale, self.model.logit_bias) if p is not None]
         leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
-        scale = leaves[0].exp()
-        loss = contrastive_loss(
-            image_features,
-            text_features,
-            scale,
-            logit_bias=leaves[1] if len(leaves) > 1 else None,
-            kind=self.loss_kind,
-            impl=self.loss_impl,
-            group=self.group,
-            tile_size=self.tile_size,
-        )
+        scale, bias = leaves[0].exp(), leaves[1] if len(leaves) > 1 else None
         distill_loss = None
-        if targets:
+        if targets:  # the CLIP loss and the distillation term in one pass over the tiles
             teacher_scale = self.teacher.logit_scale.detach().exp()
-            distill_loss = distillation_loss(
+            loss, distill_loss = contrastive_and_distillation_loss(
                 image_features,
                 text_features,
                 scale,
@@ -394,6 +384,17 @@ class GradCache:
                 tile_size=self.tile_size,
             )
             loss = loss + self.distill_weight * distill_loss
+        else:
+            loss = contrastive_loss(
+                image_features,
+                text_features,
+                scale,
+                logit_bias=bias,
+                kind=self.loss_kind,
+                impl=self.loss_impl,
+                group=self.group,
+                tile_size=self.tile_size,
+            )
         if loss.requires_grad:
             (scale_loss(loss) if scale_loss is not None else loss).backward()
         trained = [(p, leaf.grad) for p, leaf in zip(params, leaves, strict=True) if leaf.grad is not None]

@@ -85,11 +85,11 @@ def backward_pass(
 
 
 def rank_coefficients(coef: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Every rank's loss coefficient (its upstream gradient over its rows), indexed by rank: one
+    """Every rank's loss coefficients (its upstream gradients over its rows), rank-major: one
     all-gather, on the device, never read by the host."""
+    mine = coef.reshape(-1)
     if batch.world == 1:
-        return coef.reshape(1)
-    mine = coef.reshape(1)
+        return mine
     every = [torch.empty_like(mine) for _ in range(batch.world)]
     dist.all_gather(every, mine, group=batch.group)
     return torch.cat(every)
