@@ -743,7 +743,10 @@ def load_model_config(path: str | os.PathLike, key: str) -> ModelConfig:
     raw = _read_yaml_with_includes(Path(path))
     if not isinstance(raw.get("model"), dict):
         raise ConfigError(f"{key}={str(path)!r} has no model: section")
-    return _build(ModelConfig, raw["model"], "model.")
+    try:
+        return _build(ModelConfig, raw["model"], "model.")
+    except ConfigError as err:
+        raise ConfigError(f"{key}={str(path)!r}: {err}") from None
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

@@ -5,7 +5,7 @@ import yaml
 from small_runs import TINY_MODEL_CONFIG
 
 from clip_train import load_config
-from clip_train.config import Config, ConfigError, config_keys, save_config
+from clip_train.config import Config, ConfigError, config_keys, load_model_config, save_config
 
 BERT = "model.text.hf=bert-base-uncased"  # the defaults name no text encoder
 
@@ -234,6 +234,20 @@ def test_malformed_override_and_missing_file(tmp_path):
 def test_cross_field_validation(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides).validate(world_size=world)
+
+
+def test_a_model_yaml_named_by_a_key_is_read_as_an_include_is_and_its_errors_name_the_key(tmp_path):
+    good, bad, empty = tmp_path / "good.yaml", tmp_path / "bad.yaml", tmp_path / "empty.yaml"
+    good.write_text(f"include: [{TINY_MODEL_CONFIG}]\nmodel: {{embed_dim: 24}}\n")
+    bad.write_text("model: {embed_dimm: 24}\n")
+    empty.write_text("data: {}\n")
+    model = load_model_config(good, "distill.teacher_model")
+    assert model.embed_dim == 24 and model.image.timm_kwargs["depth"] == 4  # tiny.yaml's, overridden
+    unknown = r"^distill\.teacher_model='.*bad\.yaml': unknown config key model\.embed_dimm: did you mean"
+    with pytest.raises(ConfigError, match=unknown):
+        load_model_config(bad, "distill.teacher_model")
+    with pytest.raises(ConfigError, match=r"^distill\.teacher_model='.*empty\.yaml' has no model: section$"):
+        load_model_config(empty, "distill.teacher_model")
 
 
 CUDA_GRAPHS = [BERT, "train.compile=true", "train.compile_mode=reduce-overhead", "batch.global_size=64"]
