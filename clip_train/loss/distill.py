@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from clip_train.loss.checks import Batch, check_inputs, grads_like, row_dots
 from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients, without_autocast
@@ -37,7 +38,7 @@ def contrastive_and_distillation_loss(
     teacher_text: torch.Tensor,
     teacher_scale: torch.Tensor,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     tile_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's CLIP loss and distillation term over the whole all-rank batch, two 0-dim tensors:
