@@ -97,8 +97,10 @@ def test_teacher_features_of_another_length_are_named() -> None:
         contrastive_and_distillation_loss(*leaves)
 
 
-# Rank r backpropagates UPSTREAM[world][r] · (its contrastive loss, its distillation term).
-UPSTREAM = {2: ((1.0, 0.7), (-0.5, 2.0)), 3: ((0.7, 0.0), (0.0, 1.0), (2.0, -1.0))}
+# Rank r backpropagates UPSTREAM[world][r] · (its contrastive loss, its distillation term). Three
+# ranks, not two: on two, the next rank and the previous one are the same, and a ring turning the
+# wrong way, or a column coefficient taken from the wrong owner, would pass.
+UPSTREAM = {3: ((0.7, 0.0), (0.0, 1.0), (2.0, -1.0))}
 
 
 def _rank(rank: int, world: int) -> dict:
@@ -123,8 +125,8 @@ def _reference(data: dict[str, torch.Tensor], upstream: tuple[tuple[float, float
     return terms.detach(), images.grad, texts.grad, scale.grad
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_match_the_single_process_full_batch(world: int) -> None:
+def test_three_ranks_match_the_single_process_full_batch() -> None:
+    world = 3
     data = _batch(ROWS_PER_RANK * world, seed=world)
     results = run_distributed(_rank, world)
     terms, grad_images, grad_texts, grad_scale = _reference(data, UPSTREAM[world])
