@@ -128,8 +128,9 @@ class Trainer:
             self._load_init_from()
         if fine_tune and self.sharded:
             main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
-        # Loaded at every start, a resumed one's too: the teacher is an input, never checkpointed.
-        dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
+        # Loaded at every start, a resumed one's too: the teacher is an input, never checkpointed. It
+        # takes the student's parameter dtype (fp64 runs are fp64 throughout).
+        dtype = model.logit_scale.dtype
         self.teacher = load_teacher(cfg.distill, model, env.device, dtype) if cfg.distill.teacher else None
         clock.lap("model")
         self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)

@@ -126,7 +126,7 @@ class _Loss(torch.autograd.Function):
         contrastive = lses / (2 * n) - positives / n
         distillation = (lses - row_state[CROSS].sum() - col_state[CROSS].sum()) / (2 * n)
         # The backward starts from the block in hand, with its (complete) column LSEs.
-        ctx.save_for_backward(mine.joined, block, row_state[:2], held_state[:2].clone(), scales)
+        ctx.save_for_backward(mine.joined, block, row_state[:2], held_state[:2], scales)
         ctx.batch, ctx.tile, ctx.d = batch, tile, d
         ctx.input_meta = [(t.dtype, t.shape) for t in (image_features, text_features, logit_scale)]
         return contrastive, distillation
