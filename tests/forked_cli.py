@@ -9,11 +9,15 @@ runs ``clip_train.__main__`` as ``python -m`` does and exits as the interpreter 
 What the interpreter and the libraries read from the environment as they start (unbuffered
 output, OpenMP's threads, hub settings) is the server's. So a server is started per such
 environment (``READ_AT_START``), with it, and each command is forked from the server of its own.
-A command with a PYTHONPATH of its own starts fresh: a ``sitecustomize`` there may read anything.
+A command whose PYTHONPATH puts folders before the tests' own is forked too: the child puts them on
+``sys.path`` and imports the ``sitecustomize`` they hold, as a fresh interpreter would, but after the
+server's imports. So a patch there must rebind what callers look up when they call (a class's method,
+a module's global), as the tests' faults do (``rank_faults.py``); any other PYTHONPATH starts fresh.
 One thing differs from a fresh interpreter: the children of a server share its string-hash seed,
 as they would under a fixed PYTHONHASHSEED.
 
-torchrun's ranks come from the servers too. ``torchrun ... -m clip_train ...`` runs
+torchrun itself (``python -m torch.distributed.run``) is forked as such a command, and its ranks
+come from the servers too. ``torchrun ... -m clip_train ...`` runs
 ``forked_rank.py`` as each worker instead (``with_forked_ranks``), which asks the server of its
 environment for the rank and stands in for it towards torchrun: signals to it reach the rank's
 process group, its death (SIGKILL) ends that group, and it ends as the rank did. The rank leads a
@@ -33,6 +37,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import importlib
 import itertools
 import os
 import pickle
@@ -59,9 +64,11 @@ READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH"
 MAX_SERVERS = 3  # per test worker; each holds about 0.85 GB. The least recently used one makes way.
 ALWAYS_FRESH = "CLIP_TRAIN_TESTS_FRESH"  # set it to start every command fresh, as before this file
 MESSAGE_BYTES = 1 << 20
+CLI = [sys.executable, "-m", "clip_train"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 RANK_CLIENT = str(Path(__file__).with_name("forked_rank.py"))
 RANK_SERVER = "CLIP_TRAIN_TESTS_RANK_SERVER"  # the listening socket's path, for forked_rank.py
+RANK_PYTHONPATH = "CLIP_TRAIN_TESTS_RANK_PYTHONPATH"  # the ranks' PYTHONPATH, for forked_rank.py
 # What torchrun sets in its workers' environment that the start-up environment's prefixes cover;
 # torch reads them when a run starts, not at import, so a server started without them serves ranks.
 SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
@@ -72,17 +79,27 @@ FRESH = b"fresh"
 
 
 def can_fork(command: Sequence[str], env: Mapping[str, str], popen_kwargs: Mapping[str, object]) -> bool:
-    """Whether ``command`` may come from a server: ``python -m clip_train``, no ``Popen`` options
-    but the working directory, and the tests' own PYTHONPATH."""
-    return list(command[:3]) == [sys.executable, "-m", "clip_train"] and _may_fork(env, popen_kwargs)
+    """Whether ``command`` may come from a server: ``python -m clip_train`` or torchrun, no ``Popen``
+    options but the working directory, and the tests' own PYTHONPATH (or folders before it)."""
+    return list(command[:3]) in (CLI, TORCHRUN) and _may_fork(env, popen_kwargs)
 
 
 def _may_fork(env: Mapping[str, str], popen_kwargs: Mapping[str, object]) -> bool:
     return (
         not set(popen_kwargs) - {"cwd"}
-        and env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+        and added_folders(env.get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")) is not None
         and not env.get(ALWAYS_FRESH)
     )
+
+
+def added_folders(path: str, own: str) -> list[str] | None:
+    """The folders a PYTHONPATH ``path`` puts before ``own``, or None where it does not end with it."""
+    if path == own:
+        return []
+    if not own:
+        return path.split(os.pathsep)
+    head, separator, tail = path.rpartition(os.pathsep + own)
+    return head.split(os.pathsep) if separator and not tail else None
 
 
 def with_forked_ranks(
@@ -97,7 +114,19 @@ def with_forked_ranks(
     ranks_env = {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
     with _servers_lock:
         address = _server_for(ranks_env).ranks
-    return [*command[:module], RANK_CLIENT, *command[module:]], {**env, RANK_SERVER: address}
+    # forked_rank.py starts on the tests' own PYTHONPATH (a sitecustomize there would import the
+    # library into the stand-in), and hands the ranks' on to the server
+    return [*command[:module], RANK_CLIENT, *command[module:]], {
+        **_own_pythonpath(env),
+        RANK_SERVER: address,
+        **({RANK_PYTHONPATH: env["PYTHONPATH"]} if "PYTHONPATH" in env else {}),
+    }
+
+
+def _own_pythonpath(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the tests' own PYTHONPATH."""
+    own = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    return own | ({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})
 
 
 class ForkedProcess:
@@ -153,7 +182,9 @@ _server_numbers = itertools.count()
 
 
 def start_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((name, value) for name, value in env.items() if name.startswith(READ_AT_START)))
+    """What a server is started with (PYTHONPATH aside: each child adds its own folders)."""
+    read = (name for name in env if name.startswith(READ_AT_START) and name != "PYTHONPATH")
+    return tuple(sorted((name, env[name]) for name in read))
 
 
 def _server_for(env: Mapping[str, str]) -> Server:
@@ -184,7 +215,7 @@ def _start_server(env: Mapping[str, str]) -> Server:
     subprocess.Popen(
         command,
         pass_fds=[theirs.fileno(), listener.fileno()],
-        env=env,
+        env=_own_pythonpath(env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
     )
@@ -345,6 +376,11 @@ def become(request: Request, started_with: Mapping[str, str]) -> None:
                 del os.environ[name]
     sys.path[0] = request.cwd
     sys.argv = [request.argv[1], *request.argv[2:]]  # ["-m", module, *args]; runpy sets argv[0]
+    added = added_folders(request.env.get("PYTHONPATH", ""), started_with.get("PYTHONPATH", "")) or []
+    sys.path[1:1] = added  # where a fresh interpreter puts PYTHONPATH's folders
+    if any(os.path.isfile(os.path.join(folder, "sitecustomize.py")) for folder in added):
+        sys.modules.pop("sitecustomize", None)
+        importlib.import_module("sitecustomize")
 
 
 def run_as_main(module: str) -> NoReturn:
@@ -378,7 +414,6 @@ def _exit_code(code: object) -> int:
 
 
 def _import_everything() -> None:
-    import importlib
     import pkgutil
 
     import clip_train

@@ -14,9 +14,17 @@ import signal
 import socket
 import sys
 
-from forked_cli import FRESH, RANK_SERVER
+from forked_cli import FRESH, RANK_PYTHONPATH, RANK_SERVER
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def rank_environment() -> dict[str, str]:
+    """The rank's environment: this one, on the PYTHONPATH that ``with_forked_ranks`` kept aside."""
+    env = dict(os.environ)
+    if RANK_PYTHONPATH in env:
+        env["PYTHONPATH"] = env.pop(RANK_PYTHONPATH)
+    return env
 
 
 def forked_rank() -> tuple[int, socket.socket] | None:
@@ -29,7 +37,7 @@ def forked_rank() -> tuple[int, socket.socket] | None:
         connection.connect(address)
     except OSError:  # the server has ended
         return None
-    message = pickle.dumps((sys.argv[1:], dict(os.environ), os.getcwd()))
+    message = pickle.dumps((sys.argv[1:], rank_environment(), os.getcwd()))
     socket.send_fds(connection, [message], [sys.stdout.fileno(), sys.stderr.fileno()])
     answer = connection.recv(64)
     return None if answer in (FRESH, b"") else (int(answer), connection)
@@ -48,7 +56,7 @@ def end_as(status: int) -> None:
 def main() -> None:
     rank = forked_rank()
     if rank is None:
-        os.execv(sys.executable, [sys.executable, "-u", *sys.argv[1:]])
+        os.execve(sys.executable, [sys.executable, "-u", *sys.argv[1:]], rank_environment())
     pid, connection = rank
 
     def forward(received: int, _frame: object) -> None:  # to its group, as torchrun signals a worker's

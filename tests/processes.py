@@ -57,15 +57,15 @@ class Watched:
         env: Mapping[str, str] | None = None,
         **popen_kwargs,
     ) -> Watched:
-        """Start ``command``; ``python -m clip_train ...`` is forked from the worker's server
-        (``forked_cli``) where it can be, and so are the ranks of ``torchrun ... -m MODULE ...``."""
+        """Start ``command``; ``python -m clip_train ...`` and torchrun are forked from the worker's
+        server (``forked_cli``) where they can be, and so are the ranks of ``torchrun ... -m MODULE``."""
         out_read, out_write = os.pipe()
         err_read, err_write = (out_read, out_write) if merge_stderr else os.pipe()
         env = os.environ if env is None else env
+        command, env = forked_cli.with_forked_ranks(command, env, popen_kwargs)
         if forked_cli.can_fork(command, env, popen_kwargs):
             process = forked_cli.start(command, env, popen_kwargs.get("cwd"), out_write, err_write)
         else:
-            command, env = forked_cli.with_forked_ranks(command, env, popen_kwargs)
             process = subprocess.Popen(command, stdout=out_write, stderr=err_write, env=env, **popen_kwargs)
         for fd in {out_write, err_write}:
             os.close(fd)

@@ -1,6 +1,8 @@
 """Faults injected into one rank of a real torchrun run: a ``sitecustomize.py`` on PYTHONPATH, which
 every interpreter runs at start-up, patches the package in the process whose ``RANK`` matches and
-does nothing anywhere else (torchrun itself, the other ranks)."""
+does nothing anywhere else (torchrun itself, the other ranks). A rank forked from a ``forked_cli``
+server runs it after the server's imports, so a fault rebinds what the code looks up when it calls
+(a class's method, a module's global), never a name that another module imported."""
 
 from __future__ import annotations
 

@@ -148,16 +148,40 @@ def test_a_child_exits_as_a_fresh_interpreter_does(ending, tmp_path) -> None:
     [
         ([*CLI, "train"], {}, {}, True),
         ([*CLI, "train"], {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, {"cwd": "/"}, True),
+        ([*CLI, "train"], {"PYTHONPATH": f"/faults{os.pathsep}/tests-own"}, {}, True),
         ([*CLI, "train"], {"PYTHONPATH": "/faults"}, {}, False),
+        ([*CLI, "train"], {"PYTHONPATH": f"/tests-own{os.pathsep}/faults"}, {}, False),
         ([*CLI, "train"], {}, {"preexec_fn": os.setsid}, False),
         ([*CLI, "train"], {forked_cli.ALWAYS_FRESH: "1"}, {}, False),
-        ([sys.executable, "-m", "torch.distributed.run", "-m", "clip_train"], {}, {}, False),
+        ([sys.executable, "-m", "torch.distributed.run", "-m", "clip_train"], {}, {}, True),
+        ([sys.executable, "-m", "pytest"], {}, {}, False),
     ],
 )
-def test_only_python_m_clip_train_without_other_options_or_pythonpath_is_forked(
-    command, env_changes, options, forks
+def test_only_python_m_clip_train_or_torchrun_without_other_options_is_forked(
+    command, env_changes, options, forks, monkeypatch
 ) -> None:
+    """A PYTHONPATH may only put folders before the tests' own."""
+    monkeypatch.setenv("PYTHONPATH", "/tests-own")
     assert forked_cli.can_fork(command, {**os.environ, **env_changes}, options) is forks
+
+
+SITE_PROBE = """
+    import os, sys, clip_train.trainer
+    print(getattr(clip_train.trainer, "PATCHED", None), sys.path.index(os.path.abspath("site")))
+"""
+
+
+def test_a_child_imports_the_sitecustomize_of_the_folders_its_pythonpath_adds(tmp_path) -> None:
+    """It patches the library, and its folder is where a fresh interpreter puts it on ``sys.path``."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site/sitecustomize.py").write_text(
+        "import clip_train.trainer\nclip_train.trainer.PATCHED = 7\n"
+    )
+    own = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *([own] if own else [])])}
+    assert forked_cli.can_fork([*CLI], env, {})
+    fresh, forked = _fresh_and_forked(SITE_PROBE, env, tmp_path)
+    assert forked == fresh and fresh[:2] == (0, "7 1\n"), fresh
 
 
 # ---- torchrun's ranks (forked_rank.py standing in for each) ----
@@ -299,15 +323,22 @@ def test_a_rank_whose_start_up_environment_is_not_the_servers_starts_fresh(tmp_p
     [
         ([*forked_cli.TORCHRUN, "--nproc-per-node=2", "-m", "clip_train", "train"], {}, True),
         ([*forked_cli.TORCHRUN, "-m", "probe"], {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, True),
-        ([*forked_cli.TORCHRUN, "--nproc-per-node=2", "-m", "clip_train"], {"PYTHONPATH": "/faults"}, False),
+        (
+            [*forked_cli.TORCHRUN, "--nproc-per-node=2", "-m", "clip_train"],
+            {"PYTHONPATH": f"/faults{os.pathsep}/tests-own"},
+            True,
+        ),
+        ([*forked_cli.TORCHRUN, "-m", "clip_train"], {"PYTHONPATH": f"/tests-own{os.pathsep}/faults"}, False),
         ([*forked_cli.TORCHRUN, "-m", "clip_train"], {forked_cli.ALWAYS_FRESH: "1"}, False),
         ([*forked_cli.TORCHRUN, "--nproc-per-node=2", "train.py", "-m"], {}, False),
         ([*CLI, "train", "-m", "x"], {}, False),
     ],
 )
 def test_only_torchrun_of_a_module_without_its_own_pythonpath_gets_forked_ranks(
-    command, env_changes, forked
+    command, env_changes, forked, monkeypatch
 ) -> None:
+    """forked_rank.py starts on the tests' own PYTHONPATH; the ranks' comes to it aside."""
+    monkeypatch.setenv("PYTHONPATH", "/tests-own")
     env = {**os.environ, **env_changes}
     rewritten, rank_env = forked_cli.with_forked_ranks(command, env, {})
     if not forked:
@@ -315,5 +346,6 @@ def test_only_torchrun_of_a_module_without_its_own_pythonpath_gets_forked_ranks(
         return
     at = command.index("-m", 3)
     assert rewritten == [*command[:at], forked_cli.RANK_CLIENT, *command[at:]]
-    assert rank_env == {**env, forked_cli.RANK_SERVER: rank_env[forked_cli.RANK_SERVER]}
+    aside = {forked_cli.RANK_PYTHONPATH: env["PYTHONPATH"], "PYTHONPATH": "/tests-own"}
+    assert rank_env == {**env, **aside, forked_cli.RANK_SERVER: rank_env[forked_cli.RANK_SERVER]}
     assert os.path.exists(rank_env[forked_cli.RANK_SERVER])  # the server's socket, listening

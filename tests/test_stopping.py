@@ -211,16 +211,16 @@ def test_an_error_on_one_rank_ends_every_rank_with_its_line(
 def test_out_dir_seen_by_one_rank_only_stops_both_naming_the_key(digits, tmp_path):
     """Rank 1 sees another folder under the same key, as on a node whose out_dir is a local disk."""
     elsewhere = f"""
-import clip_train.config as config
+from clip_train.commands import train
 
-real_load = config.load_config
+real_load = train.load_config
 
 def load_elsewhere(*args, **kwargs):
     cfg = real_load(*args, **kwargs)
     cfg.train.out_dir = {str(tmp_path / "node-local")!r}
     return cfg
 
-config.load_config = load_elsewhere
+train.load_config = load_elsewhere
 """
     runs = start_ranks(overrides(digits, tmp_path / "run"), patched_in_rank(1, elsewhere, tmp_path / "fault"))
     needle = "must be on a filesystem all nodes share"
@@ -241,7 +241,10 @@ def test_rank_zero_alone_may_take_longer_than_the_collective_timeout(digits, tmp
     (12 s, which the run's other collectives must still fit on a busy machine): the other rank waits
     (``train.io_timeout_s``) and the run completes. Under FSDP, whose sharding's collectives come
     before the resume: the remote was listed before them, outside the wait, and they timed out."""
-    slow = """
+    slowed = tmp_path / "slowed"  # what rank 0 slowed: the fault took
+    slowed.mkdir()
+    slow = f"""
+import pathlib
 import time
 from clip_train.parallel import checkpoint
 from clip_train.remote import RemoteMirror
@@ -250,12 +253,14 @@ real_publish, real_remote_steps = checkpoint.publish_checkpoint, RemoteMirror._r
 
 def slow_publish(tmp, out_dir, step, *args):
     if step == 2:
+        pathlib.Path({str(slowed)!r}, "publish").touch()
         time.sleep(15)
     return real_publish(tmp, out_dir, step, *args)
 
 def slow_first_listing(self):
     if not getattr(self, "listed", False):
         self.listed = True
+        pathlib.Path({str(slowed)!r}, "listing").touch()
         time.sleep(15)
     return real_remote_steps(self)
 
@@ -271,6 +276,7 @@ RemoteMirror._remote_steps = slow_first_listing
     assert result.returncode == 0, result.stdout[-4000:]
     assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 4]
     assert [checkpoint_step(c) for c in complete_checkpoints(remote)] == [2, 4]
+    assert sorted(p.name for p in slowed.iterdir()) == ["listing", "publish"]
 
 
 def signal_ranks(run: Watched, sig: signal.Signals, ranks: tuple[int, ...] = (0, 1)) -> None:
