@@ -362,18 +362,23 @@ def end_with_stand_in(stand_in: socket.socket) -> None:
 def become(request: Request, started_with: Mapping[str, str]) -> None:
     """Take the command's descriptors, directory, environment and arguments, as ``python -m`` would.
     Only the variables the command sets otherwise than the server's start change: what the
-    libraries set as they were imported stays, as it would in a fresh interpreter."""
+    libraries set as they were imported stays, as it would in a fresh interpreter. torchrun imports
+    none of them, and its ranks inherit its environment: it gets the command's alone."""
     os.dup2(request.stdout, 1)
     os.dup2(request.stderr, 2)
     os.close(request.stdout)
     os.close(request.stderr)
     os.chdir(request.cwd)
-    for name in request.env.keys() | started_with.keys():
-        if request.env.get(name) != started_with.get(name):
-            if name in request.env:
-                os.environ[name] = request.env[name]
-            else:
-                del os.environ[name]
+    if request.argv[1] == TORCHRUN[2]:
+        os.environ.clear()
+        os.environ.update(request.env)
+    else:
+        for name in request.env.keys() | started_with.keys():
+            if request.env.get(name) != started_with.get(name):
+                if name in request.env:
+                    os.environ[name] = request.env[name]
+                else:
+                    del os.environ[name]
     sys.path[0] = request.cwd
     sys.argv = [request.argv[1], *request.argv[2:]]  # ["-m", module, *args]; runpy sets argv[0]
     added = added_folders(request.env.get("PYTHONPATH", ""), started_with.get("PYTHONPATH", "")) or []
