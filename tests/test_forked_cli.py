@@ -19,7 +19,7 @@ from small_runs import DEMO_CONFIG, ROOT, run_overrides
 
 from clip_train.preemption import EXIT_PREEMPTED
 
-CLI = [sys.executable, "-m", "clip_train"]
+CLI = forked_cli.CLI
 CASES = {  # args, environment changes, run in the repository, the status
     "help": (["--help"], {}, False, 0),
     "a config relative to the working directory": (["config", "configs/demo-digits.yaml"], {}, True, 0),
