@@ -50,10 +50,10 @@ from typing import Any, Literal
 import torch
 
 from clip_train.bench import step as bench_step
+from clip_train.bench.matmul import square_matmul_tflops
 from clip_train.bench.runner import in_fresh_process
 from clip_train.bench.train import OUTPUT, export_initial_model, run_clip_train, run_open_clip
 from clip_train.config import load_config
-from clip_train.distributed import wait_for_device
 from clip_train.profiling import SHARES, describe
 
 # The trainer's figures first: a session whose time runs out loses the loss, measured three times before.
@@ -387,20 +387,6 @@ class _Bench:
         result = run_open_clip(options, cfg, export, batch, 1, run_dir, sizes.log_every)
         self._note((run_dir / OUTPUT).read_text())
         return {"batch": batch, **result, "wall_s": time.perf_counter() - started}
-
-
-def square_matmul_tflops(spec: dict[str, Any]) -> float:
-    """TFLOP/s of a ``size``³ bf16 product: the mean of 10 after 3 warm-ups."""
-    device, size = torch.device(spec["device"]), spec["size"]
-    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    wait_for_device(device)
-    started = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    wait_for_device(device)
-    return 10 * 2 * size**3 / (time.perf_counter() - started) / 1e12
 
 
 def _cell(value: Any, spec: str = ".3g", suffix: str = "") -> str:
