@@ -6,8 +6,12 @@ DEMO_DATA ?= data/digits
 
 .PHONY: demo test test-floor gpu-wheels gpu-check gpu-bench lint clean
 
+# The pip that `venv` bundles (23.2 with Python 3.11) is brought up to date first. On 2 cores pip 26
+# installs .[dev,demo] in 96-103 s against 124-130 s (venv and upgrade included), and resolves
+# `make gpu-wheels`' 73 packages (the same ones) in 15 s of CPU against 44-46 s.
 $(PY):
 	$(PYTHON) -m venv $(VENV)
+	$(PY) $(PIP_INSTALL) --upgrade "pip>=25"
 
 # pip installs without compiling the packages' 16,000 source files (--no-compile): Python compiles
 # a module when it first imports it and caches that (5,762 files after a whole test run). The
