@@ -183,24 +183,25 @@ TWO_RANK_CASES = [
 BF16 = Case((1, 2), precision="bf16")
 
 
-def two_rank_session(rank: int, world: int) -> dict:
-    """What every two-rank test here checks, from one start of two gloo ranks."""
+def bf16_and_timing_session(rank: int, world: int) -> dict:
+    """What the bf16 and timing tests check, from one start of two gloo ranks: apart from the exact
+    cases, which are all that `make test-floor` runs of this file."""
     return {
-        "steps": fsdp_rank(rank, world, [*TWO_RANK_CASES, BF16]),
+        "bf16": fsdp_steps(rank, world, BF16),
         "bf16_inputs": trunk_inputs_in_bf16_steps(rank, world),
         "late": step_with_rank_one_late(rank, world),
     }
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_distributed(two_rank_session, 2, timeout_s=300)
+def two_rank_steps() -> list[list[dict]]:
+    """Every case of ``TWO_RANK_CASES`` on two ranks: ``[rank][case]``."""
+    return run_distributed(fsdp_rank, 2, TWO_RANK_CASES, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
-def two_rank_steps(two_ranks) -> list[list[dict]]:
-    """Every two-rank case, then ``BF16``: ``[rank][case]``."""
-    return [rank["steps"] for rank in two_ranks]
+def two_ranks() -> list[dict]:
+    return run_distributed(bf16_and_timing_session, 2, timeout_s=300)
 
 
 def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps(two_rank_steps):
@@ -209,11 +210,11 @@ def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps(two_rank_steps)
         check(per_rank, reference(2, case), world=2)
 
 
-def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step(two_rank_steps):
+def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step(two_ranks):
     """fsdp.param_dtype auto under bf16 training: each block computes with bf16 copies of its fp32
     shards; the gradients land in fp32 shards, within bf16's error of the fp64 step."""
     want = reference(2, Case(BF16.chunks))["grads"][0]
-    for result in (rank_results[-1] for rank_results in two_rank_steps):
+    for result in (rank["bf16"] for rank in two_ranks):
         assert result["gathered"] == {torch.bfloat16} and result["grad_dtypes"] == {torch.float32}
         assert_close_overall(result["grads"][0], want, rtol=0.05)  # as without FSDP (seen: 0.016)
 
