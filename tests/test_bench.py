@@ -50,7 +50,7 @@ def test_bench_loss_distill_measures_ours_and_checks_it_against_open_clips_formu
 
 def test_bench_loss_on_two_gloo_ranks_reports_the_slower_ranks_time(tmp_path):
     """``--world 2``: the ring loss on two gloo ranks, which the measurement's fresh process starts;
-    the point's time is the slower rank's median, the floor's one process's."""
+    the point's time is the slower rank's median. The floor is timed in one process."""
     out = tmp_path / "world.json"
     command = ["bench", "loss", "--batch", "64", "--dim", "16", "--impl", "inf", "--world", "2"]
     assert cli_main([*command, "--repeats", "3", "--json", str(out)]) == 0

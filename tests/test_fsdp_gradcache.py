@@ -184,8 +184,8 @@ BF16 = Case((1, 2), precision="bf16")
 
 
 def bf16_and_timing_session(rank: int, world: int) -> dict:
-    """What the bf16 and timing tests check, from one start of two gloo ranks: apart from the exact
-    cases, which are all that `make test-floor` runs of this file."""
+    """What the bf16 and timing tests check, on two gloo ranks of their own: `make test-floor` runs
+    only the exact cases."""
     return {
         "bf16": fsdp_steps(rank, world, BF16),
         "bf16_inputs": trunk_inputs_in_bf16_steps(rank, world),
