@@ -6,14 +6,6 @@ DEMO_DATA ?= data/digits
 
 .PHONY: demo test test-floor gpu-wheels gpu-check gpu-bench lint clean
 
-# The pip that `venv` bundles (23.2 with Python 3.11) is brought up to date first. On 2 cores pip
-# 26 installs .[dev,demo] in 96-103 s against 124-130 s (venv and upgrade included), and resolves
-# `make gpu-wheels`' 73 packages for Python 3.12 in 24-25 s against 46-49 s, with 17-18 s of CPU
-# against 43-44 s.
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) --upgrade "pip>=25"
-
 # pip installs without compiling the packages' 16,000 source files (--no-compile): Python compiles
 # a module when it first imports it and caches that (5,762 files after a whole test run). The
 # install took 1 min 56 s instead of 3 min 22 s on 2 cores; the first import of the trainer 17 s more.
@@ -21,6 +13,14 @@ $(PY):
 # with it, every new process would compile its imports again.
 unexport PYTHONDONTWRITEBYTECODE
 PIP_INSTALL = -m pip install --quiet --no-compile
+
+# The pip that `venv` bundles (23.2 with Python 3.11) is brought up to date first. On 2 cores pip
+# 26 installs .[dev,demo] in 96-103 s against 124-130 s (venv and upgrade included), and resolves
+# `make gpu-wheels`' 73 packages for Python 3.12 in 24-25 s against 46-49 s, with 17-18 s of CPU
+# against 43-44 s.
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) $(PIP_INSTALL) --upgrade "pip>=25"
 
 # One stamp per set of extras, redone when pyproject.toml changes.
 $(VENV)/.installed-%: pyproject.toml | $(PY)

@@ -200,7 +200,7 @@ def two_rank_steps() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
+def bf16_and_timing_ranks() -> list[dict]:
     return run_distributed(bf16_and_timing_session, 2, timeout_s=300)
 
 
@@ -210,11 +210,11 @@ def test_two_ranks_fsdp_steps_equal_one_process_full_batch_steps(two_rank_steps)
         check(per_rank, reference(2, case), world=2)
 
 
-def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step(two_ranks):
+def test_bf16_gathers_bf16_weights_and_keeps_fp32_gradients_close_to_the_fp64_step(bf16_and_timing_ranks):
     """fsdp.param_dtype auto under bf16 training: each block computes with bf16 copies of its fp32
     shards; the gradients land in fp32 shards, within bf16's error of the fp64 step."""
     want = reference(2, Case(BF16.chunks))["grads"][0]
-    for result in (rank["bf16"] for rank in two_ranks):
+    for result in (rank["bf16"] for rank in bf16_and_timing_ranks):
         assert result["gathered"] == {torch.bfloat16} and result["grad_dtypes"] == {torch.float32}
         assert_close_overall(result["grads"][0], want, rtol=0.05)  # as without FSDP (seen: 0.016)
 
@@ -247,13 +247,13 @@ def trunk_inputs_in_bf16_steps(rank: int, world: int) -> list[tuple[list[torch.T
     return steps
 
 
-def test_bf16_replay_gets_the_inputs_stage_one_encoded(two_ranks):
+def test_bf16_replay_gets_the_inputs_stage_one_encoded(bf16_and_timing_ranks):
     """Gradient Cache is exact only if a replayed chunk is the chunk that was encoded. A sharded
     tower root's weights are fp32 shards or, gathered (kept so with reshard_after_forward=false),
     bf16 copies: inputs prepared in the weights' dtype would differ between stage 1 and replay.
     They are prepared in fp32 and handed on in the gathered weights' dtype, also to a frozen trunk
     (encoded once, never replayed)."""
-    for steps in (rank["bf16_inputs"] for rank in two_ranks):
+    for steps in (rank["bf16_inputs"] for rank in bf16_and_timing_ranks):
         (encoded, replayed), (encoded_kept, replayed_kept), (encoded_lit, replayed_lit) = steps
         for stage_one, replay in zip([*encoded, *encoded_kept], [*replayed, *replayed_kept], strict=True):
             assert stage_one.dtype == replay.dtype == torch.bfloat16
@@ -352,9 +352,9 @@ def step_with_rank_one_late(rank: int, world: int) -> tuple[float, float, float]
     return stats.gather_s, stats.encode_s, stats.replay_s
 
 
-def test_a_late_rank_shows_as_gather_time_not_encode_or_replay_time(two_ranks):
+def test_a_late_rank_shows_as_gather_time_not_encode_or_replay_time(bf16_and_timing_ranks):
     """The rank that waits for a late peer's all-gathers, once in a forward and once in a backward,
     books both waits as gather_s, taken out of encode_s and replay_s."""
-    gather_s, encode_s, replay_s = two_ranks[0]["late"]
+    gather_s, encode_s, replay_s = bf16_and_timing_ranks[0]["late"]
     assert gather_s >= 1.5 * DELAY_S, (gather_s, encode_s, replay_s)
     assert min(encode_s, replay_s) >= 0
