@@ -9,6 +9,7 @@ import gzip
 import io
 import itertools
 import json
+import shutil
 import sys
 import tarfile
 from pathlib import Path
@@ -525,6 +526,23 @@ def test_a_state_from_a_different_setup_is_refused(resume_shards):
         loader_for(dataclasses.replace(cfg, resampled=False), world_size=2).load_state_dict(state)
     with pytest.raises(DataError, match="saved at step 3, not at step 4"):
         loader_for(cfg, world_size=2).start_at(4, state)
+
+
+def test_a_state_resumes_over_the_same_shards_moved_but_not_over_others_as_many(resume_shards, tmp_path):
+    cfg = config(str(resume_shards), resampled=True, num_samples=36, max_skip_fraction=0.5)
+    loader = loader_for(cfg)
+    take(loader, 3)
+    state, following = loader.state_dict(), take(loader, 3)
+    moved, renamed = tmp_path / "moved", tmp_path / "renamed"
+    shutil.copytree(resume_shards, moved)
+    renamed.mkdir()
+    for index, shard in enumerate(sorted(resume_shards.glob("*.tar"))):
+        shutil.copy(shard, renamed / f"part-{index + 10:03d}.tar")
+    resumed = loader_for(dataclasses.replace(cfg, train=str(moved)))
+    resumed.start_at(3, state)
+    assert [b.keys for b in take(resumed, 3)] == [b.keys for b in following]
+    with pytest.raises(DataError, match=r"saved with shard_names=\w{16}, .* set data\.train as the run"):
+        loader_for(dataclasses.replace(cfg, train=str(renamed))).start_at(3, state)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -420,6 +421,7 @@ FINGERPRINT_KEYS = {
     "seed": "train.seed",
     "resampled": "data.resampled",
     "shards": "data.train",
+    "shard_names": "data.train",
     "mixture": "data.train and data.train_weights",
     "shuffle_buffer": "data.shuffle_buffer",
     "caption_keys": "data.caption_key",
@@ -436,11 +438,19 @@ def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
         "seed": spec.seed,
         "resampled": spec.resampled,
         "shards": len(spec.urls),
+        "shard_names": _shard_names_digest(spec.urls),
         # None without a mixture, so that a state saved before mixtures existed still matches
         "mixture": [[s.name, len(s.urls), s.weight] for s in spec.mixture] or None,
         "shuffle_buffer": spec.shuffle_buffer,
         "caption_keys": list(spec.caption_keys),
     }
+
+
+def _shard_names_digest(urls: Iterable[str]) -> str:
+    """A digest of the shards' file names in order: another range of as many shards is refused on
+    resume, while the same shards copied to another folder, or streamed with ``pipe:``, resume."""
+    names = (url.removesuffix(" -").rsplit("/", 1)[-1] for url in urls)
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
 def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[Position]:
