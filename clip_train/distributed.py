@@ -307,10 +307,13 @@ def store_flag(key: str) -> bool:
         return False
 
 
-def new_group_of_all() -> dist.ProcessGroup | None:
-    """A process group of every rank beside the default one (None without torch.distributed). A
-    collective."""
-    return dist.new_group() if rank_and_world()[1] > 1 else None
+def new_group_of_all(timeout_s: float) -> dist.ProcessGroup | None:
+    """A process group of every rank beside the default one (None without torch.distributed), its
+    collectives bounded by ``timeout_s`` as the default group's are: a new group does not inherit
+    that bound but takes torch's default (30 minutes). A collective."""
+    if rank_and_world()[1] == 1:
+        return None
+    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def abort_distributed() -> None:

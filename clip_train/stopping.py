@@ -104,12 +104,12 @@ class StoppableEvaluation:
     process group of its own: a rank that stops flags it in the store and breaks that group, which
     ends the others' collectives in it, and their watches interrupt those still computing. The
     training group stays as it was: the ranks then meet at the step's vote, which saves and stops.
-    Creating one is a collective."""
+    Creating one is a collective; its collectives wait up to ``timeout_s`` (``train.dist_timeout_s``)."""
 
-    def __init__(self, signals: SignalFlag) -> None:
+    def __init__(self, signals: SignalFlag, timeout_s: float) -> None:
         self.signals = signals
         self.key = f"clip_train/evaluation_{next(_evaluations)}_stopped"
-        self.group = new_group_of_all()
+        self.group = new_group_of_all(timeout_s)
         self.relayed = False  # the watch has interrupted the main thread for it
 
     def run(self, evaluate: Callable[[dist.ProcessGroup | None], T]) -> T | None:

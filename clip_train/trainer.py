@@ -364,7 +364,8 @@ class Trainer:
         if at_checkpoint and not self.update.skipped_steps.in_a_row:
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
-            self._evaluate(monitor, StoppableEvaluation(self.signals))  # a signal stops it on every rank
+            # a signal on any rank stops it on every rank
+            self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s))
         if not at_log:  # the window goes on after them (at a log step the next one starts then)
             window.leave_out(time.perf_counter() - aside)
 

@@ -3,6 +3,7 @@ device choice and the backends a CUDA run's group maps each device to."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -21,6 +22,7 @@ from clip_train.distributed import (
     gather_rows,
     host_values_device,
     local_gpu,
+    new_group_of_all,
     process_group_backend,
     rank_and_world,
     resolve_device,
@@ -244,3 +246,27 @@ def ended_while_waiting(rank: int, world_size: int) -> str:
 
 def test_a_rank_waiting_for_rank_zero_learns_that_another_rank_ended_the_run():
     assert run_distributed(ended_while_waiting, 3, timeout_s=60) == ["ended", "told", "told"]
+
+
+def collective_rank_one_skips(rank: int, world_size: int, timeout_s: float, wait_s: float) -> str:
+    """Rank 0 all-reduces in a new group of all ranks, which rank 1 never joins: rank 0's collective
+    must end at ``timeout_s``; rank 1 waits up to ``wait_s`` for rank 0 to come back."""
+    group, store = new_group_of_all(timeout_s), dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["rank 0 is back"], datetime.timedelta(seconds=wait_s))
+        return "rank 0 came back"
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        outcome = "all-reduced"
+    except RuntimeError as err:
+        outcome = str(err)
+    store.set("rank 0 is back", b"1")
+    return outcome
+
+
+def test_a_new_group_of_all_ranks_bounds_its_collectives_as_the_default_group_does():
+    """torch gives a new group 30 minutes unless told: the evaluation's group must take
+    train.dist_timeout_s as the training group does."""
+    rank_zero, rank_one = run_distributed(collective_rank_one_skips, 2, 1.0, 300.0, timeout_s=300)
+    assert rank_one == "rank 0 came back"
+    assert "timed out" in rank_zero.lower() or "timeout" in rank_zero.lower(), rank_zero
