@@ -32,7 +32,7 @@ from clip_train.engine import GradCache, StepStats
 from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate, evaluates_anything
-from clip_train.flops import device_peak_tflops, tower_flops, training_flops_per_sample
+from clip_train.flops import TowerFlops, device_peak_tflops, tower_flops, training_flops_per_sample
 from clip_train.init_from import load_init_from
 from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
@@ -133,9 +133,10 @@ class Trainer:
         dtype = model.logit_scale.dtype
         self.teacher = load_teacher(cfg.distill, model, env.device, dtype) if cfg.distill.teacher else None
         clock.lap("model")
-        self.peak_tflops = device_peak_tflops(env.device, cfg.train.precision, cfg.log.peak_tflops)
-        # Counted on the whole towers, before compiling (one-sample shapes) and sharding.
-        towers_flops = decided_by_main(lambda: tower_flops(self.model)) if self.peak_tflops else None
+        # Rank 0 logs the MFU against its device's peak, and decides for every rank: ranks' GPUs may
+        # differ, and each decision must be made by all. Counted on the whole towers, before compiling
+        # (one-sample shapes) and sharding.
+        self.peak_tflops, towers_flops = decided_by_main(self._peak_and_tower_flops)
         clock.lap("flops")
         if cfg.train.compile:  # before sharding, as torchtitan does: FSDP2 shards the compiled blocks
             compile_towers(self.model, cuda_graphs=cfg.train.cuda_graphs)
@@ -487,6 +488,12 @@ class Trainer:
         metrics.update(self.startup_metrics)  # in the first record only
         self.startup_metrics = {}
         monitor.log(self.step, metrics)
+
+    def _peak_and_tower_flops(self) -> tuple[float | None, tuple[TowerFlops, TowerFlops] | None]:
+        """This device's peak TFLOP/s and the towers' FLOPs, when a peak is known (for ``mfu``)."""
+        cfg = self.cfg
+        peak = device_peak_tflops(self.env.device, cfg.train.precision, cfg.log.peak_tflops)
+        return peak, tower_flops(self.model) if peak else None
 
     def _utilization(self, samples_per_s: float) -> dict[str, float]:
         """Model TFLOP/s a device and MFU (their share of the device's peak), when a peak is known."""

@@ -8,10 +8,13 @@ import sys
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from processes import run_to_end
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG, run_overrides
 
+import clip_train.trainer
 from clip_train.config import load_config
+from clip_train.distributed import DistEnv
 from clip_train.engine import GradCache
 from clip_train.flops import (
     PEAK_TFLOPS,
@@ -21,6 +24,7 @@ from clip_train.flops import (
     training_flops_per_sample,
 )
 from clip_train.model import build_model
+from clip_train.trainer import Trainer
 
 ROWS = 8
 
@@ -147,3 +151,24 @@ def test_a_run_logs_samples_per_second_over_each_log_window_and_mfu_only_with_a_
     assert ran.returncode == 0, ran.stderr[-3000:]
     (record,) = _records(without)
     assert "train/mfu" not in record and "train/tflops" not in record and "mfu" not in ran.stderr
+
+
+def peak_and_count_of_each_rank(rank: int, world: int, overrides: list[str], peaks: list) -> tuple:
+    """Two ranks whose GPUs differ: each device's peak as the table would give it, one of them an
+    unlisted GPU (None). The run trains its steps, and each rank reports what it counts against."""
+    clip_train.trainer.device_peak_tflops = lambda *_: peaks[rank]
+    cfg = load_config(TINY_MODEL_CONFIG, overrides).validate(world_size=world)
+    trainer = Trainer(cfg, DistEnv(rank=rank, world_size=world, local_rank=0, device=torch.device("cpu")))
+    trainer.run()
+    return trainer.step, trainer.peak_tflops, trainer.flops_per_sample
+
+
+@pytest.mark.parametrize("peaks", [[0.5, None], [None, 0.5]], ids=["listed-unlisted", "unlisted-listed"])
+def test_ranks_on_different_gpus_count_against_rank_zeros_peak(tmp_path, digits, peaks):
+    """Each rank asked its own device and made a store decision only where it had a peak: the ranks'
+    decisions then fell out of step. Rank 0 logs the MFU; its device's peak decides for all."""
+    overrides = run_overrides(digits, tmp_path, 2, "data.workers=0", "train.io_timeout_s=60")
+    ranks = run_distributed(peak_and_count_of_each_rank, 2, overrides, peaks, timeout_s=120)
+    assert ranks[0] == ranks[1]
+    step, peak, flops_per_sample = ranks[0]
+    assert step == 2 and peak == peaks[0] and (flops_per_sample is None) == (peaks[0] is None)
