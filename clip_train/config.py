@@ -166,7 +166,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # run directory: config, metrics, checkpoints, wandb
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
     dist_timeout_s: int = 600  # process-group init and collective timeout
-    io_timeout_s: int = 3600  # how long the other ranks wait while rank 0 alone pulls, verifies or saves
+    io_timeout_s: int = 3600  # how long other ranks wait while rank 0 alone pulls, verifies, saves or uploads
     max_bad_steps: int = 5  # consecutive skipped (non-finite) steps that stop the run, at a log or save step
     compile: bool = False  # torch.compile each tower block, FSDP too (random ops as eager: exact replay)
     compile_mode: CompileMode = "default"  # reduce-overhead: + CUDA graphs; one chunk, DDP, no lock

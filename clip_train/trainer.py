@@ -374,13 +374,17 @@ class Trainer:
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
 
     def _save(self) -> None:
+        """Save the step; with ``checkpoint.remote``, rank 0 (which alone uploads) may first wait for
+        the previous upload, longer than a collective may wait: the others wait for it through the
+        store (``train.io_timeout_s``), not in their next collective (``train.dist_timeout_s``)."""
+        mirrored = bool(self.cfg.checkpoint.remote)
         with writing_checkpoint():  # waiting for an upload first is part of the save, not a stall
-            if self.remote is not None:  # the save prunes: never a checkpoint still going up
-                self.remote.before_save(self.cfg.checkpoint.keep)
+            if mirrored:  # the save prunes: never a checkpoint still going up
+                decided_by_main(lambda: self.remote.before_save(self.cfg.checkpoint.keep))
             self.checkpointer.save(self.step)
         self.saved_step = self.step
-        if self.remote is not None:
-            self.remote.push(latest_checkpoint(self.run_dir))
+        if mirrored:
+            decided_by_main(lambda: self.remote.push(latest_checkpoint(self.run_dir)))
 
     def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
         """The last step is saved (unless ``checkpoint.every_steps=0``), so a signal now stops the

@@ -344,3 +344,32 @@ def test_another_ranks_ending_leaves_rank_zeros_upload_to_finish(run_copy, tmp_p
     newest = complete_checkpoints(run_copy)[-1].name
     assert results[0] == (75, [newest])
     assert results[1][0] == 75
+
+
+def _train_with_a_slow_first_upload(rank: int, world_size: int, overrides: list[str], upload_s: float) -> int:
+    """Rank 0's first upload takes ``upload_s``, longer than the group's collective timeout; the
+    second save waits for it (before pruning with keep=1, before the next upload with keep=2)."""
+    push, slowed = RemoteMirror._push, []
+
+    def slow_first_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+        if not slowed:
+            slowed.append(checkpoint.name)
+            time.sleep(upload_s)
+        push(self, checkpoint, kept)
+
+    RemoteMirror._push = slow_first_push
+    cfg = load_config(DEMO_CONFIG, overrides).validate(world_size=world_size)
+    trainer = Trainer(cfg, DistEnv(rank, world_size, local_rank=0, device=torch.device("cpu")))
+    trainer.run()
+    return trainer.step
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_ranks_wait_for_rank_zeros_upload_past_the_collective_timeout(digits, tmp_path, keep):
+    """The other ranks wait for rank 0's upload through the store, up to train.io_timeout_s: in their
+    next collective they would fail after the group's timeout (4 s here)."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    saves = ["checkpoint.every_steps=1", f"checkpoint.keep={keep}", f"checkpoint.remote={remote}"]
+    overrides = run_overrides(digits, tmp_path / "run", 3, "data.workers=0", *saves)
+    assert run_distributed(_train_with_a_slow_first_upload, 2, overrides, 10.0, timeout_s=4) == [3, 3]
+    assert _complete_remote_checkpoints(remote) == [f"step_{step:08d}" for step in (1, 2, 3)[-keep:]]
