@@ -190,8 +190,8 @@ def test_lock_head_freezes_the_whole_tower():
 
 
 def test_freeze_norms_keeps_the_unlocked_blocks_norms_frozen_and_in_eval():
-    """OpenCLIP's --lock-text-freeze-layer-norm, for either tower: the unlocked blocks train, their
-    norm layers do not, and those stay in eval() when the model trains."""
+    """For either tower: the unlocked blocks train, their norm layers do not, and those stay in
+    eval() when the model trains."""
     unlocked = [*LOCK_MODES["locked-last-2"]]
     plain, frozen = (
         tiny(*unlocked),

@@ -13,7 +13,7 @@ from torch import nn
 
 from clip_train.config import ConfigError, TowerConfig
 
-# What freeze_norms keeps frozen (OpenCLIP's --lock-text-freeze-layer-norm, and batch norms).
+# What freeze_norms keeps frozen in the unlocked blocks (locked ones are frozen whole, norms included).
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm)
 
 
