@@ -23,8 +23,8 @@ from clip_train.skipped_steps import SkippedSteps
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
 
 # Only the weight matrices of these layers decay (transformers' ``Conv1D`` is GPT-2's linear layer).
-# Norms, biases, embeddings, position and class tokens and the logit scale do not: shrinking them
-# toward zero only hurts (as in CLIP/OpenCLIP).
+# Norms, biases, embeddings, position and class tokens and the logit scale do not, as timm's ViTs
+# exclude them; OpenCLIP also decays the embeddings and tokens of two or more dimensions.
 _DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D)
 # The towers' parameter prefixes and their names in the config (model.image, optim.image_lr, ...).
 _TOWERS = {"visual.": "image", "text.": "text"}
@@ -68,13 +68,16 @@ def tower_rates(names: list[str], lr: float, decay: float, tower: str) -> dict[s
 
 def parameter_rates(model: nn.Module, cfg: OptimConfig) -> dict[str, float]:
     """Every parameter's peak rate: ``optim.image_lr`` / ``text_lr`` (default ``optim.lr``) for the
-    towers, with ``optim.layer_decay``; ``optim.lr`` for the rest (the logit scale and bias)."""
-    names = [name for name, _ in model.named_parameters()]
-    rates = dict.fromkeys(names, cfg.lr)
+    towers, with ``optim.layer_decay``; ``optim.lr`` for the rest (the logit scale and bias). A
+    tower with nothing to train (a LiT image tower locked whole) keeps ``optim.lr``: it needs no
+    rates, so layer decay asks nothing of its layout."""
+    parameters = dict(model.named_parameters())
+    rates = dict.fromkeys(parameters, cfg.lr)
     for prefix, tower in _TOWERS.items():
-        in_tower = [name for name in names if name.startswith(prefix)]
+        in_tower = [name for name in parameters if name.startswith(prefix)]
         lr = getattr(cfg, f"{tower}_lr") or cfg.lr
-        rates |= tower_rates(in_tower, lr, cfg.layer_decay, tower) if in_tower else {}
+        if any(parameters[name].requires_grad for name in in_tower):
+            rates |= tower_rates(in_tower, lr, cfg.layer_decay, tower)
     return rates
 
 
@@ -213,7 +216,8 @@ class Update:
 
     @torch.no_grad()
     def _clamp_logit_scale(self) -> None:
-        self.model.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
+        """exp(scale) in [1, 100], as OpenCLIP keeps it: logits never below the cosine similarity."""
+        self.model.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -12,6 +12,7 @@ from clip_train.errors import UserError
 from clip_train.logs import setup_logging
 from clip_train.model import build_model
 from clip_train.optim import (
+    MAX_LOGIT_SCALE,
     Update,
     block_index,
     build_optimizer,
@@ -222,10 +223,17 @@ def test_one_rate_for_all_keeps_the_two_groups():
     assert [(g["lr"], g["weight_decay"]) for g in groups] == [(LR, 0.1), (LR, 0.0)]
 
 
-def test_layer_decay_on_a_tower_without_blocks_names_the_key():
-    model = tiny_model("model.image.timm=resnet18", "model.image.timm_kwargs={}")
+def test_layer_decay_on_a_tower_without_blocks_names_the_key_unless_nothing_there_trains():
+    resnet = ("model.image.timm=resnet18", "model.image.timm_kwargs={}")
     with pytest.raises(ConfigError, match=r"optim.layer_decay=0.7 needs one list .* model.image, which has"):
-        parameter_groups(model, OptimConfig(layer_decay=0.7))
+        parameter_groups(tiny_model(*resnet), OptimConfig(layer_decay=0.7))
+    model = tiny_model(*resnet, "model.image.lock=true", "model.image.lock_head=true")  # LiT: locked whole
+    cfg = OptimConfig(lr=LR, text_lr=TEXT_LR, layer_decay=DECAY)
+    rates = {p: group["lr"] for group in parameter_groups(model, cfg) for p in group["params"]}
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and not any(name.startswith("visual.") for name in trainable)
+    for name, p in trainable.items():  # the text tower's layer decay as with a ViT beside it
+        assert rates[p] == expected_rate(name), name
 
 
 @pytest.mark.parametrize(
@@ -342,3 +350,19 @@ def test_adamw_is_fused_where_torch_has_the_kernel_and_steps_as_the_foreach_one_
     for fused, foreach in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-7)
     assert not torch.equal(models[0].proj.weight, initial)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_update_keeps_the_logit_scale_between_0_and_log_100_as_openclip_does(fused):
+    """Zero gradients: AdamW leaves every weight where it is, so only the clamp moves the scale."""
+    model = tiny_model()
+    overrides = ["train.max_steps=10", "train.device=cpu", f"optim.fused={fused}"]
+    update = Update(model, load_config(TINY_MODEL_CONFIG, overrides), torch.device("cpu"))
+    cases = [(-0.5, 0.0), (MAX_LOGIT_SCALE + 0.5, MAX_LOGIT_SCALE), (1.5, 1.5)]  # (set, after the update)
+    for step, (start, clamped) in enumerate(cases):
+        with torch.no_grad():
+            model.logit_scale.fill_(start)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        update(torch.tensor(1.0), step + 1)
+        assert model.logit_scale.item() == float(torch.tensor(clamped, dtype=torch.float32)), start
