@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import yaml
 from open_clip.constants import HF_CONFIG_NAME
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -55,9 +55,10 @@ SHARDS_DIR = (
 )
 HASH = "sha256"  # hashlib's name, and the manifest's key for each file's checksum
 TEMP_PREFIX = ".tmp_step_"  # a save in progress, or one whose process died
+REPLACED_SUFFIX = "_replaced"  # on a temporary folder: the checkpoint a rerun of its step moved aside
 SUPERSEDED_DIR = "superseded"  # checkpoints newer than a resume's, moved aside (never deleted)
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config the trainer writes into the run directory
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more from step 10^8
 # What a failed write raises: Python's OSError, torch.save's RuntimeError, safetensors' own error.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
@@ -127,8 +128,8 @@ def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: i
     """Rename a complete ``tmp`` into place and prune all but the newest ``keep`` and the milestones."""
     root, final = checkpoint_root(out_dir), checkpoint_dir(out_dir, step)
     # A rerun of the same step after a restart replaces it; the old copy goes aside under a temporary
-    # name, which start-up removes if this process dies before it does.
-    replace_folder(tmp, final, aside=tmp.with_name(f"{tmp.name}_replaced"))
+    # name, which start-up removes if this process dies after the swap, or puts back if before.
+    replace_folder(tmp, final, aside=tmp.with_name(tmp.name + REPLACED_SUFFIX))
     _fsync(root)  # the rename itself reaches the disk
     for old in complete_checkpoints(out_dir)[:-keep]:
         if not (keep_every and checkpoint_step(old) % keep_every == 0):
@@ -298,6 +299,19 @@ def checkpoint_step(checkpoint: Path) -> int:
     return int(_STEP_DIR.match(checkpoint.name).group(1))
 
 
+def saved_step(checkpoint: Path) -> int | None:
+    """The step ``checkpoint`` was saved at: recorded in its weights' metadata, so a copy under
+    another name (``best/``) still tells, else its ``step_NNNNNNNN`` name; None when neither does."""
+    try:
+        with safe_open(checkpoint / MODEL_FILE, framework="pt") as weights:
+            recorded = (weights.metadata() or {}).get("step")
+    except (OSError, SafetensorError):
+        recorded = None
+    if recorded is not None:
+        return int(recorded)
+    return checkpoint_step(checkpoint) if is_step_name(checkpoint.name) else None
+
+
 def checkpoint_problem(checkpoint: Path, *, checksums: bool, with_state: bool = True) -> str | None:
     """Why ``checkpoint`` must not be used, or None: a file missing, or differing in size (with
     ``checksums``, in content too) from the manifest. ``with_state=False`` leaves out
@@ -377,21 +391,29 @@ def resolve_resume(resume: str, out_dir: str | os.PathLike, *, verify: bool = Fa
 
 def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
     """Delete the temporary folders of saves that never finished (their process was killed), and
-    return them. Only while no other process saves into ``out_dir``: at a run's start-up."""
-    stale = sorted(checkpoint_root(out_dir).glob(f"{TEMP_PREFIX}*"))
+    return them. A checkpoint that a rerun of its step moved aside goes back first when its
+    replacement never took its place (killed between the two renames). Only while no other process
+    saves into ``out_dir``: at a run's start-up."""
+    root = checkpoint_root(out_dir)
+    for aside in sorted(root.glob(f"{TEMP_PREFIX}*{REPLACED_SUFFIX}")):
+        step = int(aside.name.removeprefix(TEMP_PREFIX).partition("_")[0])
+        if not (final := checkpoint_dir(out_dir, step)).exists():
+            os.replace(aside, final)
+            get_logger().warning(f"{final.name} put back: a save of its step again did not finish")
+    stale = sorted(root.glob(f"{TEMP_PREFIX}*"))
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
 
 
-def set_aside_newer(out_dir: str | os.PathLike, resumed: Path) -> list[Path]:
-    """Move the run's checkpoints newer than ``resumed`` (a ``step_NNNNNNNN`` folder: an older one
-    resumed on purpose, or the newest sound one below damaged ones) under
+def set_aside_newer(out_dir: str | os.PathLike, resumed_step: int) -> list[Path]:
+    """Move the run's checkpoints newer than the resumed step (an older one resumed on purpose, the
+    newest sound one below damaged ones, or a copy from elsewhere) under
     ``checkpoints/superseded/<time>/`` and return their new places. Left where they were, they would
     be another history's newest: ``resume=auto``, ``load`` and ``export`` would pick them, and
     pruning would delete the resumed run's own saves while keeping them. Only at a run's start-up,
     on one rank."""
-    newer = [d for d in step_dirs(out_dir) if checkpoint_step(d) > checkpoint_step(resumed)]
+    newer = [d for d in step_dirs(out_dir) if checkpoint_step(d) > resumed_step]
     if not newer:
         return []
     aside = checkpoint_root(out_dir) / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
@@ -607,12 +629,13 @@ class Checkpointer:
                 f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
                 "with checkpoint.resume=auto or pick a new train.out_dir"
             )
-        if path is not None and is_step_name(path.name):
-            for moved in set_aside_newer(self.run_dir, path):
+        step = saved_step(path) if path is not None else None
+        if step is not None:
+            for moved in set_aside_newer(self.run_dir, step):
                 get_logger().warning(
-                    f"{moved.name}, newer than the resumed {path.name}, moved to {moved.parent}: the run "
-                    f"goes on from {path.name} (delete it there once it is not wanted)"
+                    f"{moved.name}, newer than the resumed step {step}, moved to {moved.parent}: the run "
+                    f"goes on from step {step} (delete it there once it is not wanted)"
                 )
             if self.remote is not None:  # pulled by a later resume=auto, they would resume that history
-                self.remote.drop_newer_than(checkpoint_step(path))
+                self.remote.drop_newer_than(step)
         return path

@@ -23,6 +23,7 @@ import fsspec
 
 from clip_train.checkpoint import (
     MANIFEST_FILE,
+    REPLACED_SUFFIX,
     RUN_CONFIG_FILE,
     checkpoint_problem,
     checkpoint_root,
@@ -104,7 +105,8 @@ class RemoteMirror:
 
     def newest_complete(self) -> str | None:
         """The name of the newest remote checkpoint with its manifest (an upload cut short has none)."""
-        return max((name for name in self._remote_steps() if self._has_manifest(name)), default=None)
+        complete = (name for name in self._remote_steps() if self._has_manifest(name))
+        return max(complete, key=lambda name: checkpoint_step(Path(name)), default=None)
 
     def pull_newer_than(self, held: Path | None) -> Path | None:
         """Download the newest complete remote checkpoint into the run's checkpoint folder and return
@@ -132,7 +134,7 @@ class RemoteMirror:
             raise UserError(
                 f"checkpoint.remote={self.url}: the pulled {name} does not verify: {problem}{kept}"
             )
-        replace_folder(partial, local, aside=partial.with_name(f"{partial.name}_replaced"))
+        replace_folder(partial, local, aside=partial.with_name(partial.name + REPLACED_SUFFIX))
         return local
 
     def drop_newer_than(self, step: int) -> None:

@@ -3,6 +3,7 @@ import json
 import os
 import random
 import re
+import shutil
 import stat
 
 import pytest
@@ -17,6 +18,7 @@ from clip_train.checkpoint import (
     MODEL_FILE,
     STATE_FILE,
     TEXT_DIR,
+    checkpoint_problem,
     checkpoint_step,
     complete_checkpoints,
     find_weights,
@@ -26,6 +28,7 @@ from clip_train.checkpoint import (
     replace_folder,
     resolve_resume,
     save_checkpoint,
+    saved_step,
 )
 from clip_train.engine.rng import ProcessRng
 from clip_train.errors import UserError
@@ -114,6 +117,36 @@ def test_a_rerun_of_a_step_replaces_its_checkpoint_and_a_failed_swap_keeps_the_o
     with pytest.raises(FileNotFoundError):  # the new folder cannot be moved in (here: it is gone)
         replace_folder(tmp_path / "vanished", again, aside=aside)
     assert load_train_state(again)["again"] is True and not aside.exists()
+
+
+def test_a_checkpoint_moved_aside_by_a_rerun_of_its_step_is_put_back_if_the_rerun_died_mid_swap(
+    tmp_path, model
+):
+    """Killed between ``replace_folder``'s two renames, a rerun of step 5 left step 5 only under its
+    temporary aside name, which start-up removed with the rest: no checkpoint of step 5 at all. Killed
+    after them (step 6), the aside is the old copy, which goes."""
+    for step in (5, 6):
+        save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=3)
+    root = tmp_path / "checkpoints"
+    os.replace(root / "step_00000005", root / ".tmp_step_00000005_123_replaced")
+    (root / ".tmp_step_00000005_123").mkdir()  # the rerun's complete save, never renamed into place
+    shutil.copytree(root / "step_00000006", root / ".tmp_step_00000006_77_replaced")
+    removed = remove_stale_temp_dirs(tmp_path)
+    assert [p.name for p in removed] == [".tmp_step_00000005_123", ".tmp_step_00000006_77_replaced"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000006"]
+    assert checkpoint_problem(root / "step_00000005", checksums=True) is None
+    assert load_train_state(root / "step_00000005")["step"] == 5
+
+
+def test_steps_past_eight_digits_are_checkpoints_and_copies_keep_their_step(tmp_path, model):
+    for step in (99_999_999, 100_000_000):
+        save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=1)
+    (newest,) = complete_checkpoints(tmp_path)  # the older one pruned: ordered by number, not name
+    assert newest.name == "step_100000000" and checkpoint_step(newest) == 100_000_000
+    assert resolve_resume("auto", tmp_path) == newest
+    copy = shutil.copytree(newest, tmp_path / "best")
+    assert saved_step(copy) == saved_step(newest) == 100_000_000
+    assert saved_step(tmp_path) is None  # no weights there, and no step in its name
 
 
 def test_find_weights_names_what_is_missing(tmp_path):

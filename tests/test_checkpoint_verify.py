@@ -133,27 +133,29 @@ def test_resume_auto_stops_when_no_checkpoint_is_sound(run_copy, digits, capsys)
     assert (run_copy / STEP_20).is_dir() and (run_copy / STEP_40).is_dir()
 
 
-@pytest.mark.parametrize("resume", ["older_step", "auto_below_a_damaged_one"])
+@pytest.mark.parametrize("resume", ["older_step", "auto_below_a_damaged_one", "a_copy_named_otherwise"])
 def test_a_resume_below_the_newest_checkpoint_sets_the_newer_ones_aside_and_keeps_its_own_saves(
-    run_copy, digits, capsys, resume
+    run_copy, digits, capsys, tmp_path, resume
 ):
-    """A rollback (``resume=PATH`` to an older step, e.g. before a loss spike) or ``resume=auto`` passing
-    over a damaged newest checkpoint: with ``keep=1`` pruning kept the newer step_40 and deleted each
-    of the resumed run's own saves, and the next ``resume=auto``, ``load`` or ``export`` took step_40."""
-    if resume == "older_step":
-        chosen = str(run_copy / STEP_20)
-    else:
+    """A rollback (``resume=PATH`` to an older step, e.g. before a loss spike, or to a copy of one kept
+    as ``best/``) or ``resume=auto`` passing over a damaged newest checkpoint: with ``keep=1`` pruning
+    kept the newer step_40 and deleted each of the resumed run's own saves, and the next
+    ``resume=auto``, ``load`` or ``export`` took step_40."""
+    resumed = run_copy / STEP_20
+    if resume == "a_copy_named_otherwise":
+        resumed = Path(shutil.copytree(resumed, tmp_path / "best"))
+    if resume == "auto_below_a_damaged_one":
         flip_a_byte(run_copy / STEP_40 / MODEL_FILE)  # only the checksum tells
-        chosen = "auto"
+    chosen = "auto" if resume == "auto_below_a_damaged_one" else str(resumed)
     extra = ("checkpoint.every_steps=1", "checkpoint.keep=1", f"checkpoint.resume={chosen}")
     assert cli_main(["train", str(DEMO_CONFIG), *run_overrides(digits, run_copy, 22, *extra)]) == 0
     err = capsys.readouterr().err
-    assert f"resumed from {run_copy / STEP_20} at step 20" in err
+    assert f"resumed from {resumed} at step 20" in err
     assert [path.name for path in step_dirs(run_copy)] == ["step_00000022"]
     (aside,) = (run_copy / "checkpoints" / SUPERSEDED_DIR).iterdir()
     moved = (
-        f"clip-train: step_00000040, newer than the resumed step_00000020, moved to {aside}: the run goes "
-        "on from step_00000020 (delete it there once it is not wanted)"
+        f"clip-train: step_00000040, newer than the resumed step 20, moved to {aside}: the run goes "
+        "on from step 20 (delete it there once it is not wanted)"
     )
     assert moved in err.splitlines()
     assert (
@@ -161,7 +163,7 @@ def test_a_resume_below_the_newest_checkpoint_sets_the_newer_ones_aside_and_keep
     )
     assert checkpoint_problem(run_copy / "checkpoints/step_00000022", checksums=True) is None
     problem = checkpoint_problem(aside / "step_00000040", checksums=True)  # moved whole, damage and all
-    assert (problem is None) == (resume == "older_step")
+    assert (problem is None) == (resume != "auto_below_a_damaged_one")
 
 
 @pytest.mark.parametrize(
