@@ -384,6 +384,18 @@ def test_zeroshot_folders_named_by_number_take_the_number_as_label(tmp_path):
         evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
 
 
+def test_zeroshot_folders_named_by_class_name_take_their_names_place_in_the_list(tmp_path):
+    """Folders ``apple/`` and ``zebra/`` with the list ``["zebra", "apple"]``: taken in sorted order, each
+    folder's images would be labelled the other class, and no image would score."""
+    classnames, templates = ["zebra", "apple", "mango"], ["a photo of a {}."]
+    (tmp_path / "names.json").write_text(json.dumps({"classnames": classnames, "templates": templates}))
+    folder = class_folders(tmp_path / "fruit", {name: i for i, name in enumerate(classnames)})
+    model = NamedToy(classnames, [t.format for t in templates])
+    eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=folder, retrieval=False)
+    metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0}
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -111,6 +111,8 @@ def folder_classes(root: str, classnames: Sequence[str], synsets: Sequence[str],
       sets are evaluated.
     * Folders named by numbers (ImageNet-V2's ``0`` to ``999``): the number is the label, which sorting
       the names as text (``10`` before ``2``) would not give.
+    * Folders named by the class names themselves (``cat/``, ``dog/``), in whatever order the list has
+      them: the name is the label.
     * Otherwise one folder per class name, in sorted order (ImageNet's val layout).
     """
     folders, _ = find_classes(root)
@@ -127,6 +129,9 @@ def folder_classes(root: str, classnames: Sequence[str], synsets: Sequence[str],
                 f"(folders named by number are labels 0 to {len(classnames) - 1})"
             )
         return FolderClasses(labels=[int(folder) for folder in folders])
+    if set(folders) == set(classnames) and len(set(classnames)) == len(classnames):
+        index = {name: i for i, name in enumerate(classnames)}
+        return FolderClasses(labels=[index[folder] for folder in folders])
     if len(folders) != len(classnames):
         raise EvalError(f"{key}={root}: {len(folders)} class folders but {len(classnames)} class names")
     return FolderClasses()
