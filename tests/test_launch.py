@@ -363,3 +363,25 @@ def test_real_slurm_usr1_checkpoints_requeues_and_resumes_without_redoing_a_step
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert logged == list(range(1, steps + 1))  # every step once: none lost, none redone
     assert_trained(out, steps=steps, world_size=2)
+
+
+@pytest.mark.skipif(not slurm_available(), reason="no Slurm cluster here (.ci/run starts a local one)")
+def test_real_slurm_term_to_the_batch_script_checkpoints_and_ends_without_a_requeue(digits, tmp_path):
+    """TERM to the batch script (``scancel --batch --signal=TERM``): passed on as TERM, srun killed
+    every rank at once (SIGKILL) and nothing was saved. As USR1, the ranks save the step they
+    finished and stop, and the script does not requeue the job."""
+    out = tmp_path / "run"
+    job = submit(digits, tmp_path, out, 40, "checkpoint.every_steps=1000", "log.every_steps=1")
+    progress = job_progress(tmp_path, job, out)
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and not progress.stalled():
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True)
+    state = wait_until_done(job, progress)
+    log = (tmp_path / f"clip_train-{job}.out").read_text()
+    (saved,) = complete_checkpoints(out)
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert state != "PENDING" and starts(log, job) == 1 and "requeued" not in log, log[-3000:]
+    said = f"job {job}: TERM received" in log and "clip-train: preempted: SIGUSR1 received" in log
+    assert said, log[-3000:]
+    assert 3 <= checkpoint_step(saved) == logged[-1] < 40, log[-3000:]
