@@ -6,7 +6,7 @@
 visible_gpus() {
   local gpus=0 listed=0 entry entries
   if command -v nvidia-smi >/dev/null 2>&1; then
-    gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+    gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU ' || true)  # not its MIG devices' lines
   fi
   if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
     IFS=, read -ra entries <<<"$CUDA_VISIBLE_DEVICES"

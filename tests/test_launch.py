@@ -98,8 +98,11 @@ def test_sbatch_script_under_simulated_two_node_allocation(digits, tmp_path):
 
 
 FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
-# nvidia-smi --list-gpus on a 4-GPU node: all of them, whatever CUDA_VISIBLE_DEVICES says, as the real one
-[ "$1" = --list-gpus ] && for gpu in 0 1 2 3; do echo "GPU $gpu: NVIDIA H100 80GB HBM3 (UUID: GPU-$gpu)"; done
+# nvidia-smi --list-gpus on a 4-GPU node: all of them, whatever CUDA_VISIBLE_DEVICES says, as the real one;
+# GPU 3 is in MIG mode, its two instances listed below it
+[ "$1" = --list-gpus ] || exit 0
+for gpu in 0 1 2 3; do echo "GPU $gpu: NVIDIA H100 80GB HBM3 (UUID: GPU-$gpu)"; done
+for mig in 0 1; do echo "  MIG 3g.40gb     Device  $mig: (UUID: MIG-$mig)"; done
 """
 FAKE_TORCHRUN_PYTHON = """#!/usr/bin/env bash
 # PYTHON for the launch scripts: prints the torchrun command line instead of running it
