@@ -249,14 +249,7 @@ class Config:
         _check_finite(self)
         _check_batch(self.batch, world)
         for name in ("image", "text"):
-            tower = getattr(self.model, name)
-            if tower.unlocked_layers < 0:
-                raise ConfigError(f"model.{name}.unlocked_layers={tower.unlocked_layers}: must be >= 0")
-            if tower.unlocked_layers and not tower.lock:
-                raise ConfigError(
-                    f"model.{name}.unlocked_layers={tower.unlocked_layers} has no effect without "
-                    f"model.{name}.lock=true; set the lock or drop unlocked_layers"
-                )
+            check_lock(getattr(self.model, name), f"model.{name}")
         for key in (
             "model.embed_dim",
             "model.text.context_length",
@@ -287,6 +280,14 @@ class Config:
         ):
             if (value := operator.attrgetter(key)(self)) < 0:
                 raise ConfigError(f"{key}={value} must be >= 0")
+        if not 0 <= self.train.seed < 2**32:  # numpy's range; a rank's streams add to it
+            raise ConfigError(f"train.seed={self.train.seed} must lie in [0, 2**32)")
+        if not self.train.out_dir.strip():
+            raise ConfigError("train.out_dir is empty: name the run's directory")
+        if self.eval.zeroshot_data and not self.eval.zeroshot:
+            raise ConfigError(
+                "eval.zeroshot_data needs eval.zeroshot: the class names and templates to score it with"
+            )
         if self.log.peak_tflops < 0:
             raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the table)")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
@@ -331,6 +332,20 @@ class Config:
         _check_fsdp(self.train)
         _check_compile_mode(self, world)
         return self
+
+
+def check_lock(tower: TowerConfig, key: str) -> None:
+    """LiT's refinements only beside the lock they refine (``key``: model.image or model.text)."""
+    if tower.unlocked_layers < 0:
+        raise ConfigError(f"{key}.unlocked_layers={tower.unlocked_layers}: must be >= 0")
+    if tower.unlocked_layers and not tower.lock:
+        raise ConfigError(
+            f"{key}.unlocked_layers={tower.unlocked_layers} has no effect without {key}.lock=true; set "
+            "the lock or drop unlocked_layers"
+        )
+    for option in ("lock_head", "freeze_norms"):
+        if getattr(tower, option) and not tower.lock:
+            raise ConfigError(f"{key}.{option}=true needs {key}.lock=true")
 
 
 def _check_text_source(text: TextTowerConfig) -> None:
@@ -623,15 +638,20 @@ def _read_yaml(text: str) -> Any:
 def _override_value(key: str, text: str) -> Any:
     """An override's value: a text key's (a path, a name, a separator such as ``,`` or ``|``) as
     typed, since YAML would cut it at ``#``, read ``012`` as octal or fail on ``,``; any other read
-    as YAML, a value it cannot read being a one-line error naming the key."""
+    as YAML."""
     text = text.strip()
     if key in _text_keys() or not text:
         return text
+    return _yaml_value(f"override {key}", text)
+
+
+def _yaml_value(what: str, text: str) -> Any:
+    """``text`` read as YAML, a value it cannot read being a one-line error naming ``what``."""
     try:
         return _read_yaml(text)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(f"override {key}={text}: cannot read the value as YAML ({problem})") from None
+        raise ConfigError(f"{what}={text}: cannot read the value as YAML ({problem})") from None
 
 
 @functools.cache
@@ -703,15 +723,20 @@ def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[st
         data = _read_yaml(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text") from None
     except OSError as err:  # a directory, no read permission, an I/O error
         raise ConfigError(f"config file {path}: cannot read it: {err.strerror or err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    includes = data.pop("include", [])
+    includes = data.pop("include", None) or []
+    includes = [includes] if isinstance(includes, str) else includes
+    if not isinstance(includes, list) or not all(isinstance(inc, str) for inc in includes):
+        raise ConfigError(f"{path}: include={includes!r} must be a file name or a list of them")
     merged: dict[str, Any] = {}
-    for inc in [includes] if isinstance(includes, str) else includes:
+    for inc in includes:
         _deep_merge(merged, _read_yaml_with_includes(path.parent / inc, (*seen, path)))
     _deep_merge(merged, data)
     return merged
@@ -782,7 +807,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"{key}={value!r}: expected {hint}")
     if origin is list:
         if isinstance(value, str):
-            value = _read_yaml(value)
+            value = _yaml_value(key, value)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[1,2]")
         return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -808,6 +833,8 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
         if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
             return str(value).lower() in _TRUE
         raise bad
+    if hint is str and not isinstance(value, str):  # YAML read 0755 as 493 and 1:30 as 90: not text
+        raise ConfigError(f"{key}={value!r}: expected text; quote it in the YAML file")
     # bool is an int subclass but never a number; a whole float (1e3) is an int, 1.5 is not
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise bad
@@ -817,5 +844,5 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
         value = value.replace("_", "")  # 65_536
     try:
         return hint(value)  # float() also reads "1e-3", which PyYAML (wanting a dot) leaves a string
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an int beyond a float's range
         raise bad from None

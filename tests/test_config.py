@@ -155,6 +155,30 @@ def test_bad_type_names_key(override):
         load_config(None, [override])
 
 
+def test_values_yaml_reads_otherwise_than_meant_are_one_line_naming_the_key(tmp_path):
+    """Text keys take text only (YAML reads 0755 as 493, 1:30 as 90 and 1e3 as 1000.0: a run
+    directory or a wandb name would change silently); a list's text that is not YAML, a number past
+    a float's range, a file that is not UTF-8 and includes that name no file fail in one line."""
+    cases = {
+        "train:\n  out_dir: 1e3\n": r"^train\.out_dir=1000\.0: expected text; quote it in the YAML file$",
+        "log:\n  wandb:\n    tags: [2024_01, a]\n": r"^log\.wandb\.tags\[0\]=202401: expected text",
+        'data:\n  rrc_scale: "[0.5,"\n': r"^data\.rrc_scale=\[0\.5,: cannot read the value as YAML \(",
+        f"optim:\n  lr: {10**400}\n": r"^optim\.lr=1000\d+: expected float$",
+        "include: 5\n": r"include=5 must be a file name or a list of them$",
+        "include: [model/tiny.yaml, 5]\n": r"include=\['model/tiny\.yaml', 5\] must be a file name",
+    }
+    for index, (text, message) in enumerate(cases.items()):
+        (tmp_path / f"{index}.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(tmp_path / f"{index}.yaml")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00train")
+    with pytest.raises(ConfigError, match=r"binary\.yaml: not UTF-8 text$"):
+        load_config(tmp_path / "binary.yaml")
+    with pytest.raises(ConfigError, match=r"^log\.wandb\.tags\[0\]=493: expected text"):
+        load_config(None, ["log.wandb.tags=[0755]"])
+    assert load_config(None, ["train.out_dir=0755", "log.wandb.tags=['0755']"]).train.out_dir == "0755"
+
+
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["batch.global_size"])
@@ -180,6 +204,12 @@ def test_malformed_override_and_missing_file(tmp_path):
         ),
         (["batch.global_size=64", "batch.text_chunk=-1"], 1, r"batch\.text_chunk=-1"),
         (["model.text.unlocked_layers=2"], 1, r"model\.text\.lock=true"),
+        (["model.image.lock_head=true"], 1, r"^model\.image\.lock_head=true needs model\.image\.lock=true$"),
+        (["model.text.freeze_norms=yes"], 1, r"^model\.text\.freeze_norms=true needs model\.text\.lock"),
+        (["train.seed=-1"], 1, r"^train\.seed=-1 must lie in \[0, 2\*\*32\)$"),
+        (["train.seed=4294967296"], 1, r"^train\.seed=4294967296 must lie in"),
+        (["train.out_dir= "], 1, r"^train\.out_dir is empty"),
+        (["eval.zeroshot_data=/x", "eval.zeroshot="], 1, r"^eval\.zeroshot_data needs eval\.zeroshot"),
         (["optim.min_lr=1", "optim.lr=0.1"], 1, r"optim\.min_lr"),
         (["optim.betas=[0.9]"], 1, r"optim\.betas"),
         (["train.max_steps=0"], 1, r"train\.max_steps=0 must be > 0"),

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from clip_train.config import ConfigError, TowerConfig
+from clip_train.config import TowerConfig, check_lock
 
 # What freeze_norms keeps frozen in the unlocked blocks (locked ones are frozen whole, norms included).
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm)
@@ -69,9 +69,7 @@ class LockableTower(nn.Module):
         ``lock_head``) the projection, with ``freeze_norms`` their norm layers too, and pin the frozen
         submodules to eval(). ``key``: model.image/text.
         """
-        for option in ("lock_head", "freeze_norms"):
-            if getattr(cfg, option) and not cfg.lock:
-                raise ConfigError(f"{key}.{option}=true needs {key}.lock=true")
+        check_lock(cfg, key)  # validate() checked it, unless the config came from elsewhere (eval)
         if not cfg.lock:
             return
         self.unlocked_layers = cfg.unlocked_layers
