@@ -253,8 +253,13 @@ def test_bad_lock_settings_are_config_errors():
             r"^model\.text\.hf_config: integer modulo by zero: .*num_attention_heads.* "
             r"\(modeling_bert\.py:\d+\)$",
         ),
+        (  # AutoModel builds the whole seq2seq model, whose forward needs a decoder input
+            "model.text.hf_config={model_type: mt5, d_model: 32, num_layers: 1, num_heads: 2, d_kv: 16}",
+            r"^model\.text\.hf_config\.model_type=mt5: an encoder-decoder model; the text tower takes an "
+            r"encoder",
+        ),
     ],
-    ids=["timm-assert", "timm-keyword", "transformers-value", "no-patch", "transformers-division"],
+    ids=["timm-assert", "timm-keyword", "transformers-value", "no-patch", "transformers-division", "seq2seq"],
 )
 def test_a_value_a_tower_library_refuses_is_one_line_naming_the_key(override, message):
     """timm asserts without a message, transformers raises ValueError or divides by zero, and a ViT

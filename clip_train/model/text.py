@@ -158,6 +158,13 @@ def create_encoder(
         encoder = load_hf(AutoModel, cfg.hf, "model.text.hf", **options)
     else:
         encoder = AutoModel.from_config(load_hf(AutoConfig, cfg.hf, "model.text.hf"), **options)
+    if encoder.config.is_encoder_decoder:  # AutoModel built the whole seq2seq model: no text tower
+        kind = encoder.config.model_type
+        key = f"model.text.hf_config.model_type={kind}" if cfg.hf_config else f"model.text.hf={cfg.hf}"
+        raise ConfigError(
+            f"{key}: an encoder-decoder model; the text tower takes an encoder (BERT, RoBERTa, "
+            "XLM-RoBERTa and the like)"
+        )
     encoder.config.use_cache = False  # an encoder has no KV cache to keep
     if cfg.grad_checkpointing:
         encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
