@@ -80,6 +80,21 @@ def test_folder_round_trip_contiguous_keys_and_sizes(image_folder, tmp_path):
         assert data == path.read_bytes()
 
 
+def test_folder_captions_not_utf8_are_left_out_and_a_bom_dropped(image_folder, tmp_path, capsys):
+    (image_folder / "img.0.txt").write_bytes("café au lait".encode("latin-1"))  # a Windows-1252 file
+    (image_folder / "img.2.txt").write_bytes("\ufeffa caption saved with a BOM".encode())
+    out = tmp_path / "out"
+    assert run_cli("folder", image_folder, out) == 0
+    bad = f"{image_folder / 'img.0.txt'}: not UTF-8 (invalid continuation byte at byte 3)"
+    assert (
+        capsys.readouterr().err.splitlines()[0]
+        == f"clip-train: left out 2 of the folder's images (1 bad_caption, 1 empty_caption), e.g. {bad}"
+    )
+    _, samples = read_back(out)
+    assert len(samples) == 6 and str(image_folder / "img.0.JPG") not in samples
+    assert samples[str(image_folder / "img.2.png")][0] == "a caption saved with a BOM"
+
+
 def test_rerun_is_idempotent_and_a_changed_source_rewrites(image_folder, tmp_path):
     out = tmp_path / "out"
     run_cli("folder", image_folder, out, "--per-shard", 4)

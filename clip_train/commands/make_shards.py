@@ -67,23 +67,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"digits: {counts['train']} train and {counts['val']} val samples in {args.out}")
         return 0
     if args.source == "folder":
-        pairs, skipped = writers.folder_pairs(args.src)
-        if skipped:
-            get_logger().warning(
-                f"left out {len(skipped)} images without a non-empty .txt caption, e.g. {skipped[0]}"
-            )
+        pairs, left_out = writers.folder_pairs(args.src)
+        what = "the folder's images"
     else:
         table_format = TableFormat(args.separator, args.image_key, args.caption_key)
-        pairs, bad_rows = writers.csv_pairs(args.file, table_format)
-        if bad_rows:
-            get_logger().warning(_bad_rows_line(bad_rows))
+        pairs, left_out = writers.csv_pairs(args.file, table_format)
+        what = "the table's rows"
+    if left_out:
+        get_logger().warning(_left_out_line(left_out, what))
     wrote = writers.write_pairs(pairs, args.out, per_shard=args.per_shard, desc=args.out.name)
     print(f"{len(pairs)} samples {'written to' if wrote else 'already up to date in'} {args.out}")
     return 0
 
 
-def _bad_rows_line(bad_rows: list[tuple[str, str]]) -> str:
-    """One line: how many rows were left out, by reason, and the first of them."""
-    reasons = Counter(reason for reason, _ in bad_rows)
+def _left_out_line(left_out: list[tuple[str, str]], what: str) -> str:
+    """One line: how many were left out, by reason, and the first of them."""
+    reasons = Counter(reason for reason, _ in left_out)
     counts = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
-    return f"left out {len(bad_rows)} of the table's rows ({counts}), e.g. {bad_rows[0][1]}"
+    return f"left out {len(left_out)} of {what} ({counts}), e.g. {left_out[0][1]}"

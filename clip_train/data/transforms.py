@@ -46,7 +46,9 @@ def eval_transform(image_size: int) -> ImageTransform:
     """Resize the short side, take the centre square, convert to RGB (any PIL mode in).
 
     The steps, their order and PIL's bicubic resize are open_clip's, so both give the same pixels
-    (resizing before the conversion matters for RGBA, which PIL resizes with premultiplied alpha).
+    for an image handed to ``clip_train.load``'s transform (resizing before the conversion matters
+    for RGBA, which PIL resizes with premultiplied alpha). The data loaders decode to RGB first, as
+    open_clip's webdataset and image-folder loaders do; only its CSV loader resizes RGBA as RGBA.
     """
     return v2.Compose(
         [

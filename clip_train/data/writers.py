@@ -80,22 +80,28 @@ def _up_to_date(out_dir: Path, manifest: dict[str, Any]) -> bool:
     return same and all((out_dir / name).is_file() for name in sizes)
 
 
-def folder_pairs(src: Path) -> tuple[list[Pair], list[Path]]:
+def folder_pairs(src: Path) -> tuple[list[Pair], list[tuple[str, str]]]:
     """(key, image, caption) for every image under ``src`` with a non-empty same-name ``.txt``,
-    sorted; and the images left out for lack of one."""
+    sorted; and (reason, "path: why") for each image left out. A caption that is not UTF-8 leaves
+    its image out rather than stopping the conversion; a byte-order mark is not part of it."""
     if not src.is_dir():
         raise DataError(f"{src} is not a directory")
     images = sorted(
         p for p in src.rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS and p.is_file()
     )
-    pairs, skipped = [], []
+    pairs: list[Pair] = []
+    skipped: list[tuple[str, str]] = []
     for image in images:
         caption_file = image.with_suffix(".txt")
-        caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""
+        try:
+            caption = caption_file.read_text(encoding="utf-8-sig").strip() if caption_file.is_file() else ""
+        except UnicodeDecodeError as err:
+            skipped.append(("bad_caption", f"{caption_file}: not UTF-8 ({err.reason} at byte {err.start})"))
+            continue
         if caption:
             pairs.append((sample_key(len(pairs)), image, caption))
         else:
-            skipped.append(image)
+            skipped.append(("empty_caption", f"{image}: no non-empty {caption_file.name}"))
     return pairs, skipped
 
 
