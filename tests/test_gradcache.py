@@ -309,6 +309,20 @@ def test_fully_frozen_tower_is_never_replayed():
     assert_grads_close(got, reference_grads(model, batch, 3, 4), rtol=1e-10)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_replay_leaves_batch_norm_statistics_as_one_forward_a_chunk(keep):
+    model = make_model("model.image.timm=resnet10t", "model.image.timm_kwargs={}", *NO_DROPOUT[2:])
+    batch = make_batch(rows=8)
+    reference = copy.deepcopy(model)
+    for start, end in chunk_bounds(8, 4):
+        reference.visual(batch[0][start:end])
+    GradCache(model, image_chunk=4, text_chunk=0, keep_last_graph=keep, loss_impl="inf").step(*batch)
+    expected = dict(reference.visual.named_buffers())
+    assert any(name.endswith("num_batches_tracked") for name in expected)
+    for name, buffer in model.visual.named_buffers():
+        assert torch.equal(buffer, expected[name]), name
+
+
 def test_offload_keeps_the_batch_on_the_host_untouched_and_stays_exact():
     model, batch = make_model(*DROPOUT), make_batch()
     before = [t.clone() for t in batch]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -445,7 +445,8 @@ class GradCache:
                     features = tower.head(*chunk)
                 features.backward(grad[start:end].to(features.dtype))
 
-        self.chunk_stream.run(cache.trunk_cache or inputs, bounds, replay)
+        with _running_stats_kept(tower.module):
+            self.chunk_stream.run(cache.trunk_cache or inputs, bounds, replay)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
@@ -456,6 +457,20 @@ class GradCache:
     def _clock(self) -> float:
         wait_for_device(self.device)
         return time.perf_counter()
+
+
+@contextlib.contextmanager
+def _running_stats_kept(module: nn.Module) -> Iterator[None]:
+    """Batch norm's running statistics as stage 1 left them: a replay is the same forward again,
+    and would move them a second time (twice the momentum, twice ``num_batches_tracked``)."""
+    norms = [m for m in module.modules() if getattr(m, "track_running_stats", False) and m.training]
+    kept = [[b.clone() for b in m.buffers(recurse=False)] for m in norms]
+    try:
+        yield
+    finally:
+        for norm, buffers in zip(norms, kept, strict=True):
+            for live, before in zip(norm.buffers(recurse=False), buffers, strict=True):
+                live.copy_(before)
 
 
 def _untimed() -> float:
