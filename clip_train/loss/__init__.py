@@ -68,7 +68,7 @@ def contrastive_loss(
             f"contrastive_loss: tile_size must be positive (or None/0 for a default), got {tile_size}"
         )
     logit_scale, logit_bias = (
-        torch.as_tensor(value, dtype=image_features.dtype, device=image_features.device)
+        torch.as_tensor(value, dtype=_at_least_fp32(image_features.dtype), device=image_features.device)
         if value is not None and not isinstance(value, torch.Tensor)
         else value
         for value in (logit_scale, logit_bias)
@@ -84,3 +84,9 @@ def contrastive_loss(
     if kind == "sigmoid":
         return SigmoidLoss.apply(image_features, text_features, logit_scale, logit_bias, batch, tile)
     return SoftmaxLoss.apply(image_features, text_features, logit_scale, batch, tile)
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """A number's dtype beside ``dtype`` features: a scale of 100 rounded to bf16 would move the
+    loss by 1e-3, and the tiles take it in their fp32 accumulation type anyway."""
+    return torch.promote_types(dtype, torch.float32)
