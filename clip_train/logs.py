@@ -83,13 +83,16 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
         self.started = self.last_line = time.monotonic()
         self.postfix: dict[str, str] = {}
+        self.postfix_at = initial  # the count the postfix's values are of
         self.shown = initial  # the count the last plain line showed
 
     def update(self, n: int = 1) -> None:
         self.move_to(self.n + n)
 
     def move_to(self, n: int, postfix: dict[str, str] | None = None) -> None:
-        self.n, self.postfix = n, postfix or self.postfix
+        self.n = n
+        if postfix:
+            self.postfix, self.postfix_at = postfix, n
         if self.bar is not None:
             self.bar.n = n
             self.bar.set_postfix(self.postfix, refresh=True)
@@ -97,12 +100,15 @@ class Progress:
             self.plain_line()
 
     def plain_line(self) -> None:
-        """One line with the count and the postfix (not in a terminal, where the bar shows them)."""
+        """One line with the count and the postfix (not in a terminal, where the bar shows them); a
+        postfix of an earlier count is left out, not shown as this one's (a run's last line after a
+        stop between its log steps)."""
         if self.bar is not None or self.n == self.shown:
             return
         self.last_line, self.shown = time.monotonic(), self.n
         of = f"/{self.total}" if self.total is not None else ""
-        extra = "".join(f", {key} {value}" for key, value in self.postfix.items())
+        current = self.postfix if self.postfix_at == self.n else {}
+        extra = "".join(f", {key} {value}" for key, value in current.items())
         get_logger().info(f"{self.desc}: {self.n}{of}{extra} ({self.last_line - self.started:.0f} s)")
 
     def write(self, text: str) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 from clip_train.config import Config
 from clip_train.logs import Progress
+from clip_train.preemption import Preempted
+from clip_train.stopping import Ending
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 
@@ -45,11 +47,15 @@ class RunMonitor:
     def message(self, text: str) -> None:
         self.progress.write(text)
 
-    def close(self) -> None:
+    def close(self, ending: BaseException | None = None) -> None:
+        """``ending``: what stopped the run (``None``: it finished). wandb takes its exit code, or it
+        would show a failed or preempted run as finished."""
         self.progress.close()
         self.metrics_file.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            if isinstance(ending, Preempted):
+                self.wandb_run.mark_preempting()
+            self.wandb_run.finish(exit_code=0 if ending is None else Ending.of(ending, rank=0).code)
 
 
 def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = False) -> None:

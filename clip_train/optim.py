@@ -225,6 +225,7 @@ class Update:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "bad_total": self.skipped_steps.total,
+            "bad_in_a_row": self.skipped_steps.in_a_row,  # a last step or a preemption saves mid-run
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,6 +245,7 @@ class Update:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps.total = state["bad_total"]
+        self.skipped_steps.in_a_row = state.get("bad_in_a_row", 0)  # not in checkpoints before it
         if self.scheduler.base_lrs != self.peak_lrs and rank_and_world()[0] == 0:
             get_logger().info(
                 "the learning rates differ from the checkpoint's (optim.lr, image_lr, text_lr or "

@@ -23,6 +23,10 @@ from clip_train.logs import get_logger
 class TrainingAborted(UserError):
     """Too many consecutive non-finite steps: the run stops, keeping its last good checkpoint."""
 
+    def __init__(self, message: str, step: int, total: int) -> None:
+        super().__init__(message)
+        self.step, self.total = step, total  # where it stopped, and the steps skipped in all
+
 
 class SkippedSteps:
     """``in_a_row`` (the run of skipped steps ending at the last settled step) and ``total``, as of
@@ -85,5 +89,7 @@ class SkippedSteps:
                 f"{in_a_row} consecutive steps had a non-finite loss or gradient norm "
                 f"(train.max_bad_steps={self.max_in_a_row}); stopped at step {step}. "
                 f"Last good checkpoint: {latest_checkpoint(self.run_dir) or 'none'}. "
-                "Lower optim.lr or use fp32/bf16."
+                "Lower optim.lr or use fp32/bf16.",
+                step,
+                self.total,
             )

@@ -48,6 +48,7 @@ from clip_train.precision import use_tf32
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
+from clip_train.skipped_steps import TrainingAborted
 from clip_train.startup_time import StartupClock
 from clip_train.stopping import StoppableEvaluation, writing_checkpoint
 from clip_train.teacher import load_teacher
@@ -304,6 +305,7 @@ class Trainer:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         if self.startup is not None:
             self.startup.lap("monitor")  # the run folder, metrics.jsonl and wandb's start
+        ending: BaseException | None = None  # how the run ended, for wandb
         try:
             with contextlib.nullcontext(signals) if signals is not None else preemption_signals() as signals:
                 self.signals = signals
@@ -326,17 +328,21 @@ class Trainer:
                     if self._logs_at(self.step):  # the next window starts after this step's logs and saves
                         window = LogWindow(time.perf_counter())
                 self.update.skipped_steps.settle(self.step)
-                unsaved = cfg.checkpoint.every_steps and self.step > self.saved_step  # 0: saves nothing
-                if unsaved and not self.update.skipped_steps.in_a_row:
+                if cfg.checkpoint.every_steps and self.step > self.saved_step:  # 0: saves nothing
                     self._save()
                 raise self._preempted(signals)
+        except BaseException as err:
+            ending = err
+            if isinstance(err, TrainingAborted) and monitor is not None:  # the step that stopped it
+                monitor.log(err.step, {"train/skipped_steps": err.total})
+            raise
         finally:
             self.profiler.close()
             self.loader.close()  # its workers ignore SIGTERM (kept for preemption): stop them here
             if self.remote is not None:
                 self.remote.wait()  # the last checkpoint's upload
             if monitor is not None:
-                monitor.close()
+                monitor.close(ending)
 
     def _after_step(
         self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float, window: LogWindow
@@ -362,7 +368,7 @@ class Trainer:
             self._report(monitor, result, data_s, step_s, window if at_log else None)
         aside = time.perf_counter()
         self.profiler.write_finished()
-        if at_checkpoint and not self.update.skipped_steps.in_a_row:
+        if at_checkpoint and (last or not self.update.skipped_steps.in_a_row):
             self._save()
         if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
             # a signal on any rank stops it on every rank

@@ -48,6 +48,7 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(capsys):
     shown.move_to(6, {"loss": "2.1"})
     shown.plain_line()
     shown.plain_line()  # nothing new since the last line: not repeated
+    shown.move_to(7)  # a stop before the next log step: its last line has no values of step 6
     shown.close()
     with timed("export: loading"):
         pass
@@ -56,8 +57,9 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(capsys):
     lines = err.splitlines()
     assert re.fullmatch(r"clip-train: encoding: 3/3 \(\d+ s\)", lines[0])
     assert re.fullmatch(r"clip-train: step: 6/10, loss 2\.1 \(\d+ s\)", lines[1])
-    assert lines[2] == "clip-train: export: loading ..." and len(lines) == 4
-    assert re.fullmatch(r"clip-train: export: loading: \d+\.\d s", lines[3])
+    assert re.fullmatch(r"clip-train: step: 7/10 \(\d+ s\)", lines[2])
+    assert lines[3] == "clip-train: export: loading ..." and len(lines) == 5
+    assert re.fullmatch(r"clip-train: export: loading: \d+\.\d s", lines[4])
 
 
 def test_a_training_run_in_a_file_logs_a_line_per_log_step(digits, tmp_path):

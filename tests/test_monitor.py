@@ -1,9 +1,11 @@
-"""``metrics.jsonl`` on resume: the records logged after the checkpoint go, so every step appears once."""
+"""``metrics.jsonl`` on resume: the records logged after the checkpoint go, so every step appears once;
+and what wandb's own records say of a run's ending."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from small_runs import DEMO_CONFIG, run_overrides
 from clip_train import load_config
 from clip_train.checkpoint import complete_checkpoints
 from clip_train.monitor import RunMonitor, drop_records_after
+from clip_train.preemption import Preempted
+from clip_train.skipped_steps import TrainingAborted
 
 
 def record(step: int, **metrics: float) -> str:
@@ -79,3 +83,39 @@ def test_a_run_resumed_before_its_last_logged_step_logs_every_step_once(digits, 
     rerun = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert rerun[: len(up_to_checkpoint)] == up_to_checkpoint
     assert steps(out / "metrics.jsonl") == [10, 20, 30, 40]
+
+
+def wandb_records(run_dir: Path) -> list[str]:
+    """The kinds of the records in the offline run's ``.wandb`` file, and the exit code as "exit N".
+    The file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) framed pieces."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    raw, block, position, kinds, pieces = path.read_bytes(), 32768, 7, [], b""
+    while position + 7 <= len(raw):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, piece_type = struct.unpack("<IHB", raw[position : position + 7])
+        piece, position = raw[position + 7 : position + 7 + length], position + 7 + length
+        pieces = piece if piece_type in (1, 2) else pieces + piece  # full, first; middle, last
+        if piece_type in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(pieces)
+            kind = record.WhichOneof("record_type")
+            kinds.append(f"exit {record.exit.exit_code}" if kind == "exit" else kind)
+    return kinds
+
+
+@pytest.mark.parametrize(
+    ("ending", "exit_code"),
+    [(None, 0), (Preempted("SIGTERM"), 75), (TrainingAborted("5 consecutive steps", 3, 5), 2)],
+)
+def test_wandb_is_told_how_the_run_ended(tmp_path, ending, exit_code):
+    """wandb's default is 0 for any ending: a preempted or stopped run would show as finished."""
+    cfg = load_config(DEMO_CONFIG, ["log.wandb.mode=offline"])
+    monitor = RunMonitor(cfg, tmp_path, start_step=0)
+    monitor.log(1, {"train/loss": 1.0})
+    monitor.close(ending)
+    kinds = wandb_records(tmp_path)
+    assert "history" in kinds and kinds.count(f"exit {exit_code}") == 1
+    assert ("preempting" in kinds) == isinstance(ending, Preempted)

@@ -421,6 +421,32 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
     assert len(calls) == steps
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
     assert_bit_identical(snapshot(trainer), weights(tmp_path, 2))
+    # the step that stopped it is logged (no log step came before), for wandb as for metrics.jsonl
+    assert [(r["step"], r["train/skipped_steps"]) for r in logged(tmp_path)] == [(steps, in_a_row)]
+
+
+@GUARDS
+def test_a_non_finite_last_step_still_saves_the_last_good_weights_as_the_final_step(digits, tmp_path, fused):
+    """A periodic checkpoint waits for a good step; the last step has no later one to wait for."""
+    trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=2", fused)
+    real_step = trainer.engine.step
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def poisoned_last_step(*args, **kwargs):
+        stats = real_step(*args, **kwargs)
+        seen.append(snapshot(trainer))
+        if len(seen) == 3:
+            stats.loss = torch.full_like(stats.loss, float("nan"))
+        return stats
+
+    trainer.engine.step = poisoned_last_step
+    trainer.run()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    assert_bit_identical(weights(tmp_path, 3), seen[2])  # the weights step 3 started from
+    resumed = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.resume=auto", fused)
+    assert resumed.step == 3
+    assert (resumed.update.skipped_steps.total, resumed.update.skipped_steps.in_a_row) == (1, 1)
+    resumed.loader.close()
 
 
 def test_an_fp16_overflow_moves_neither_the_weights_nor_the_ema_and_is_not_a_bad_step(digits, tmp_path):
