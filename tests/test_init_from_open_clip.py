@@ -210,7 +210,9 @@ SHAPE = "{} (open_clip's {}) is {} in the weights but {} in the model: make the 
         ),
         (
             [f"model.image.timm_kwargs={{{VIT_SIZE}, depth: 2, num_heads: 2, global_pool: avg}}"],
-            DIFFER.format("vit_base_patch32_clip_224", "pooling tok vs avg"),
+            DIFFER.format(
+                "vit_base_patch32_clip_224", "pooling tok vs avg, final norm before vs after pooling"
+            ),
         ),
         (
             ["model.image.timm=vit_base_patch16_224"],
@@ -249,6 +251,28 @@ SHAPE = "{} (open_clip's {}) is {} in the weights but {} in the model: make the 
 def test_a_run_config_that_differs_fails_in_one_line(vit_bert, overrides, message):
     folder, run = vit_bert
     assert one_line_error([*run, *overrides], f"open_clip:local-dir:{folder}").startswith(message)
+
+
+def test_an_average_pooled_vit_normalised_after_pooling_is_refused_where_the_run_normalises_first(
+    tmp_path,
+):
+    """open_clip's ``final_ln_after_pool`` with average pooling against a timm ViT without ``fc_norm``:
+    the weights fit, the embeddings would not."""
+    vit = {**VIT, "pool_type": "avg", "final_ln_after_pool": True}
+    text = {"context_length": 12, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}
+    model_cfg = {"embed_dim": 16, "vision_cfg": vit, "text_cfg": text}
+    save_open_clip_folder(tmp_path, open_clip.CLIP(**model_cfg), model_cfg)
+    run = [
+        *VIT_RUN[:2],
+        f"model.image.timm_kwargs={{{VIT_SIZE}, depth: 2, num_heads: 2, global_pool: avg, fc_norm: false}}",
+        "model.text.hf_config={model_type: clip_text_model, hidden_size: 32, intermediate_size: 128, "
+        "num_hidden_layers: 1, num_attention_heads: 2, max_position_embeddings: 12}",
+        "model.text.tokenizer=open_clip",
+        "model.text.pooling=eot",
+        "model.text.context_length=12",
+    ]
+    message = DIFFER.format("vit_base_patch32_clip_224", "final norm after pooling vs before")
+    assert one_line_error(run, f"open_clip:local-dir:{tmp_path}").startswith(message)
 
 
 def test_a_vit_at_another_image_size_takes_the_position_embedding_resampled(vit_bert, capsys):

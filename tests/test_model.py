@@ -118,6 +118,21 @@ def test_locked_split_matches_the_libraries_own_forward(image_unlocked, text_unl
     torch.testing.assert_close(got_txt, want_txt, rtol=0, atol=1e-12)
 
 
+def test_a_locked_split_runs_electras_embedding_projection():
+    """ELECTRA widens its embeddings to the layers' width between the two (electra-small: 128 to 256)."""
+    electra = (
+        "model.text.hf_config={model_type: electra, embedding_size: 16, hidden_size: 32, "
+        "intermediate_size: 37, num_attention_heads: 2, num_hidden_layers: 2}"
+    )
+    reference = tiny(electra).double().eval()
+    locked = tiny(electra, "model.text.lock=true", "model.text.unlocked_layers=1").double()
+    locked.load_state_dict(reference.state_dict())
+    tokens = reference.tokenizer(TEXTS)
+    with torch.no_grad():
+        got, want = (model.eval().encode_text(**tokens) for model in (locked, reference))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # LiT
 # ---------------------------------------------------------------------------------------------
@@ -258,8 +273,24 @@ def test_bad_lock_settings_are_config_errors():
             r"^model\.text\.hf_config\.model_type=mt5: an encoder-decoder model; the text tower takes an "
             r"encoder",
         ),
+        (  # AutoModel builds CLIPModel, both towers, from a whole CLIP's config or checkpoint
+            "model.text.hf_config={model_type: clip, text_config: {hidden_size: 32, intermediate_size: 37, "
+            "num_attention_heads: 2, num_hidden_layers: 1}, vision_config: {hidden_size: 32, "
+            "intermediate_size: 37, num_attention_heads: 2, num_hidden_layers: 1, image_size: 32, "
+            "patch_size: 16}}",
+            r"^model\.text\.hf_config\.model_type=clip: a whole image-text model \(CLIPModel\), not a text "
+            r"encoder\. To start from a released CLIP, use model\.init_from=open_clip:",
+        ),
     ],
-    ids=["timm-assert", "timm-keyword", "transformers-value", "no-patch", "transformers-division", "seq2seq"],
+    ids=[
+        "timm-assert",
+        "timm-keyword",
+        "transformers-value",
+        "no-patch",
+        "transformers-division",
+        "seq2seq",
+        "whole-clip",
+    ],
 )
 def test_a_value_a_tower_library_refuses_is_one_line_naming_the_key(override, message):
     """timm asserts without a message, transformers raises ValueError or divides by zero, and a ViT

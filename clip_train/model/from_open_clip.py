@@ -411,7 +411,8 @@ def timm_pool_problem(vision: CLIPVisionCfg, cfg: ModelConfig) -> str | None:
 def vit_problem(
     vision: CLIPVisionCfg, quick_gelu: bool, trunk: torch.nn.Module, timm_name: str
 ) -> str | None:
-    """Heads, activation, pooling and norm epsilon of open_clip's ViT against the run's timm ViT."""
+    """Heads, activation, pooling, the final norm's place and norm epsilon of open_clip's ViT against the
+    run's timm ViT."""
     if not isinstance(trunk, VisionTransformer):
         return (
             f"open_clip's image tower is a ViT but model.image.timm={timm_name} is a {type(trunk).__name__}: "
@@ -422,12 +423,17 @@ def vit_problem(
         "heads": vision.width // vision.head_width,
         "activation": "QuickGELU" if quick_gelu else "GELU",
         "pooling": vision.pool_type,
+        # the same for the class token alone; for an average, normalising first gives another one
+        "final norm": (
+            "after pooling" if vision.final_ln_after_pool and vision.pool_type != "tok" else "before"
+        ),
         "norm eps": (vision.norm_kwargs or {}).get("eps", 1e-5),  # torch's LayerNorm default
     }
     ours = {
         "heads": block.attn.num_heads,
         "activation": "QuickGELU" if isinstance(block.mlp.act, QuickGELU) else type(block.mlp.act).__name__,
         "pooling": {"token": "tok"}.get(trunk.global_pool, trunk.global_pool),
+        "final norm": "before" if isinstance(trunk.fc_norm, torch.nn.Identity) else "after pooling",
         "norm eps": block.norm1.eps,
     }
     differ = [f"{what} {theirs[what]} vs {ours[what]}" for what in theirs if theirs[what] != ours[what]]

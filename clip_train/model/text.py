@@ -112,6 +112,8 @@ class TextTower(LockableTower):
         if not self.unlocked_layers:
             return (self.pool(self._encode(input_ids, attention_mask), input_ids, attention_mask),)
         hidden = self.encoder.embeddings(input_ids=input_ids)
+        if (project := getattr(self.encoder, "embeddings_project", None)) is not None:
+            hidden = project(hidden)  # ELECTRA's, from a smaller embedding size to the layers' width
         frozen = self.layers[: len(self.layers) - self.unlocked_layers]
         return self._run_layers(hidden, attention_mask, frozen), input_ids, attention_mask
 
@@ -158,12 +160,19 @@ def create_encoder(
         encoder = load_hf(AutoModel, cfg.hf, "model.text.hf", **options)
     else:
         encoder = AutoModel.from_config(load_hf(AutoConfig, cfg.hf, "model.text.hf"), **options)
+    kind = encoder.config.model_type
+    key = f"model.text.hf_config.model_type={kind}" if cfg.hf_config else f"model.text.hf={cfg.hf}"
     if encoder.config.is_encoder_decoder:  # AutoModel built the whole seq2seq model: no text tower
-        kind = encoder.config.model_type
-        key = f"model.text.hf_config.model_type={kind}" if cfg.hf_config else f"model.text.hf={cfg.hf}"
         raise ConfigError(
             f"{key}: an encoder-decoder model; the text tower takes an encoder (BERT, RoBERTa, "
             "XLM-RoBERTa and the like)"
+        )
+    if getattr(encoder.config, "text_config", None) is not None:  # CLIPModel, SiglipModel, ...
+        raise ConfigError(
+            f"{key}: a whole image-text model ({type(encoder).__name__}), not a text encoder. To start "
+            "from a released CLIP, use model.init_from=open_clip:... (docs/fine-tune-clip.md); for its "
+            "text transformer alone, with a new projection, save CLIPTextModel.from_pretrained(DIR) "
+            "to a folder and set model.text.hf to it"
         )
     encoder.config.use_cache = False  # an encoder has no KV cache to keep
     if cfg.grad_checkpointing:
