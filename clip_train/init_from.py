@@ -5,6 +5,8 @@ resolution, as OpenCLIP's ``--force-image-size``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from clip_train.checkpoint import Adapt, find_weights, load_weights
@@ -24,6 +26,18 @@ def check_init_from(spec: str) -> None:
         check_open_clip(spec)
     else:
         find_weights(spec)
+
+
+def pinned(spec: str, earlier: str, *, resolve: bool) -> str:
+    """A clip_train run or checkpoint directory as the weights file it holds (a run directory's newest
+    checkpoint's): ``earlier`` when that is one of its files (what the run's start pinned), else with
+    ``resolve`` the one it holds now. A run still training in that directory would otherwise give a
+    resumed run another teacher, and WiSE-FT another start. Files and open_clip names stay as named."""
+    if not spec or is_open_clip(spec) or Path(spec).is_file():
+        return spec
+    if earlier and Path(earlier).is_relative_to(spec):
+        return earlier
+    return str(find_weights(spec)) if resolve else spec
 
 
 def load_init_from(cfg: ModelConfig, model: CLIP) -> None:

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
-from clip_train.config import BatchConfig, Config, ConfigError, one_chunk_for_cuda_graphs, save_config
+from clip_train.config import (
+    BatchConfig,
+    Config,
+    ConfigError,
+    load_config,
+    one_chunk_for_cuda_graphs,
+    save_config,
+)
 from clip_train.data import SKIP_REASONS, Batch, build_train_loader
 from clip_train.distributed import (
     DistEnv,
@@ -33,7 +40,7 @@ from clip_train.engine.rng import ProcessRng, preserved_rng
 from clip_train.errors import UserError, naming_key
 from clip_train.eval import evaluate, evaluates_anything
 from clip_train.flops import TowerFlops, device_peak_tflops, tower_flops, training_flops_per_sample
-from clip_train.init_from import load_init_from
+from clip_train.init_from import load_init_from, pinned
 from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import build_model
@@ -118,7 +125,9 @@ class Trainer:
             else None
         )
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
-        fine_tune = bool(cfg.model.init_from) and not decided_by_main(self._finds_a_checkpoint)
+        resumes = decided_by_main(self._finds_a_checkpoint)
+        fine_tune = bool(cfg.model.init_from) and not resumes
+        self._pin_weight_sources(resumes)
         self.sharded = cfg.train.parallel == "fsdp"
         on_meta = self.sharded and builds_on_meta(cfg.fsdp)  # rank 0's weights reach it when sharded
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
@@ -216,6 +225,24 @@ class Trainer:
         if resolve_resume(resume, self.run_dir) is not None:
             return True
         return resume == "auto" and self.remote is not None and self.remote.newest_complete() is not None
+
+    def _pin_weight_sources(self, resumes: bool) -> None:
+        """``model.init_from`` and ``distill.teacher`` as the weights files they named at the run's
+        start (``pinned``; rank 0 decides), recorded so in config.yaml and each checkpoint's model.yaml.
+        A resumed run keeps its start's; it resolves a teacher it never pinned, but not an init_from,
+        which it does not read."""
+        cfg, config_file = self.cfg, self.run_dir / RUN_CONFIG_FILE
+        earlier = load_config(config_file, saved=True) if resumes and config_file.is_file() else None
+        for part, field, resolve in (("model", "init_from", not resumes), ("distill", "teacher", True)):
+            section, key = getattr(cfg, part), f"{part}.{field}"
+            named = getattr(section, field)
+            before = getattr(getattr(earlier, part), field) if earlier is not None else ""
+            with naming_key(key, named):
+                file = decided_by_main(functools.partial(pinned, named, before, resolve=resolve))
+            if file != named:
+                setattr(section, field, file)
+                if self.env.is_main:
+                    get_logger().info(f"{key}={named}: {file}")
 
     def _load_init_from(self) -> None:
         """Fine-tuning: the weights and nothing else."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from test_gradcache import NO_DROPOUT, ROWS, TINY, assert_grads_close, grads, ma
 from test_init_from import source_weights, trainer
 from test_init_from_open_clip import perturbed
 
+from clip_train.checkpoint import MODEL_FILE
 from clip_train.config import load_config
 from clip_train.engine import GradCache
 from clip_train.errors import UserError
@@ -125,6 +127,22 @@ def test_a_run_distils_from_a_run_directory_and_logs_the_term(demo_run, digits, 
     assert "train/distill_loss" not in json.dumps(metrics(demo_run))  # only runs with a teacher log it
 
 
+def test_a_resumed_run_keeps_the_teacher_its_start_found_in_a_run_directory(demo_run, digits, tmp_path):
+    """The teacher's run may go on training: a newer checkpoint there must not change the teacher of
+    a resumed run (the steps after the resume would distil towards another model)."""
+    source = tmp_path / "teacher"
+    shutil.copytree(demo_run, source)
+    out = tmp_path / "run"
+    trainer(digits, out, 2, f"distill.teacher={source}").run()
+    checkpoints = source / "checkpoints"
+    shutil.copytree(checkpoints / "step_00000020", checkpoints / "step_00000060")  # other weights, newer
+    again = trainer(digits, out, 3, f"distill.teacher={source}", "checkpoint.resume=auto")
+    assert again.step == 2 and again.cfg.distill.teacher == str(checkpoints / "step_00000040" / MODEL_FILE)
+    kept = source_weights(demo_run)  # step 40's
+    assert all(torch.equal(tensor, kept[name]) for name, tensor in again.teacher.state_dict().items())
+    again.loader.close()
+
+
 def test_an_open_clip_teacher_takes_its_architecture_from_a_model_yaml(digits, tmp_path):
     released = perturbed(build_model(load_config(DEMO_CONFIG, TINY_MODEL).model))
     export_open_clip(released, tmp_path / "teacher")
@@ -153,5 +171,6 @@ def test_an_open_clip_teacher_takes_its_architecture_from_a_model_yaml(digits, t
     ],
 )
 def test_a_teacher_that_reads_other_inputs_is_named(demo_run, digits, tmp_path, student, message):
-    with pytest.raises(UserError, match=f"^distill.teacher={demo_run}: {message}"):
+    pinned = demo_run / "checkpoints" / "step_00000040" / MODEL_FILE  # the run directory's newest
+    with pytest.raises(UserError, match=f"^distill.teacher={pinned}: {message}"):
         trainer(digits, tmp_path, 1, f"distill.teacher={demo_run}", student)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
-from clip_train.checkpoint import MODEL_FILE
+from clip_train.checkpoint import MODEL_FILE, checkpoint_init_from
 from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
 from clip_train.trainer import Trainer
@@ -77,6 +77,24 @@ def test_a_resumed_run_keeps_its_own_weights_and_never_reads_init_from(demo_run,
     again = trainer(digits, out, 3, *overrides)
     assert again.step == 2 and again.resumed_from == out / "checkpoints" / "step_00000002"
     assert all(torch.equal(tensor, own[name]) for name, tensor in again.model.state_dict().items())
+
+
+def test_a_run_directory_named_as_the_start_is_pinned_to_the_checkpoint_it_held(demo_run, digits, tmp_path):
+    """The run directory may go on training: WiSE-FT's start (the checkpoints' model.yaml) and a
+    resumed run stay on the checkpoint the run started from."""
+    source = tmp_path / "source"
+    shutil.copytree(demo_run, source)
+    started = source / "checkpoints" / "step_00000040" / MODEL_FILE
+    out = tmp_path / "run"
+    first = trainer(digits, out, 2, f"model.init_from={source}")
+    assert first.cfg.model.init_from == str(started)
+    first.run()
+    shutil.copytree(started.parent, source / "checkpoints" / "step_00000060")  # the source goes on
+    assert checkpoint_init_from(out / "checkpoints" / "step_00000002") == str(started)
+    again = trainer(digits, out, 3, f"model.init_from={source}", "checkpoint.resume=auto")
+    assert again.step == 2 and again.cfg.model.init_from == str(started)
+    again.run()
+    assert checkpoint_init_from(out / "checkpoints" / "step_00000003") == str(started)
 
 
 @pytest.mark.parametrize(
