@@ -108,7 +108,7 @@ def wandb_records(run_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     ("ending", "exit_code"),
-    [(None, 0), (Preempted("SIGTERM"), 75), (TrainingAborted("5 consecutive steps", 3, 5), 2)],
+    [(Preempted("SIGTERM"), 75), (TrainingAborted("5 consecutive steps", 3, 5), 2)],
 )
 def test_wandb_is_told_how_the_run_ended(tmp_path, ending, exit_code):
     """wandb's default is 0 for any ending: a preempted or stopped run would show as finished."""
