@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -189,7 +190,7 @@ def bf16_and_timing_session(rank: int, world: int) -> dict:
     return {
         "bf16": fsdp_steps(rank, world, BF16),
         "bf16_inputs": trunk_inputs_in_bf16_steps(rank, world),
-        "late": step_with_rank_one_late(rank, world),
+        "clocked": step_on_a_test_clock(rank, world),
     }
 
 
@@ -322,39 +323,51 @@ def test_ranks_that_build_on_meta_get_rank_zeros_weights_and_buffers():
         assert all(torch.equal(b, dict(built.named_buffers())[name]) for name, b in result["buffers"].items())
 
 
-DELAY_S = 1.0
+WAIT_S, WORK_S = 7.0, 3.0  # seconds on the test's own clock
 
 
-def step_with_rank_one_late(rank: int, world: int) -> tuple[float, float, float]:
-    """One step in which rank 1 is ``DELAY_S`` late twice: at the image tower's first block in the
-    encode stage, and at its last block's backward in replay. The other rank waits inside those
-    blocks' all-gathers. Returns (gather_s, encode_s, replay_s)."""
+def step_on_a_test_clock(rank: int, world: int) -> tuple[float, float, float, float]:
+    """One step whose clock (``time.perf_counter``, which the engine and ``GatherWaits`` read) moves
+    only where this test moves it: ``WAIT_S`` inside the first image block's all-gather bracket, as a
+    late peer would make this rank wait, once in a forward (encode) and once in a backward (replay);
+    ``WORK_S`` of compute right after each. Returns (gather_s, encode_s, loss_s, replay_s)."""
     model = make_model(*DROPOUT)
     shard_towers(model, FsdpConfig(), "fp64", torch.device("cpu"))
+    block = tower_blocks(model.visual)[0]
+    now = [0.0]
+    moves = {"wait forward", "wait backward", "work forward", "work backward"}
+
+    def move_once(what: str, seconds: float) -> None:
+        if what in moves:
+            moves.remove(what)
+            now[0] += seconds
+
+    def in_backward(what: str, seconds: float) -> Callable[..., None]:
+        def hook(module, args, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(lambda grad: move_once(what, seconds))
+
+        return hook
+
+    # Registered before GradCache brackets FSDP's hooks (its own go first and last): inside them.
+    block.register_forward_pre_hook(lambda *_: move_once("wait forward", WAIT_S))
+    block.register_forward_hook(in_backward("wait backward", WAIT_S))
     engine = GradCache(model, image_chunk=2, text_chunk=2, precision="fp64")
-    blocks = tower_blocks(model.visual)
-    late = {"forward": rank == 1, "backward": rank == 1}
-
-    def sleep_once(when: str) -> None:
-        if late[when]:
-            late[when] = False
-            time.sleep(DELAY_S)
-
-    def late_in_backward(module, args, output: torch.Tensor) -> None:
-        if output.requires_grad:
-            output.register_hook(lambda grad: sleep_once("backward"))
-
-    # prepended after GradCache's own hooks, so that rank 1's sleeps fall outside its brackets
-    blocks[0].register_forward_pre_hook(lambda *_: sleep_once("forward"), prepend=True)
-    blocks[-1].register_forward_hook(late_in_backward, prepend=True)
+    block.register_forward_hook(lambda *_: move_once("work forward", WORK_S))  # after the brackets
+    block.register_forward_hook(in_backward("work backward", WORK_S))
     torch.manual_seed(SEED + rank)
-    stats = engine.step(*rank_batch(rank, world))
-    return stats.gather_s, stats.encode_s, stats.replay_s
+    real_clock = time.perf_counter
+    time.perf_counter = lambda: now[0]
+    try:
+        stats = engine.step(*rank_batch(rank, world))
+    finally:
+        time.perf_counter = real_clock
+    assert not moves, moves
+    return stats.gather_s, stats.encode_s, stats.loss_s, stats.replay_s
 
 
-def test_a_late_rank_shows_as_gather_time_not_encode_or_replay_time(bf16_and_timing_ranks):
-    """The rank that waits for a late peer's all-gathers, once in a forward and once in a backward,
-    books both waits as gather_s, taken out of encode_s and replay_s."""
-    gather_s, encode_s, replay_s = bf16_and_timing_ranks[0]["late"]
-    assert gather_s >= 1.5 * DELAY_S, (gather_s, encode_s, replay_s)
-    assert min(encode_s, replay_s) >= 0
+def test_a_wait_for_all_gathers_shows_as_gather_time_not_encode_or_replay_time(bf16_and_timing_ranks):
+    """What a rank waits inside a block's all-gather bracket, in a forward and in a backward, is
+    booked as gather_s and taken out of encode_s and replay_s, which keep the compute around it."""
+    for rank in bf16_and_timing_ranks:
+        assert rank["clocked"] == (2 * WAIT_S, WORK_S, 0.0, WORK_S)

@@ -93,13 +93,18 @@ def reference_grads(
 
 
 def assert_close_overall(actual: dict, expected: dict, rtol: float) -> None:
-    """Relative error of the whole gradient vector: the measure for low precision."""
+    """Relative error of the whole gradient vector, the measure for low precision; and of each
+    one-number gradient (the logit scale's, a bias's) on its own, which the vector would swamp."""
     assert actual.keys() == expected.keys()
     got, want = (
         torch.cat([grads[name].double().flatten() for name in expected]) for grads in (actual, expected)
     )
     err = ((got - want).norm() / want.norm()).item()
     assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+    for name in (name for name, grad in expected.items() if grad.numel() == 1):
+        want_one, got_one = expected[name].double(), actual[name].double()
+        err = ((got_one - want_one).abs() / want_one.abs().clamp_min(1e-12)).item()
+        assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol}"
 
 
 def assert_grads_close(actual: dict, expected: dict, rtol: float) -> None:

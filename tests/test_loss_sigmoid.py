@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss import clip_loss_formula
 from test_loss_tiles import SHAPES, STRIPS, _CountOps, _logit_matmul
 
 from clip_train.loss import contrastive_loss, tiles_torch
@@ -134,3 +135,20 @@ def test_tiles_match_formula(n, m, tile, strip_elements) -> None:
     torch.testing.assert_close(grad_images, 1 + grads @ texts, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_texts, 1 + grads.t() @ images, rtol=1e-12, atol=1e-12)
     assert matmuls.count == -(-n // tile) * -(-m // tile)  # one logits matmul a tile, nothing recomputed
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_a_float_scale_and_bias_keep_fp32_precision_beside_bf16_features(kind) -> None:
+    """A Python number is not rounded to the features' dtype: 1/0.07 in bf16 would move the loss
+    by 1e-3 relative. It gives what the same number as an fp32 tensor gives."""
+    images, texts = (_features(32, 16, seed).bfloat16() for seed in (15, 16))
+    scale, bias = 1 / 0.07, (-10.3 if kind == "sigmoid" else None)
+    as_tensors = [None if v is None else torch.tensor(v, dtype=torch.float32) for v in (scale, bias)]
+    expected = contrastive_loss(images, texts, as_tensors[0], logit_bias=as_tensors[1], kind=kind)
+    actual = contrastive_loss(images, texts, scale, logit_bias=bias, kind=kind)
+    assert torch.equal(actual, expected)
+    images, texts = images.double(), texts.double()
+    exact = (
+        clip_loss_formula(images, texts, scale) if bias is None else _reference(images, texts, scale, bias)
+    )
+    torch.testing.assert_close(actual.double(), exact, rtol=1e-6, atol=0)

@@ -1,3 +1,4 @@
+import copy
 import itertools
 import math
 import re
@@ -276,6 +277,7 @@ def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
                 p.grad = grads[name].clone()
         first(torch.tensor(1.0), step)
     state = first.state_dict()
+    saved = copy.deepcopy(state["optimizer"]["state"])  # load_state_dict may take the tensors as they are
     resumed = update_for(f"optim.lr={LR / 2}", f"optim.image_lr={IMAGE_LR / 3}", f"optim.layer_decay={DECAY}")
     peaks = [group["initial_lr"] for group in resumed.optimizer.param_groups]  # this config's
     setup_logging()
@@ -285,8 +287,11 @@ def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
     assert resumed.base_lr == LR / 2 and resumed.lr == LR / 2 * lr_factor(2, resumed_cfg, max_steps=10)
     assert [group["lr"] for group in resumed.optimizer.param_groups] == [peak * factor for peak in peaks]
     assert resumed.scheduler.last_epoch == 3
-    saved, loaded = first.optimizer.state.values(), resumed.optimizer.state.values()
-    assert loaded and all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(saved, loaded, strict=True))
+    loaded = resumed.optimizer.state_dict()["state"]
+    assert loaded.keys() == saved.keys() and saved
+    for index, before in saved.items():
+        assert before.keys() == loaded[index].keys()
+        assert all(torch.equal(before[k], loaded[index][k]) for k in before), index
     assert "the learning rates differ from the checkpoint's" in capsys.readouterr().err
     with pytest.raises(UserError, match=r"optimizer state does not fit this run's parameter groups \(loaded"):
         update_for(f"optim.lr={LR}").load_state_dict(state)  # no layer decay: other groups

@@ -119,7 +119,6 @@ def test_two_rank_run_writes_checkpoints_metrics_and_wandb(reference):
     # skipped samples are summed over both ranks and logged for every reason, zeros included
     assert all(record[f"data/skipped_{reason}"] == 0 for record in records for reason in SKIP_REASONS)
     startup = {key: value for key, value in records[0].items() if key.startswith("startup/")}
-    assert startup["startup/total_s"] == pytest.approx(sum(startup.values()) - startup["startup/total_s"])
     assert startup["startup/first_step_s"] > 0 and startup["startup/model_s"] > 0
     assert not any(key.startswith("startup/") for record in records[1:] for key in record)
     assert (reference / "config.yaml").is_file()
