@@ -14,7 +14,8 @@ from small_runs import DEMO_CONFIG, TINY_MODEL_CONFIG
 from clip_train.config import BatchConfig, ConfigError, load_config
 from clip_train.model import build_model
 from clip_train.plan import breakdown, choose_chunks, largest_fitting_chunks, profile_model
-from clip_train.plan.auto_chunks import run_setting
+from clip_train.plan.auto_chunks import cgroup_room, run_setting
+from clip_train.plan.estimate import GIB, usable_bytes
 from clip_train.trainer import chunks_kept_from
 
 SMALL = ("model.image.timm_kwargs.depth=2", "model.text.hf_config.num_hidden_layers=1")
@@ -41,6 +42,12 @@ def test_a_batch_that_fits_is_one_chunk_per_tower(profile):
     choice = largest_fitting_chunks(profile, setting, ("image", "text"), whole)
     assert (choice.image, choice.text, choice.fits) == (PER_RANK, PER_RANK, True)
     assert choice.peak == whole and "no replay" in choice.describe()
+    for override in ("batch.keep_last_graph=false", "loss.impl=local"):  # no graph kept: both replay
+        setting = _setting(override)
+        whole = _peak(profile, setting, PER_RANK, PER_RANK)
+        choice = largest_fitting_chunks(profile, setting, ("image", "text"), whole)
+        assert (choice.image, choice.text) == (PER_RANK, PER_RANK)
+        assert "each encoded twice" in choice.describe() and "no replay" not in choice.describe()
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.6, 0.45])
@@ -74,7 +81,47 @@ def test_choosing_leaves_the_rng_streams_and_gradients_as_they_were(tmp_path):
     choice = choose_chunks(model, cfg, 1)
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in model.parameters())
-    assert (choice.image, choice.text) == (32, 32) and choice.usable == pytest.approx(64 * 2**30 * 0.9)
+    assert (choice.image, choice.text) == (32, 32) and choice.usable == pytest.approx(64 * GIB * 0.9)
+    assert usable_bytes(65) == pytest.approx(choice.usable)  # the plan's 65 GiB GPU: 64 beside its context
+
+
+def test_an_ema_of_the_weights_is_counted_beside_the_optimizer_state(profile):
+    without, with_ema = (breakdown(profile, _setting(*ema)) for ema in ([], ["train.ema_decay=0.999"]))
+    assert with_ema.optimizer - without.optimizer == profile.trainable_bytes > 0
+    assert with_ema.peak - without.peak == profile.trainable_bytes
+
+
+def cgroup_tree(root, membership: str, files: dict[str, str]):
+    """A fake /sys/fs/cgroup under ``root`` and the /proc/self/cgroup that places the process in it."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    (root / "self_cgroup").write_text(membership + "\n")
+    return root, root / "self_cgroup"
+
+
+def test_the_cpu_budget_takes_the_room_of_the_process_own_cgroups_v2_and_v1(tmp_path):
+    """A Slurm job's or a systemd unit's limit sits below the mount's root, and cgroup v1 keeps it in
+    memory.limit_in_bytes: the least room over the process's cgroup and those above it counts."""
+    job = "system.slice/slurmstepd.scope/job_7"
+    v2 = {
+        "memory.max": "max",
+        "system.slice/memory.max": str(64 * GIB),
+        "system.slice/memory.current": str(40 * GIB),  # 24 GiB of room, shared with others
+        f"{job}/memory.max": str(8 * GIB),
+        f"{job}/memory.current": str(3 * GIB),  # 5 GiB of room: the least
+    }
+    assert cgroup_room(*cgroup_tree(tmp_path / "v2", f"0::/{job}", v2)) == 5 * GIB
+    v1 = {
+        "memory/memory.limit_in_bytes": "9223372036854771712",  # v1's "no limit"
+        f"memory/{job}/memory.limit_in_bytes": str(4 * GIB),
+        f"memory/{job}/memory.usage_in_bytes": str(1 * GIB),
+        "unified/cgroup.procs": "",
+    }
+    membership = f"5:memory:/{job}\n4:cpu,cpuacct:/{job}\n0::/{job}"
+    assert cgroup_room(*cgroup_tree(tmp_path / "v1", membership, v1)) == 3 * GIB
+    unlimited = {"memory/memory.limit_in_bytes": "9223372036854771712", "memory.max": "max"}
+    assert cgroup_room(*cgroup_tree(tmp_path / "none", "5:memory:/\n0::/", unlimited)) is None
 
 
 def test_choosing_leaves_a_batch_norms_running_statistics_as_they_were():

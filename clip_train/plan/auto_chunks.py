@@ -19,12 +19,13 @@ from clip_train.errors import UserError
 from clip_train.loss.tiles_torch import default_tile
 from clip_train.memory import format_bytes
 from clip_train.parallel.fsdp import mixed_precision
-from clip_train.plan.estimate import GIB, ModelProfile, Setting, breakdown
+from clip_train.plan.estimate import GIB, RESERVE, ModelProfile, Setting, breakdown
 from clip_train.plan.profile import profile_built_model
 
 MEASURED_CHUNKS = (2, 4)
-RESERVE = 0.10  # of the budget, for what the estimate leaves out (allocator slack, the runtime)
 CGROUP = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as the largest page multiple below 2**63
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,12 @@ class ChunkChoice:
     peak: float  # estimated bytes per rank
     usable: float  # the bytes it had to fit
     fits: bool
+    keeps_graphs: bool  # a whole tower keeps its graph through the loss (inf loss, batch.keep_last_graph)
 
     def describe(self) -> str:
+        whole = "the whole per-rank batch fits: one chunk per tower"
         how = (
-            "the whole per-rank batch fits: one chunk per tower, no replay"
+            (f"{whole}, no replay" if self.keeps_graphs else f"{whole}, each encoded twice: no graph kept")
             if (self.image, self.text) == (self.per_rank, self.per_rank)
             else "the largest chunks that fit"
         )
@@ -69,6 +72,7 @@ def run_setting(cfg: Config, world_size: int, device_type: str) -> Setting:
         sync_every_chunk=cfg.fsdp.sync_every_chunk,
         cpu_offload=cfg.fsdp.cpu_offload,
         **_fsdp_itemsizes(cfg),
+        ema=cfg.train.ema_decay > 0,
     )
 
 
@@ -84,17 +88,46 @@ def _fsdp_itemsizes(cfg: Config) -> dict[str, int]:
     }
 
 
-def device_budget(device: torch.device, local_ranks: int) -> float:
+def device_budget(device: torch.device, local_ranks: int, held: int) -> float:
     """Bytes this rank may use: its GPU's free memory plus what the process already holds there;
-    on the CPU its share of the node's available memory (and of the cgroup's limit, if lower)."""
+    on the CPU its share of the node's available memory (and of its cgroups' room, if less) plus
+    ``held``, the model's bytes, which the estimate counts (the interpreter's and torch's own
+    memory it does not, so the process's whole RSS is not room)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free + torch.cuda.memory_allocated(device))
     available = psutil.virtual_memory().available
-    limit = _read_int(CGROUP / "memory.max")
-    if limit is not None:
-        available = min(available, limit - (_read_int(CGROUP / "memory.current") or 0))
-    return available / local_ranks + psutil.Process().memory_info().rss
+    room = cgroup_room()
+    if room is not None:
+        available = min(available, room)
+    return available / local_ranks + held
+
+
+def cgroup_room(root: Path = CGROUP, membership: Path = PROC_CGROUP) -> int | None:
+    """Bytes this process's memory cgroups leave it: the least room (limit less usage) over its own
+    cgroup and those above it, cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``); None
+    without a limit. Its own cgroup, not the mount's root: a Slurm job's or a systemd unit's limit
+    sits below the root."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:  # the v2 hierarchy (under unified/ where v1 holds the memory controller)
+            base = root / "unified" if (root / "unified").is_dir() else root
+            limit_file, usage_file = "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_file, usage_file = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        level = base / path.strip("/")
+        for folder in (level, *level.parents[: len(level.parents) - len(base.parents)]):
+            limit = _read_int(folder / limit_file)  # v2 "max" reads as None
+            if limit is not None and limit < NO_LIMIT:
+                rooms.append(limit - (_read_int(folder / usage_file) or 0))
+    return min(rooms) if rooms else None
 
 
 def _read_int(path: Path) -> int | None:
@@ -118,7 +151,8 @@ def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks)
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks, held)
     setting = run_setting(cfg, world_size, device.type)
     choice = largest_fitting_chunks(profile, setting, cfg.batch.auto_towers, budget * (1 - RESERVE))
     if not choice.fits:
@@ -152,7 +186,10 @@ def largest_fitting_chunks(
         larger = [size for size in sizes if size > chunks[tower] and peak(**{tower: size}) <= usable]
         chunks[tower] = max(larger, default=chunks[tower])
     estimate = peak()
-    return ChunkChoice(chunks["image"], chunks["text"], per_rank, estimate, usable, estimate <= usable)
+    keeps_graphs = setting.impl == "inf" and setting.keep_last_graph  # the engine's rule (graph_keepers)
+    return ChunkChoice(
+        chunks["image"], chunks["text"], per_rank, estimate, usable, estimate <= usable, keeps_graphs
+    )
 
 
 def _transient(profile: ModelProfile, tower: str, chunk: int) -> float:

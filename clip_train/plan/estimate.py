@@ -20,6 +20,7 @@ from clip_train.errors import UserError
 
 GIB = 2**30
 FP32 = 4
+RESERVE = 0.10  # of the memory a run may use, for what the estimate leaves out (allocator slack, the runtime)
 # Elements per strip of a tile that the PyTorch tiles work through at once on the CPU, where
 # ``loss_workspace`` is measured (``loss/tiles_torch.py``'s STRIP_ELEMENTS; a test holds them equal).
 STRIP_ELEMENTS = 1 << 20
@@ -121,6 +122,7 @@ class Setting:
     cpu_offload: bool = False
     gather_itemsize: int = FP32  # bytes of an all-gathered weight (fsdp.param_dtype)
     accumulate_itemsize: int = FP32  # bytes of a gradient accumulated unsharded (fsdp.reduce_dtype)
+    ema: bool = False  # train.ema_decay > 0: an fp32 average of the trainable weights beside them
 
     @property
     def per_rank(self) -> int:
@@ -139,7 +141,7 @@ class Breakdown:
     gathered: float  # sharded: the all-gathered weights in use (``gathered_weights``); DDP: 0
     grads: float  # trainable parameters only (LiT-frozen ones have none); DDP's buckets are views of them
     accumulated: float  # sharded: a tower's unsharded gradients between syncs (``accumulated_grads``)
-    optimizer: float  # the trainable parameters' optimizer state
+    optimizer: float  # the trainable parameters' optimizer state (and their EMA, with one)
     data: float  # M_data: the raw per-rank batch; with offload, two chunks of the stream in use
     cache: float  # M_cache: fp32 features and their gradients, and a LiT tower's frozen-trunk output
     loss: float  # M_loss: b×b (vanilla), n×b (local) or O(n·d) + tile² (inf) for n = b / gpus
@@ -200,6 +202,7 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     share = resident_share(setting)
     trainable = profile.trainable_bytes
     optimizer = {"adamw": profile.adamw_bytes, "adafactor": profile.adafactor_bytes}[setting.optimizer]
+    optimizer += trainable if setting.ema else 0
     # Raw input and cached-trunk streams: all on the device, or (offload) two chunks of the largest.
     streams = [(t.input_per_sample, setting.chunk(t.name)) for t in profile.towers]
     streams += [(t.trunk_per_sample, setting.chunk(t.name)) for t in profile.towers]
@@ -299,10 +302,11 @@ def graph_keepers(replaying: list[TowerProfile], setting: Setting) -> list[Tower
 
 
 def usable_bytes(gpu_mem_gib: float) -> float:
-    """GPU memory minus a reserve for the CUDA context and allocator fragmentation: 5 % plus 1 GiB,
-    the GiB capped at 10 % so toy budgets still plan."""
+    """What a run's ``auto`` chunks fit into on a GPU of ``gpu_mem_gib``: the memory beside the CUDA
+    context (1 GiB, capped at 10 % so toy budgets still plan), which is what a run finds free, less
+    the run's ``RESERVE``. The plan then shows the chunks a run would choose."""
     total = gpu_mem_gib * GIB
-    return total * (1 - 0.05) - min(GIB, 0.10 * total)
+    return (total - min(GIB, 0.10 * total)) * (1 - RESERVE)
 
 
 def max_batch(profile: ModelProfile, setting: Setting, capacity: float, limit: int = 2**40) -> int:
