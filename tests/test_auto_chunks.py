@@ -91,6 +91,15 @@ def test_an_ema_of_the_weights_is_counted_beside_the_optimizer_state(profile):
     assert with_ema.peak - without.peak == profile.trainable_bytes
 
 
+def test_on_the_cpu_offload_leaves_the_whole_batch_in_the_memory_a_run_fits_into(profile):
+    """The engine keeps the batch (and a LiT trunk's cache) in host memory: on a GPU that is not the
+    device's, on the CPU it is."""
+    offloaded, kept = (breakdown(profile, _setting(f"batch.offload={on}")) for on in ("true", "false"))
+    assert (offloaded.data, offloaded.cache) == (kept.data, kept.cache)
+    on_a_gpu = breakdown(profile, dataclasses.replace(_setting("batch.offload=true"), device="cuda"))
+    assert on_a_gpu.data < kept.data
+
+
 def cgroup_tree(root, membership: str, files: dict[str, str]):
     """A fake /sys/fs/cgroup under ``root`` and the /proc/self/cgroup that places the process in it."""
     for name, text in files.items():

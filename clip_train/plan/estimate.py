@@ -206,13 +206,14 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     # Raw input and cached-trunk streams: all on the device, or (offload) two chunks of the largest.
     streams = [(t.input_per_sample, setting.chunk(t.name)) for t in profile.towers]
     streams += [(t.trunk_per_sample, setting.chunk(t.name)) for t in profile.towers]
-    if setting.offload:  # the chunk in use and the one prefetched behind it
+    offloaded = setting.offload and setting.device == "cuda"  # on the CPU, host memory is the device's
+    if offloaded:  # the chunk in use and the one prefetched behind it
         data = max(size * min(2 * chunk, n) for size, chunk in streams)
     else:
         data = n * sum(t.input_per_sample for t in profile.towers)
     replaying = [t for t in profile.towers if t.replays]
     features = (2 + len(replaying)) * n * dim * FP32  # both towers' features, the replayed ones' gradients
-    trunk = 0 if setting.offload else n * sum(t.trunk_per_sample for t in profile.towers)
+    trunk = 0 if offloaded else n * sum(t.trunk_per_sample for t in profile.towers)
     backbone = max(
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
     )

@@ -285,6 +285,7 @@ def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, s
         offload=setting.offload,
         loss_impl=setting.impl,
         tile_size=setting.tile,
+        keep_last_graph=setting.keep_last_graph,
     )
     cpu = torch.device("cpu")
     baseline = used_bytes(cpu)
