@@ -75,7 +75,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     bench = subparsers.add_parser(
         "bench",
         help="benchmarks (loss, step, data, train, gpu)",
-        description="Measure time and memory; see README.",
+        description="Measure time and memory; see docs/benchmarks.md.",
     )
     benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True)
     _add_commands(benchmarks, BENCH_COMMANDS, chosen[1] if chosen[0] == "bench" else None)

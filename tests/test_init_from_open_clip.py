@@ -325,6 +325,25 @@ def test_an_export_into_a_run_that_differs_fails_in_one_line(demo_export, overri
 # --------------------------------------------------------------------------------------------
 
 
+def test_a_hub_name_in_the_cache_loads_without_asking_the_hub(tmp_path, monkeypatch):
+    """Online too: every rank of a large run would otherwise ask the hub at start-up (and, without
+    network, retry for half a minute before reading the cache)."""
+    bert, _ = write_bert_dir(tmp_path / "bert")
+    files = {f.name: f for f in (tmp_path / "bert").iterdir()}
+    put_in_hub_cache(tmp_path / "hub", "someone/tiny-bert", files)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def asked(*args, **kwargs):
+        raise AssertionError(f"asked the hub for {args} {kwargs}")
+
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", asked)
+    overrides = ["model.text.hf=someone/tiny-bert", "model.text.hf_config={}", "model.text.tokenizer="]
+    model = build_model(load_config(TINY_MODEL_CONFIG, overrides).model)
+    loaded = model.text.encoder.state_dict()
+    assert all(torch.equal(tensor, bert.state_dict()[name]) for name, tensor in loaded.items())
+
+
 def test_hub_weights_are_read_from_the_local_cache(vit_bert, tmp_path, monkeypatch):
     folder, run = vit_bert
     names = ("open_clip_config.json", "open_clip_model.safetensors")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import HFValidationError
 
 from clip_train.errors import UserError
@@ -19,19 +20,29 @@ def download_hint(name: str, key: str) -> str:
 
 
 def load_hf(auto_cls: type, source: str, key: str, **kwargs):
-    """``auto_cls.from_pretrained`` from a local dir or the hub cache, with one-line errors."""
+    """``auto_cls.from_pretrained`` from a local dir or the hub cache, with one-line errors.
+
+    A hub name is looked up in the cache first, without a request: every rank of a large run would
+    otherwise ask the hub at start-up, and without network the hub client retries for half a
+    minute before failing. Only a name the cache lacks goes to the hub (unless HF_HUB_OFFLINE)."""
     check_local_dir(source, key)
     path = Path(source).expanduser()
-    try:
-        return auto_cls.from_pretrained(str(path) if path.is_dir() else source, **kwargs)
-    except (OSError, HFValidationError) as err:
-        if path.is_dir():
+    if path.is_dir():
+        try:
+            return auto_cls.from_pretrained(str(path), **kwargs)
+        except (OSError, HFValidationError) as err:
             reason = str(err).splitlines()[0]
             raise ModelLoadError(f"{key}={source!r}: cannot load from this directory: {reason}") from None
-        raise ModelLoadError(
-            f"{key}={source!r} is neither a local directory nor in the local hub cache (offline?); "
-            f"{download_hint(source, key)}"
-        ) from None
+    attempts = [{"local_files_only": True}] + ([] if hf_constants.HF_HUB_OFFLINE else [{}])
+    for attempt in attempts:
+        try:
+            return auto_cls.from_pretrained(source, **kwargs, **attempt)
+        except (OSError, HFValidationError):
+            continue
+    raise ModelLoadError(
+        f"{key}={source!r} is neither a local directory nor in the local hub cache (offline?); "
+        f"{download_hint(source, key)}"
+    )
 
 
 def check_local_dir(source: str, key: str) -> None:
