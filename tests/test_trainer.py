@@ -355,6 +355,21 @@ def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+def poison_loss_at(trainer: Trainer, bad_step: int) -> list[dict[str, torch.Tensor]]:
+    """Make step ``bad_step``'s loss NaN; the list fills with the weights each step started from."""
+    real_step, seen = trainer.engine.step, []
+
+    def step(*args, **kwargs):
+        stats = real_step(*args, **kwargs)
+        seen.append(snapshot(trainer))
+        if len(seen) == bad_step:
+            stats.loss = torch.full_like(stats.loss, float("nan"))
+        return stats
+
+    trainer.engine.step = step
+    return seen
+
+
 # The guard skips on the device (fused AdamW's found_inf) or reads its flag on the host every step.
 GUARDS = pytest.mark.parametrize("fused", ["optim.fused=true", "optim.fused=false"])
 
@@ -363,17 +378,7 @@ GUARDS = pytest.mark.parametrize("fused", ["optim.fused=true", "optim.fused=fals
 def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_path, fused):
     trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=100", fused)
     assert trainer.update.skips_on_device == fused.endswith("true")
-    real_step = trainer.engine.step
-    seen: list[dict[str, torch.Tensor]] = []
-
-    def poisoned_first_step(*args, **kwargs):
-        stats = real_step(*args, **kwargs)
-        seen.append(snapshot(trainer))
-        if len(seen) == 1:
-            stats.loss = torch.full_like(stats.loss, float("nan"))
-        return stats
-
-    trainer.engine.step = poisoned_first_step
+    seen = poison_loss_at(trainer, 1)
     trainer.run()
     # seen[i] holds the weights step i+1 started from
     assert_bit_identical(seen[1], seen[0])
@@ -428,17 +433,7 @@ def test_consecutive_bad_steps_abort_and_keep_last_good_checkpoint(digits, tmp_p
 def test_a_non_finite_last_step_still_saves_the_last_good_weights_as_the_final_step(digits, tmp_path, fused):
     """A periodic checkpoint waits for a good step; the last step has no later one to wait for."""
     trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=2", fused)
-    real_step = trainer.engine.step
-    seen: list[dict[str, torch.Tensor]] = []
-
-    def poisoned_last_step(*args, **kwargs):
-        stats = real_step(*args, **kwargs)
-        seen.append(snapshot(trainer))
-        if len(seen) == 3:
-            stats.loss = torch.full_like(stats.loss, float("nan"))
-        return stats
-
-    trainer.engine.step = poisoned_last_step
+    seen = poison_loss_at(trainer, 3)
     trainer.run()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     assert_bit_identical(weights(tmp_path, 3), seen[2])  # the weights step 3 started from
