@@ -29,8 +29,9 @@ from clip_train import load_config
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
 from clip_train.init_from import check_init_from, load_init_from
-from clip_train.model import CLIP, build_model
+from clip_train.model import CLIP, ModelLoadError, build_model
 from clip_train.model.from_open_clip import resolve
+from clip_train.model.tokenizer import HFTokenizer
 
 VIT = {"image_size": 16, "layers": 2, "width": 32, "patch_size": 8, "head_width": 16}  # 2 heads
 VIT_RUN = [  # the clip_train config of the same ViT: timm's CLIP ViT (pre-norm, LayerNorm eps 1e-5)
@@ -342,6 +343,17 @@ def test_a_hub_name_in_the_cache_loads_without_asking_the_hub(tmp_path, monkeypa
     model = build_model(load_config(TINY_MODEL_CONFIG, overrides).model)
     loaded = model.text.encoder.state_dict()
     assert all(torch.equal(tensor, bert.state_dict()[name]) for name, tensor in loaded.items())
+
+
+def test_a_snapshot_without_the_tokenizer_files_is_not_a_cached_tokenizer(tmp_path, monkeypatch):
+    """transformers builds a BERT tokenizer with an empty vocabulary from the model's config alone
+    (every word [UNK]): a snapshot that holds just config.json sends the tokenizer to the hub."""
+    write_bert_dir(tmp_path / "bert")
+    config_only = {"config.json": tmp_path / "bert" / "config.json"}
+    put_in_hub_cache(tmp_path / "hub", "someone/tiny-bert", config_only)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError, match="is neither a local directory nor in the local hub cache"):
+        HFTokenizer("someone/tiny-bert", 8)
 
 
 def test_hub_weights_are_read_from_the_local_cache(vit_bert, tmp_path, monkeypatch):

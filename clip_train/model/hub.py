@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
+from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 
 from clip_train.errors import UserError
@@ -19,12 +20,14 @@ def download_hint(name: str, key: str) -> str:
     return f"pre-download it with `hf download {name} --local-dir DIR` and set {key}=DIR"
 
 
-def load_hf(auto_cls: type, source: str, key: str, **kwargs):
+def load_hf(auto_cls: type, source: str, key: str, cached_file: str = "config.json", **kwargs):
     """``auto_cls.from_pretrained`` from a local dir or the hub cache, with one-line errors.
 
-    A hub name is looked up in the cache first, without a request: every rank of a large run would
-    otherwise ask the hub at start-up, and without network the hub client retries for half a
-    minute before failing. Only a name the cache lacks goes to the hub (unless HF_HUB_OFFLINE)."""
+    A hub name whose ``cached_file`` the cache holds is read from the cache first, without a
+    request: every rank of a large run would otherwise ask the hub at start-up, and without network
+    the hub client retries for half a minute before failing. Other names go to the hub (unless
+    HF_HUB_OFFLINE). A tokenizer names its own file: transformers builds one with an empty
+    vocabulary from a snapshot that holds only the model's config."""
     check_local_dir(source, key)
     path = Path(source).expanduser()
     if path.is_dir():
@@ -33,7 +36,9 @@ def load_hf(auto_cls: type, source: str, key: str, **kwargs):
         except (OSError, HFValidationError) as err:
             reason = str(err).splitlines()[0]
             raise ModelLoadError(f"{key}={source!r}: cannot load from this directory: {reason}") from None
-    attempts = [{"local_files_only": True}] + ([] if hf_constants.HF_HUB_OFFLINE else [{}])
+    attempts = [{"local_files_only": True}] if _in_cache(source, cached_file) else []
+    if not hf_constants.HF_HUB_OFFLINE:
+        attempts.append({})
     for attempt in attempts:
         try:
             return auto_cls.from_pretrained(source, **kwargs, **attempt)
@@ -43,6 +48,13 @@ def load_hf(auto_cls: type, source: str, key: str, **kwargs):
         f"{key}={source!r} is neither a local directory nor in the local hub cache (offline?); "
         f"{download_hint(source, key)}"
     )
+
+
+def _in_cache(repo: str, filename: str) -> bool:
+    try:
+        return isinstance(try_to_load_from_cache(repo, filename), str)
+    except HFValidationError:  # not a hub name
+        return False
 
 
 def check_local_dir(source: str, key: str) -> None:

@@ -56,7 +56,7 @@ class HFTokenizer:
 
     def __init__(self, source: str, context_length: int, key: str = "model.text.tokenizer") -> None:
         self.source, self.context_length, self.key = source, context_length, key
-        self._tok = load_hf(AutoTokenizer, source, key)
+        self._tok = load_hf(AutoTokenizer, source, key, cached_file="tokenizer_config.json")
         self._clean = get_clean_fn("whitespace")
         self.vocab_size: int = len(self._tok)
         self.pad_token_id: int | None = self._tok.pad_token_id
