@@ -17,8 +17,7 @@ from typing import Any
 
 from clip_train.config import Config
 from clip_train.logs import Progress
-from clip_train.preemption import Preempted
-from clip_train.stopping import Ending
+from clip_train.preemption import EXIT_PREEMPTED
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 
@@ -47,15 +46,15 @@ class RunMonitor:
     def message(self, text: str) -> None:
         self.progress.write(text)
 
-    def close(self, ending: BaseException | None = None) -> None:
-        """``ending``: what stopped the run (``None``: it finished). wandb takes its exit code, or it
-        would show a failed or preempted run as finished."""
+    def close(self, exit_code: int = 0) -> None:
+        """``exit_code``: the run's (``stopping.exit_code``). wandb takes it, or it would show a failed
+        or preempted run as finished."""
         self.progress.close()
         self.metrics_file.close()
         if self.wandb_run is not None:
-            if isinstance(ending, Preempted):
+            if exit_code == EXIT_PREEMPTED:
                 self.wandb_run.mark_preempting()
-            self.wandb_run.finish(exit_code=0 if ending is None else Ending.of(ending, rank=0).code)
+            self.wandb_run.finish(exit_code=exit_code)
 
 
 def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = False) -> None:

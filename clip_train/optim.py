@@ -262,6 +262,10 @@ class Update:
             )
         for group, own in pairs:
             group.update(own)
+            if group.get("fused") or group.get("capturable"):  # torch placed the steps by the saved flags
+                for param in group["params"]:
+                    if (state := self.optimizer.state.get(param)) and "step" in state:
+                        state["step"] = state["step"].to(param.device, torch.float32)
         self.scheduler.base_lrs = list(self.peak_lrs)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs, strict=True):

@@ -172,6 +172,19 @@ class Ending:
             get_logger().error(f"rank {rank}: error: {self.message}")
 
 
+def exit_code(err: BaseException | None, env: DistEnv) -> int:
+    """The code this rank's run will exit with, by ``StopWatch.ended_by``'s rule and without
+    recording anything: its own ``UserError`` or ``Preempted``, else the ending a rank recorded
+    first (a peer's, which interrupted this one), else its own."""
+    if err is None:
+        return 0
+    own = Ending.of(err, env.rank)
+    if isinstance(err, UserError | Preempted) or env.world_size == 1:
+        return own.code
+    recorded = announced_ending()
+    return own.code if recorded is None else pickle.loads(recorded).code
+
+
 class StopWatch:
     """This rank's watch over the others' endings and over its own main thread after a signal;
     ``ended_by`` reports how the run ended, the same way on every rank."""

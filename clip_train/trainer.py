@@ -57,7 +57,7 @@ from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
 from clip_train.skipped_steps import TrainingAborted
 from clip_train.startup_time import StartupClock
-from clip_train.stopping import StoppableEvaluation, writing_checkpoint
+from clip_train.stopping import StoppableEvaluation, exit_code, writing_checkpoint
 from clip_train.teacher import load_teacher
 
 
@@ -332,7 +332,7 @@ class Trainer:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
         if self.startup is not None:
             self.startup.lap("monitor")  # the run folder, metrics.jsonl and wandb's start
-        ending: BaseException | None = None  # how the run ended, for wandb
+        ending: BaseException | None = None  # what ended the run, for wandb
         try:
             with contextlib.nullcontext(signals) if signals is not None else preemption_signals() as signals:
                 self.signals = signals
@@ -369,7 +369,7 @@ class Trainer:
             if self.remote is not None:
                 self.remote.wait()  # the last checkpoint's upload
             if monitor is not None:
-                monitor.close(ending)
+                monitor.close(exit_code(ending, env))
 
     def _after_step(
         self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float, window: LogWindow

@@ -237,6 +237,28 @@ def test_the_guarded_update_and_the_ema_never_sync_and_a_non_finite_step_is_skip
     assert int(update.optimizer.state[model.visual.proj.weight]["step"]) == 2
 
 
+def test_a_resume_that_turns_on_the_fused_optimizer_steps_it_on_the_device(tmp_path) -> None:
+    """Unfused AdamW keeps its step counts on the host and torch loads them where the saved groups
+    said; the fused kernel takes them on the parameters' device."""
+    model = make_model(*NO_DROPOUT, dtype=torch.float32).to(CUDA)
+    batch = [t.to(CUDA) for t in make_batch(rows=8)]
+    engine = GradCache(model, image_chunk=8, text_chunk=8)
+
+    def update_with(fused: str) -> Update:
+        return Update(model, load_config(DEMO_CONFIG, [f"train.out_dir={tmp_path}", fused]), CUDA)
+
+    unfused = update_with("optim.fused=false")
+    engine.step(*batch, timed=False)
+    unfused(torch.ones((), device=CUDA), 1)
+    resumed = update_with("optim.fused=true")
+    resumed.load_state_dict(unfused.state_dict())
+    resumed.optimizer.zero_grad(set_to_none=True)
+    engine.step(*batch, timed=False)
+    resumed(torch.ones((), device=CUDA), 2)
+    state = resumed.optimizer.state[model.visual.proj.weight]
+    assert state["step"].device.type == "cuda" and int(state["step"]) == 2
+
+
 def test_process_rng_restores_the_current_device_from_either_format(monkeypatch) -> None:
     """The state holds the current device's generator; an older checkpoint's list with more devices
     than this process sees restores its entry 0 (LOCAL_RANK unset) onto the current device."""

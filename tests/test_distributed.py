@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from dist_utils import run_distributed
 from torch.testing._internal.distributed.fake_pg import _create_fake_pg
 
 from clip_train.distributed import (
+    DistEnv,
     PeerEnded,
     all_ranks_true,
     announce_ending,
@@ -31,6 +33,8 @@ from clip_train.distributed import (
 )
 from clip_train.errors import UserError
 from clip_train.loss.checks import check_inputs
+from clip_train.preemption import Preempted
+from clip_train.stopping import Ending, exit_code
 
 KEYS = ("bad_image", "bad_json", "truncated_tar")
 
@@ -246,6 +250,22 @@ def ended_while_waiting(rank: int, world_size: int) -> str:
 
 def test_a_rank_waiting_for_rank_zero_learns_that_another_rank_ended_the_run():
     assert run_distributed(ended_while_waiting, 3, timeout_s=60) == ["ended", "told", "told"]
+
+
+def exit_codes_after_rank_one_was_preempted(rank: int, world_size: int) -> list[int]:
+    """Rank 1 records a preemption as the run's ending; every rank then tells wandb what the process
+    will exit with: a rank's own UserError is its own, any other exception (the watch's interrupt, a
+    broken collective) takes the recorded ending."""
+    if rank == 1:
+        announce_ending(pickle.dumps(Ending.of(Preempted("SIGTERM"), rank)))
+    dist.barrier()
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+    endings = (None, KeyboardInterrupt(), RuntimeError("a peer's collective broke"), UserError("its own"))
+    return [exit_code(err, env) for err in endings]
+
+
+def test_the_exit_code_wandb_gets_is_the_run_s_not_the_interrupted_rank_s():
+    assert run_distributed(exit_codes_after_rank_one_was_preempted, 2, timeout_s=60) == [[0, 75, 75, 2]] * 2
 
 
 def collective_rank_one_skips(rank: int, world_size: int, timeout_s: float, wait_s: float) -> str:

@@ -10,14 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
 from clip_train.checkpoint import complete_checkpoints
+from clip_train.distributed import DistEnv
 from clip_train.monitor import RunMonitor, drop_records_after
 from clip_train.preemption import Preempted
 from clip_train.skipped_steps import TrainingAborted
+from clip_train.stopping import exit_code
 
 
 def record(step: int, **metrics: float) -> str:
@@ -107,15 +110,15 @@ def wandb_records(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("ending", "exit_code"),
+    ("ending", "code"),
     [(Preempted("SIGTERM"), 75), (TrainingAborted("5 consecutive steps", 3, 5), 2)],
 )
-def test_wandb_is_told_how_the_run_ended(tmp_path, ending, exit_code):
+def test_wandb_is_told_how_the_run_ended(tmp_path, ending, code):
     """wandb's default is 0 for any ending: a preempted or stopped run would show as finished."""
     cfg = load_config(DEMO_CONFIG, ["log.wandb.mode=offline"])
     monitor = RunMonitor(cfg, tmp_path, start_step=0)
     monitor.log(1, {"train/loss": 1.0})
-    monitor.close(ending)
+    monitor.close(exit_code(ending, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))))
     kinds = wandb_records(tmp_path)
-    assert "history" in kinds and kinds.count(f"exit {exit_code}") == 1
+    assert "history" in kinds and kinds.count(f"exit {code}") == 1
     assert ("preempting" in kinds) == isinstance(ending, Preempted)
