@@ -32,11 +32,17 @@ def pinned(spec: str, earlier: str, *, resolve: bool) -> str:
     """A clip_train run or checkpoint directory as the weights file it holds (a run directory's newest
     checkpoint's): ``earlier`` when that is one of its files (what the run's start pinned), else with
     ``resolve`` the one it holds now. A run still training in that directory would otherwise give a
-    resumed run another teacher, and WiSE-FT another start. Files and open_clip names stay as named."""
+    resumed run another teacher, and WiSE-FT another start. Files and open_clip names stay as named;
+    a pinned file since pruned there is said, and with ``resolve`` replaced by the newest."""
     if not spec or is_open_clip(spec) or Path(spec).is_file():
         return spec
-    if earlier and Path(earlier).is_relative_to(spec):
-        return earlier
+    folder = Path(spec).resolve()
+    if earlier and Path(earlier).resolve() != folder and Path(earlier).resolve().is_relative_to(folder):
+        if Path(earlier).is_file() or not resolve:
+            return earlier
+        now = find_weights(spec)
+        get_logger().warning(f"{earlier}, the weights this run started with, is gone from {spec}: {now}")
+        return str(now)
     return str(find_weights(spec)) if resolve else spec
 
 

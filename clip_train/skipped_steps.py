@@ -27,6 +27,9 @@ class TrainingAborted(UserError):
         super().__init__(message)
         self.step, self.total = step, total  # where it stopped, and the steps skipped in all
 
+    def __reduce__(self):
+        return type(self), (str(self), self.step, self.total)
+
 
 class SkippedSteps:
     """``in_a_row`` (the run of skipped steps ending at the last settled step) and ``total``, as of

@@ -228,9 +228,9 @@ class Trainer:
 
     def _pin_weight_sources(self, resumes: bool) -> None:
         """``model.init_from`` and ``distill.teacher`` as the weights files they named at the run's
-        start (``pinned``; rank 0 decides), recorded so in config.yaml and each checkpoint's model.yaml.
-        A resumed run keeps its start's; it resolves a teacher it never pinned, but not an init_from,
-        which it does not read."""
+        start (``pinned``; rank 0 decides), recorded so in config.yaml (and init_from in each
+        checkpoint's model.yaml, for WiSE-FT). A resumed run keeps its start's, as its config.yaml
+        says; it resolves a teacher it never pinned, but not an init_from, which it does not read."""
         cfg, config_file = self.cfg, self.run_dir / RUN_CONFIG_FILE
         earlier = load_config(config_file, saved=True) if resumes and config_file.is_file() else None
         for part, field, resolve in (("model", "init_from", not resumes), ("distill", "teacher", True)):

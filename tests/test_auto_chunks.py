@@ -127,7 +127,7 @@ def test_the_cpu_budget_takes_the_room_of_the_process_own_cgroups_v2_and_v1(tmp_
         f"memory/{job}/memory.usage_in_bytes": str(1 * GIB),
         "unified/cgroup.procs": "",
     }
-    membership = f"5:memory:/{job}\n4:cpu,cpuacct:/{job}\n0::/{job}"
+    membership = f"5:memory:/{job}\n4:cpu,cpuacct:/{job}\nnot a cgroup line\n0::/{job}"
     assert cgroup_room(*cgroup_tree(tmp_path / "v1", membership, v1)) == 3 * GIB
     unlimited = {"memory/memory.limit_in_bytes": "9223372036854771712", "memory.max": "max"}
     assert cgroup_room(*cgroup_tree(tmp_path / "none", "5:memory:/\n0::/", unlimited)) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE, checkpoint_init_from
 from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
+from clip_train.init_from import pinned
 from clip_train.trainer import Trainer
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -95,6 +97,25 @@ def test_a_run_directory_named_as_the_start_is_pinned_to_the_checkpoint_it_held(
     assert again.step == 2 and again.cfg.model.init_from == str(started)
     again.run()
     assert checkpoint_init_from(out / "checkpoints" / "step_00000003") == str(started)
+
+
+def test_a_pin_holds_under_another_spelling_and_a_pruned_one_gives_way_to_the_newest(
+    demo_run, tmp_path, capsys
+):
+    source = tmp_path / "source"
+    shutil.copytree(demo_run, source)
+    newest = str(source / "checkpoints" / "step_00000040" / MODEL_FILE)
+    earlier = str(source / "checkpoints" / "step_00000020" / MODEL_FILE)
+    assert pinned(os.path.relpath(source), earlier, resolve=True) == earlier
+    # a directory recorded before pins existed is no pin
+    assert pinned(str(source), str(source), resolve=True) == newest
+    assert pinned(str(source), str(source), resolve=False) == str(source)
+    shutil.rmtree(Path(earlier).parent)  # the source run's checkpoint.keep pruned it
+    assert pinned(str(source), earlier, resolve=False) == earlier  # a record, never read
+    assert pinned(str(source), earlier, resolve=True) == newest
+    assert f"{earlier}, the weights this run started with, is gone from {source}: {newest}" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(

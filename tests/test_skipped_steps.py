@@ -4,6 +4,8 @@ read after a run of ``train.max_bad_steps``, naming its length and the last good
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -39,8 +41,10 @@ def test_a_run_carries_across_reads_and_stops_at_the_read_after_it(tmp_path):
     assert not ledger._unread.requires_grad  # the losses' graphs are not chained step to step
     with pytest.raises(
         TrainingAborted, match=r"^3 consecutive steps .*max_bad_steps=3\); stopped at step 5\. .*none"
-    ):
+    ) as stopped:
         ledger.settle(5)
+    copied = pickle.loads(pickle.dumps(stopped.value))  # as a process pool would hand it on
+    assert (str(copied), copied.step, copied.total) == (str(stopped.value), 5, 3)
 
 
 def test_reading_twice_reads_nothing_new(tmp_path, caplog):

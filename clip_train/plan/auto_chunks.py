@@ -114,6 +114,8 @@ def cgroup_room(root: Path = CGROUP, membership: Path = PROC_CGROUP) -> int | No
         return None
     rooms = []
     for line in lines:
+        if line.count(":") < 2:  # not a hierarchy:controllers:path line
+            continue
         _, controllers, path = line.split(":", 2)
         if not controllers:  # the v2 hierarchy (under unified/ where v1 holds the memory controller)
             base = root / "unified" if (root / "unified").is_dir() else root
