@@ -232,7 +232,12 @@ class Trainer:
         checkpoint's model.yaml, for WiSE-FT). A resumed run keeps its start's, as its config.yaml
         says; it resolves a teacher it never pinned, but not an init_from, which it does not read."""
         cfg, config_file = self.cfg, self.run_dir / RUN_CONFIG_FILE
-        earlier = load_config(config_file, saved=True) if resumes and config_file.is_file() else None
+        earlier = None
+        if resumes and config_file.is_file():
+            try:
+                earlier = load_config(config_file, saved=True)
+            except ConfigError as err:  # cut short by a kill as it was written, say: it pins nothing
+                get_logger().warning(f"{config_file} does not read ({err}): no earlier pins taken from it")
         for part, field, resolve in (("model", "init_from", not resumes), ("distill", "teacher", True)):
             section, key = getattr(cfg, part), f"{part}.{field}"
             named = getattr(section, field)

@@ -97,6 +97,10 @@ def test_a_run_directory_named_as_the_start_is_pinned_to_the_checkpoint_it_held(
     assert again.step == 2 and again.cfg.model.init_from == str(started)
     again.run()
     assert checkpoint_init_from(out / "checkpoints" / "step_00000003") == str(started)
+    (out / "config.yaml").write_text("model: {init_from: [")  # cut short as it was written
+    finished = trainer(digits, out, 3, f"model.init_from={source}", "checkpoint.resume=auto")
+    assert finished.step == 3 and finished.cfg.model.init_from == str(source)  # resumes; nothing pinned
+    finished.loader.close()
 
 
 def test_a_pin_holds_under_another_spelling_and_a_pruned_one_gives_way_to_the_newest(
