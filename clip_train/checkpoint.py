@@ -127,14 +127,19 @@ def temp_checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
 def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: int, keep_every: int) -> Path:
     """Rename a complete ``tmp`` into place and prune all but the newest ``keep`` and the milestones."""
     root, final = checkpoint_root(out_dir), checkpoint_dir(out_dir, step)
-    # A rerun of the same step after a restart replaces it; the old copy goes aside under a temporary
-    # name, which start-up removes if this process dies after the swap, or puts back if before.
-    replace_folder(tmp, final, aside=tmp.with_name(tmp.name + REPLACED_SUFFIX))
+    replace_checkpoint(tmp, final)
     _fsync(root)  # the rename itself reaches the disk
     for old in complete_checkpoints(out_dir)[:-keep]:
         if not (keep_every and checkpoint_step(old) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def replace_checkpoint(tmp: Path, final: Path) -> None:
+    """Move a temporary checkpoint folder into place. A rerun of the same step (after a restart, or a
+    pull) replaces it; the old copy goes aside under a temporary name, which start-up removes if this
+    process dies after the swap, or puts back if before (``remove_stale_temp_dirs``)."""
+    replace_folder(tmp, final, aside=tmp.with_name(tmp.name + REPLACED_SUFFIX))
 
 
 def replace_folder(new: Path, out: Path, *, aside: Path) -> None:

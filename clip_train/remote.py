@@ -23,14 +23,13 @@ import fsspec
 
 from clip_train.checkpoint import (
     MANIFEST_FILE,
-    REPLACED_SUFFIX,
     RUN_CONFIG_FILE,
     checkpoint_problem,
     checkpoint_root,
     checkpoint_step,
     complete_checkpoints,
     is_step_name,
-    replace_folder,
+    replace_checkpoint,
     temp_checkpoint_dir,
 )
 from clip_train.errors import UserError
@@ -134,7 +133,7 @@ class RemoteMirror:
             raise UserError(
                 f"checkpoint.remote={self.url}: the pulled {name} does not verify: {problem}{kept}"
             )
-        replace_folder(partial, local, aside=partial.with_name(partial.name + REPLACED_SUFFIX))
+        replace_checkpoint(partial, local)
         return local
 
     def drop_newer_than(self, step: int) -> None:

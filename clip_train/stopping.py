@@ -172,6 +172,12 @@ class Ending:
             get_logger().error(f"rank {rank}: error: {self.message}")
 
 
+def _own_ending(err: BaseException) -> bool:
+    """A rank's own ``UserError`` or ``Preempted`` is how its run ends; any other exception (a
+    collective broken by a peer, the watch's interrupt) follows the ending a rank recorded first."""
+    return isinstance(err, UserError | Preempted)
+
+
 def exit_code(err: BaseException | None, env: DistEnv) -> int:
     """The code this rank's run will exit with, by ``StopWatch.ended_by``'s rule and without
     recording anything: its own ``UserError`` or ``Preempted``, else the ending a rank recorded
@@ -179,7 +185,7 @@ def exit_code(err: BaseException | None, env: DistEnv) -> int:
     if err is None:
         return 0
     own = Ending.of(err, env.rank)
-    if isinstance(err, UserError | Preempted) or env.world_size == 1:
+    if _own_ending(err) or env.world_size == 1:
         return own.code
     recorded = announced_ending()
     return own.code if recorded is None else pickle.loads(recorded).code
@@ -222,7 +228,7 @@ class StopWatch:
         self._ending_begun.set()
         own = Ending.of(err, self.env.rank)
         first = self._record(own)
-        ending = own if isinstance(err, UserError | Preempted) else first
+        ending = own if _own_ending(err) else first
         if ending is own and not isinstance(err, KeyboardInterrupt | PeerEnded | UserError | Preempted):
             get_logger().error(f"rank {self.env.rank} of {self.env.world_size} failed:", exc_info=err)
         ending.log(self.env.rank)

@@ -19,6 +19,7 @@ memory with ``offload``, so replay runs only ``encode_trainable``; a frozen towe
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,11 @@ class _Tower:
     caches_trunk: bool  # stage 1 keeps encode_frozen's output, replay starts from it
     sharded: bool = False  # FSDP2 units inside: they reduce-scatter as each backward ends
     sync_every_chunk: bool = False  # sharded: reduce-scatter every chunk, not only the last
+
+    @functools.cached_property
+    def stat_norms(self) -> list[nn.Module]:
+        """Layers with running statistics (batch norm), found once rather than every replay."""
+        return [m for m in self.module.modules() if getattr(m, "track_running_stats", False)]
 
     def sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         """Around a chunk's forward and backward: sync only if ``last``."""
@@ -445,7 +451,7 @@ class GradCache:
                     features = tower.head(*chunk)
                 features.backward(grad[start:end].to(features.dtype))
 
-        with _running_stats_kept(tower.module):
+        with _running_stats_kept(tower.stat_norms):
             self.chunk_stream.run(cache.trunk_cache or inputs, bounds, replay)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -460,10 +466,10 @@ class GradCache:
 
 
 @contextlib.contextmanager
-def _running_stats_kept(module: nn.Module) -> Iterator[None]:
+def _running_stats_kept(stat_norms: list[nn.Module]) -> Iterator[None]:
     """Batch norm's running statistics as stage 1 left them: a replay is the same forward again,
     and would move them a second time (twice the momentum, twice ``num_batches_tracked``)."""
-    norms = [m for m in module.modules() if getattr(m, "track_running_stats", False) and m.training]
+    norms = [m for m in stat_norms if m.training]
     kept = [[b.clone() for b in m.buffers(recurse=False)] for m in norms]
     try:
         yield
