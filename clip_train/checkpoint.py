@@ -36,9 +36,10 @@ from clip_train.config import CheckpointConfig, ModelConfig, load_config
 from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
-from clip_train.memory import format_bytes
+from clip_train.memory import format_bytes, tensor_bytes
 from clip_train.model import CLIP
 from clip_train.model.tokenizer import OPEN_CLIP
+from clip_train.state_dicts import misfit
 
 if TYPE_CHECKING:
     from clip_train.ema import WeightsEMA
@@ -129,10 +130,15 @@ def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: i
     root, final = checkpoint_root(out_dir), checkpoint_dir(out_dir, step)
     replace_checkpoint(tmp, final)
     _fsync(root)  # the rename itself reaches the disk
-    for old in complete_checkpoints(out_dir)[:-keep]:
-        if not (keep_every and checkpoint_step(old) % keep_every == 0):
-            shutil.rmtree(old, ignore_errors=True)
+    for old in beyond_keep(complete_checkpoints(out_dir), keep, keep_every):
+        shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def beyond_keep(checkpoints: list[Path], keep: int, keep_every: int) -> list[Path]:
+    """Of ``checkpoints`` (oldest first), those a run deletes: all but the newest ``keep`` and the
+    milestones (steps divisible by ``keep_every``, unless it is 0)."""
+    return [old for old in checkpoints[:-keep] if not (keep_every and checkpoint_step(old) % keep_every == 0)]
 
 
 def replace_checkpoint(tmp: Path, final: Path) -> None:
@@ -177,16 +183,6 @@ def write_checkpoint_files(
     model.text.encoder.config.save_pretrained(tmp / TEXT_DIR)
     model.tokenizer.save_pretrained(tmp / TEXT_DIR)
     write_manifest(tmp)
-
-
-def tensor_bytes(tree: object) -> int:
-    """The bytes of the tensors in nested dicts, lists and tuples: what saving them writes, give or
-    take a little metadata."""
-    if isinstance(tree, torch.Tensor):
-        return tree.nbytes
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    return sum(tensor_bytes(item) for item in tree) if isinstance(tree, list | tuple) else 0
 
 
 def cannot_save(final: Path, needed: int, reason: str) -> str:
@@ -487,25 +483,9 @@ def load_weights_file(
         raise UserError(f"{file} is damaged (truncated or not a safetensors file): {err}") from None
     if adapt is not None:
         adapt(weights)
-    own = model.state_dict()
-    problems = {
-        "Missing key(s)": sorted(own.keys() - weights.keys() - set(kept_if_absent)),
-        "Unexpected key(s)": sorted(weights.keys() - own.keys()),
-        "Size mismatch": [
-            f"{k} {tuple(weights[k].shape)} in the file, {tuple(own[k].shape)} in the model"
-            for k in sorted(own.keys() & weights.keys())
-            if weights[k].shape != own[k].shape
-        ],
-    }
-    found = [f"{what} {_first(names)}" for what, names in problems.items() if names]
-    if found:
-        raise UserError(f"{file} does not fit the model: {'; '.join(found)}")
+    if problem := misfit(weights, model.state_dict(), kept_if_absent):
+        raise UserError(f"{file} does not fit the model: {problem}")
     model.load_state_dict(weights, strict=not kept_if_absent)  # checked above: only those may be missing
-
-
-def _first(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def load_train_state(checkpoint: str | os.PathLike) -> dict:
@@ -634,6 +614,11 @@ class Checkpointer:
                 f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
                 "with checkpoint.resume=auto or pick a new train.out_dir"
             )
+        if path is None and self.remote is not None and (newest := self.remote.newest_complete()):
+            raise UserError(  # its first upload would prune them
+                f"checkpoint.remote={self.remote.url} already holds checkpoints of another run (newest "
+                f"{newest}); continue it with checkpoint.resume=auto or pick a new checkpoint.remote"
+            )
         step = saved_step(path) if path is not None else None
         if step is not None:
             for moved in set_aside_newer(self.run_dir, step):
@@ -643,4 +628,13 @@ class Checkpointer:
                 )
             if self.remote is not None:  # pulled by a later resume=auto, they would resume that history
                 self.remote.drop_newer_than(step)
+        if self.remote is not None and path is not None:
+            self._mirror_if_missing(path)
         return path
+
+    def _mirror_if_missing(self, checkpoint: Path) -> None:
+        """Upload the run's resumed checkpoint if the remote lacks it whole: an upload cut short by the
+        process's end is otherwise retried by the next save, and the last step's has none."""
+        ours = checkpoint.parent.resolve() == checkpoint_root(self.run_dir).resolve()
+        if ours and not self.remote.holds(checkpoint.name):
+            self.remote.push(checkpoint)

@@ -40,6 +40,8 @@ Parallel = Literal["ddp", "fsdp"]
 Schedule = Literal["cosine", "const", "const-cooldown"]
 FsdpDtype = Literal["auto", "fp32", "bf16"]
 CompileMode = Literal["default", "reduce-overhead"]
+SOURCE_SEPARATOR = "::"  # joins the sources of data.train (webdataset's, which ``expand_urls`` splits on too)
+JSON_PREFIX = "json:"  # a data.caption_key naming a field of the sample's json
 
 
 @dataclass
@@ -104,6 +106,16 @@ class DataConfig:
     csv_shard_rows: int = 1000  # tables: rows per piece, the unit shuffled and split like a shard
     caption_key: str | list[str] = "txt"  # shards: member (txt, caption) or json:FIELD; list: one per sample
 
+    @property
+    def caption_keys(self) -> tuple[str, ...]:
+        """``caption_key`` as a tuple: member extensions lower-cased (as shards' members are read),
+        ``json:FIELD`` fields as written."""
+        keys = [self.caption_key] if isinstance(self.caption_key, str) else self.caption_key
+        return tuple(
+            JSON_PREFIX + key[len(JSON_PREFIX) :] if key.lower().startswith(JSON_PREFIX) else key.lower()
+            for key in (key.strip() for key in keys)
+        )
+
 
 @dataclass
 class LossConfig:
@@ -141,7 +153,7 @@ class BatchConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adafactor"] = "adamw"  # adafactor is torch.optim.Adafactor
+    name: Literal["adamw", "adafactor"] = "adamw"  # adafactor is torch.optim.Adafactor (DDP only)
     lr: float = 5e-4  # peak learning rate, after warmup
     image_lr: float | None = None  # the image tower's peak rate; None: optim.lr (docs/fine-tune-optim.md)
     text_lr: float | None = None  # the text tower's peak rate; None: optim.lr
@@ -329,7 +341,7 @@ class Config:
         _check_distill(self.distill, self.loss)
         _check_text_source(self.model.text)
         _check_data_sources(self.data)
-        _check_fsdp(self.train)
+        _check_fsdp(self.train, self.optim)
         _check_compile_mode(self, world)
         return self
 
@@ -403,7 +415,7 @@ def _check_distill(distill: DistillConfig, loss: LossConfig) -> None:
 def _check_data_sources(data: DataConfig) -> None:
     """One positive weight per ``::`` source, drawn with replacement; caption keys that can name a
     caption (docs/data-mixtures.md)."""
-    weights, sources = data.train_weights, len(data.train.split("::"))
+    weights, sources = data.train_weights, len(data.train.split(SOURCE_SEPARATOR))
     if weights and len(weights) != sources:
         raise ConfigError(
             f"data.train_weights={weights} has {len(weights)} weights, but data.train has {sources} "
@@ -416,14 +428,11 @@ def _check_data_sources(data: DataConfig) -> None:
             "data.train_weights needs data.resampled=true: a weighted mixture draws each source's shards "
             "with replacement (one pass over every shard has no proportions to keep)"
         )
-    keys = [data.caption_key] if isinstance(data.caption_key, str) else data.caption_key
-    for key in keys or [""]:
-        name = key.strip().lower()
-        if not name or name == "json" or name == "json:":
-            raise ConfigError(
-                f"data.caption_key={data.caption_key!r}: each key is a member of the samples (txt, caption) "
-                "or json:FIELD, a field of their json"
-            )
+    if not data.caption_keys or any(key in ("", "json", JSON_PREFIX) for key in data.caption_keys):
+        raise ConfigError(
+            f"data.caption_key={data.caption_key!r}: each key is a member of the samples (txt, caption) "
+            "or json:FIELD, a field of their json"
+        )
 
 
 def _check_finite(section: Any, prefix: str = "") -> None:
@@ -508,14 +517,20 @@ def _check_ema(train: TrainConfig, evaluation: EvalConfig) -> None:
         raise ConfigError("eval.use_ema=true needs train.ema_decay > 0: without an EMA there is none")
 
 
-def _check_fsdp(train: TrainConfig) -> None:
-    """fp16's GradScaler finds overflows per rank, which sharded gradients would leave unshared."""
+def _check_fsdp(train: TrainConfig, optim: OptimConfig) -> None:
+    """fp16's GradScaler finds overflows per rank, which sharded gradients would leave unshared;
+    torch's Adafactor factors each whole weight matrix, which a shard is not."""
     if train.parallel != "fsdp":
         return
     if train.precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 with train.parallel=fsdp: the loss scaler is not shard-aware; "
             "use train.precision=bf16 (or fp32)"
+        )
+    if optim.name == "adafactor":
+        raise ConfigError(
+            "optim.name=adafactor with train.parallel=fsdp: torch's Adafactor cannot step sharded "
+            "parameters; use optim.name=adamw, or train.parallel=ddp"
         )
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from clip_train.checkpoint import EMA_FILE
 from clip_train.config import TrainConfig
 from clip_train.errors import UserError
+from clip_train.state_dicts import misfit
 
 
 def ema_decay_at(step: int, decay: float, warmup_power: float = 0.0) -> float:
@@ -99,7 +100,8 @@ class WeightsEMA:
     @torch.no_grad()
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set the averages from whole tensors (``ema.safetensors`` of an unsharded run)."""
-        check_fits(weights, self.averages, "the EMA of the trainable parameters")
+        if problem := misfit(weights, self.averages):
+            raise UserError(f"{EMA_FILE} does not fit the EMA of the trainable parameters: {problem}")
         for name, average in self.averages.items():
             average.copy_(weights[name])
 
@@ -114,15 +116,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def check_fits(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor], what: str) -> None:
-    """A one-line ``UserError`` unless ``weights`` has every name of ``own`` at its shape."""
-    missing = sorted(own.keys() - weights.keys())
-    shapes = [k for k in sorted(own.keys() & weights.keys()) if weights[k].shape != own[k].shape]
-    if missing or shapes:
-        problem = f"it lacks {missing[:3]}" if missing else f"shapes differ for {shapes[:3]}"
-        raise UserError(f"{EMA_FILE} does not fit {what}: {problem}")
-
-
 @torch.no_grad()
 def load_ema_weights(checkpoint: Path, model: nn.Module) -> None:
     """Put a checkpoint's EMA (``ema.safetensors``) into ``model``, whose other parameters (frozen
@@ -134,9 +127,7 @@ def load_ema_weights(checkpoint: Path, model: nn.Module) -> None:
         )
     weights = load_file(file)
     own = dict(model.named_parameters())
-    unknown = sorted(weights.keys() - own.keys())
-    if unknown:
-        raise UserError(f"{file} does not fit the model: unexpected key(s) {unknown[:3]}")
-    check_fits(weights, {k: own[k] for k in weights}, "the model")
+    if problem := misfit(weights, own, kept_if_absent=own.keys()):  # frozen parameters have no average
+        raise UserError(f"{file} does not fit the model: {problem}")
     for name, average in weights.items():
         own[name].copy_(average)

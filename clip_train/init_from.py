@@ -12,7 +12,7 @@ import torch
 from clip_train.checkpoint import Adapt, find_weights, load_weights
 from clip_train.config import ModelConfig
 from clip_train.logs import get_logger
-from clip_train.model import CLIP
+from clip_train.model import CLIP, build_model
 from clip_train.model.from_open_clip import KEPT_IF_ABSENT, check_open_clip, is_open_clip, load_open_clip
 from clip_train.model.image import resampled_position_embedding
 
@@ -46,17 +46,24 @@ def pinned(spec: str, earlier: str, *, resolve: bool) -> str:
     return str(find_weights(spec)) if resolve else spec
 
 
-def load_init_from(cfg: ModelConfig, model: CLIP) -> None:
-    """Replace every weight of ``model`` with those ``cfg.init_from`` names; a sigmoid-loss run from
-    softmax weights keeps its ``model.init_logit_bias``."""
-    adapt = at_the_run_image_size(model)
+def load_init_from(cfg: ModelConfig, model: CLIP, key: str = "model.init_from") -> None:
+    """Replace every weight of ``model`` with those ``cfg.init_from`` names (given as ``key``); a
+    sigmoid-loss run from softmax weights keeps its ``model.init_logit_bias``."""
+    adapt = at_the_run_image_size(model, key)
     if is_open_clip(cfg.init_from):
         load_open_clip(cfg.init_from, model, cfg, adapt=adapt)
     else:
         load_weights(cfg.init_from, model, kept_if_absent=KEPT_IF_ABSENT, adapt=adapt)
 
 
-def at_the_run_image_size(model: CLIP) -> Adapt:
+def built_from(cfg: ModelConfig, key: str) -> CLIP:
+    """A model of ``cfg`` holding the weights its ``init_from`` names: a teacher, a WiSE-FT start."""
+    model = build_model(cfg, load_pretrained=False)
+    load_init_from(cfg, model, key)
+    return model
+
+
+def at_the_run_image_size(model: CLIP, key: str) -> Adapt:
     """Resamples the weights' ViT position embedding to ``model``'s patch grid, saying so."""
 
     def adapt(weights: dict[str, torch.Tensor]) -> None:
@@ -65,7 +72,7 @@ def at_the_run_image_size(model: CLIP) -> Adapt:
             return
         weights[POSITION_EMBEDDING] = resampled
         get_logger().info(
-            f"model.init_from: {POSITION_EMBEDDING} resampled (bicubic) from {tuple(embedding.shape)} to "
+            f"{key}: {POSITION_EMBEDDING} resampled (bicubic) from {tuple(embedding.shape)} to "
             f"{tuple(resampled.shape)}, the patch grid of {model.image_size} px images"
         )
 

@@ -26,6 +26,16 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib_or_bytes
 
 
+def tensor_bytes(tree: object) -> int:
+    """The bytes of the tensors in nested dicts, lists and tuples (anything else counts 0): what
+    holding or saving them takes, give or take a little metadata."""
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return sum(tensor_bytes(item) for item in tree) if isinstance(tree, list | tuple) else 0
+
+
 def format_bytes(num_bytes: float) -> str:
     """Binary units short enough for a table cell: ``1.50G``, ``12.3M``, ``4.0K``."""
     size = abs(num_bytes)

@@ -19,12 +19,13 @@ from clip_train.config import Config
 from clip_train.logs import Progress
 from clip_train.preemption import EXIT_PREEMPTED
 
+METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 class RunMonitor:
     def __init__(self, cfg: Config, run_dir: Path, start_step: int) -> None:
-        metrics = run_dir / "metrics.jsonl"
+        metrics = run_dir / METRICS_FILE
         # A finished run started again only evaluates its last step again: that evaluation goes too.
         drop_records_after(metrics, start_step, evaluations_too=start_step == cfg.train.max_steps)
         self.metrics_file = metrics.open("a")

@@ -28,6 +28,11 @@ MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosi
 _DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D)
 # The towers' parameter prefixes and their names in the config (model.image, optim.image_lr, ...).
 _TOWERS = {"visual.": "image", "text.": "text"}
+# What a resumed optimizer state needs of the run: the parameter groups of the run that saved it.
+AS_SAVED = (
+    "set optim.image_lr, optim.text_lr, optim.layer_decay and the towers' locking (model.image.lock, "
+    "unlocked_layers, lock_head, freeze_norms) as the run that saved it did"
+)
 # A transformer block's parameter: timm ViTs' ``blocks.N.``, BERT's ``encoder.layer.N.``, CLIP's
 # text transformer's ``encoder.layers.N.``.
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|encoder\.layers?)\.(\d+)\.")
@@ -239,8 +244,7 @@ class Update:
         except ValueError as err:  # torch's: other groups, or groups of other sizes
             raise UserError(
                 f"the checkpoint's optimizer state does not fit this run's parameter groups ({err}): "
-                "set optim.image_lr, optim.text_lr, optim.layer_decay and the towers' locking "
-                "(model.image.lock, unlocked_layers, lock_head, freeze_norms) as the run that saved it did"
+                f"{AS_SAVED}"
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

@@ -6,9 +6,12 @@ newer than the disk's newest sound one (the disk lacks it, or holds it damaged).
 A checkpoint goes up in the background after it is saved, its manifest last (a step uploaded again
 loses its old manifest first): as on the local disk, a remote checkpoint without a manifest is
 incomplete and is never pulled, and a pulled one is verified against its manifest like any other.
-The remote keeps what the local run keeps (older ones are deleted after each upload); a save never
-prunes the checkpoint whose upload is in flight. A failed upload is a warning and is retried with
-the next checkpoint: a week-long run does not stop for a storage hiccup.
+The run's config (with the weights it pinned), its metrics and its wandb run id go up with each
+checkpoint, and a fresh disk's resume pulls them first. After each upload the remote is pruned by
+the run's own rule (``checkpoint.keep`` and ``keep_every``) over what it holds, so milestones a
+fresh disk never pulled stay; a save never prunes the checkpoint whose upload is in flight. A
+failed upload is a warning and is retried with the next checkpoint (a resumed run's checkpoint the
+remote lacks goes up at start-up): a week-long run does not stop for a storage hiccup.
 """
 
 from __future__ import annotations
@@ -24,26 +27,29 @@ import fsspec
 from clip_train.checkpoint import (
     MANIFEST_FILE,
     RUN_CONFIG_FILE,
+    beyond_keep,
     checkpoint_problem,
     checkpoint_root,
     checkpoint_step,
-    complete_checkpoints,
     is_step_name,
     replace_checkpoint,
     temp_checkpoint_dir,
 )
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
+from clip_train.monitor import METRICS_FILE, WANDB_ID_FILE
 from clip_train.stopping import waiting_for_own_work
 
-METRICS_FILE = "metrics.jsonl"
+RUN_FILES = (RUN_CONFIG_FILE, METRICS_FILE, WANDB_ID_FILE)  # mirrored beside the checkpoints
 
 
 class RemoteMirror:
-    """Uploads of ``run_dir``'s checkpoints to ``url``, one at a time, and the pull back."""
+    """Uploads of ``run_dir``'s checkpoints to ``url``, one at a time, and the pull back. The remote
+    keeps what ``keep`` and ``keep_every`` keep (``checkpoint.*``)."""
 
-    def __init__(self, url: str, run_dir: str | os.PathLike) -> None:
+    def __init__(self, url: str, run_dir: str | os.PathLike, keep: int = 3, keep_every: int = 0) -> None:
         self.url, self.run_dir = url, Path(run_dir)
+        self.keep, self.keep_every = keep, keep_every
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as err:  # an unknown protocol, or its package missing
@@ -52,10 +58,9 @@ class RemoteMirror:
 
     def push(self, checkpoint: Path) -> None:
         """Start uploading ``checkpoint`` (waiting for the previous upload first), then the run's
-        config and metrics, then delete remote checkpoints the run no longer keeps."""
+        files, then delete the remote checkpoints the run's keep rule does not keep."""
         self.wait()
-        kept = [path.name for path in complete_checkpoints(self.run_dir)]
-        self._upload = threading.Thread(target=self._push, args=(checkpoint, kept), daemon=True)
+        self._upload = threading.Thread(target=self._push, args=(checkpoint,), daemon=True)
         self._upload.start()
 
     def before_save(self, keep: int) -> None:
@@ -74,14 +79,13 @@ class RemoteMirror:
                 self._upload.join()
             self._upload = None
 
-    def _push(self, checkpoint: Path, kept: list[str]) -> None:
+    def _push(self, checkpoint: Path) -> None:
         try:
             self._upload_checkpoint(checkpoint)
-            for name in (RUN_CONFIG_FILE, METRICS_FILE):
+            for name in RUN_FILES:
                 if (self.run_dir / name).is_file():
                     self._put(self.run_dir / name, f"{self.root}/{name}")
-            for stale in set(self._remote_steps()) - set(kept):
-                self.fs.rm(f"{self._checkpoints()}/{stale}", recursive=True)
+            self._prune()
             get_logger().info(f"checkpoint {checkpoint.name} mirrored to {self.url}")
         except Exception as err:  # any storage error: warn, and retry with the next save
             get_logger().warning(
@@ -98,14 +102,44 @@ class RemoteMirror:
             self._put(file, f"{target}/{file.relative_to(checkpoint).as_posix()}")
         self._put(checkpoint / MANIFEST_FILE, f"{target}/{MANIFEST_FILE}")  # complete from now on
 
+    def _prune(self) -> None:
+        """Delete what the run's keep rule drops from the remote's complete checkpoints, and the
+        uploads cut short (no manifest) of other steps."""
+        steps = self._remote_steps()
+        complete = sorted((Path(name) for name in steps if self.holds(name)), key=checkpoint_step)
+        dropped = beyond_keep(complete, self.keep, self.keep_every)
+        kept = {path.name for path in complete if path not in dropped}
+        for stale in set(steps) - kept:
+            self.fs.rm(f"{self._checkpoints()}/{stale}", recursive=True)
+
     def _put(self, file: Path, target: str) -> None:
         self.fs.makedirs(posixpath.dirname(target), exist_ok=True)  # object stores ignore it
         self.fs.put_file(str(file), target)
 
     def newest_complete(self) -> str | None:
         """The name of the newest remote checkpoint with its manifest (an upload cut short has none)."""
-        complete = (name for name in self._remote_steps() if self._has_manifest(name))
+        complete = (name for name in self._remote_steps() if self.holds(name))
         return max(complete, key=lambda name: checkpoint_step(Path(name)), default=None)
+
+    def pull_run_files(self) -> None:
+        """The run's files the disk lacks (a fresh one): its config, whose pins keep the teacher it
+        started with, its metrics and its wandb run id, before the resume reads them. A file that
+        does not come is a warning: the checkpoint alone resumes the training."""
+        for name in RUN_FILES:
+            local, remote = self.run_dir / name, f"{self.root}/{name}"
+            try:
+                if local.exists() or not self.fs.isfile(remote):
+                    continue
+                pulled = local.with_name(f".{name}.pulled")
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(remote, str(pulled))
+                os.replace(pulled, local)
+                get_logger().info(f"checkpoint.remote={self.url}: pulled {name}")
+            except Exception as err:  # any storage error
+                get_logger().warning(
+                    f"warning: checkpoint.remote={self.url}: pulling {name} failed ({type(err).__name__}: "
+                    f"{err}); the run resumes without it"
+                )
 
     def pull_newer_than(self, held: Path | None) -> Path | None:
         """Download the newest complete remote checkpoint into the run's checkpoint folder and return
@@ -131,7 +165,8 @@ class RemoteMirror:
             shutil.rmtree(partial, ignore_errors=True)
             kept = f"; the local {local} is left as it was" if local.exists() else ""
             raise UserError(
-                f"checkpoint.remote={self.url}: the pulled {name} does not verify: {problem}{kept}"
+                f"checkpoint.remote={self.url}: the pulled {name} does not verify: {problem}{kept}; "
+                f"delete it from the remote to resume from an older one"
             )
         replace_checkpoint(partial, local)
         return local
@@ -158,5 +193,6 @@ class RemoteMirror:
         names = (Path(entry).name for entry in self.fs.ls(self._checkpoints(), detail=False))
         return [name for name in names if is_step_name(name)]
 
-    def _has_manifest(self, name: str) -> bool:
+    def holds(self, name: str) -> bool:
+        """Whether the remote holds the checkpoint ``name`` whole (its manifest is up)."""
         return self.fs.isfile(f"{self._checkpoints()}/{name}/{MANIFEST_FILE}")

@@ -14,8 +14,8 @@ import torch
 from clip_train.checkpoint import checkpoint_model_config, find_weights
 from clip_train.config import DistillConfig, ModelConfig, load_model_config
 from clip_train.errors import UserError, naming_key
-from clip_train.init_from import load_init_from
-from clip_train.model import CLIP, build_model
+from clip_train.init_from import built_from
+from clip_train.model import CLIP
 
 # Words, digits, case, punctuation and accents: tokenizers that agree on it agree in practice.
 PROBE_CAPTION = "A photo of 2 Dogs, naïve & café-style — at 10:30!"
@@ -34,9 +34,8 @@ def teacher_model_config(distill: DistillConfig) -> ModelConfig:
 def load_teacher(distill: DistillConfig, student: CLIP, device: torch.device, dtype: torch.dtype) -> CLIP:
     """The teacher on ``device`` in ``dtype``, frozen, after checking it reads the student's inputs."""
     cfg = teacher_model_config(distill)
-    teacher = build_model(cfg, load_pretrained=False)
     with naming_key("distill.teacher", distill.teacher):
-        load_init_from(cfg, teacher)
+        teacher = built_from(cfg, "distill.teacher")
         check_same_inputs(teacher, student)
     return teacher.requires_grad_(False).eval().to(device, dtype)
 

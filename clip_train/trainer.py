@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from clip_train.checkpoint import RUN_CONFIG_FILE, Checkpointer, latest_checkpoint, resolve_resume
+from clip_train.checkpoint import (
+    RUN_CONFIG_FILE,
+    Checkpointer,
+    latest_checkpoint,
+    resolve_resume,
+    run_config_file,
+)
 from clip_train.config import (
     BatchConfig,
     Config,
@@ -119,13 +125,16 @@ class Trainer:
 
         use_tf32(env.device, cfg.train.precision)
         # checkpoint.remote on rank 0; the checkpointer pulls from it when it picks the step to resume.
+        keeping = {"keep": cfg.checkpoint.keep, "keep_every": cfg.checkpoint.keep_every}
         self.remote = (
-            RemoteMirror(cfg.checkpoint.remote, self.run_dir)
+            RemoteMirror(cfg.checkpoint.remote, self.run_dir, **keeping)
             if cfg.checkpoint.remote and env.is_main
             else None
         )
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
         resumes = decided_by_main(self._finds_a_checkpoint)
+        if resumes and self.remote is not None:  # a fresh disk: the run's config, read for its pins
+            self.remote.pull_run_files()
         fine_tune = bool(cfg.model.init_from) and not resumes
         self._pin_weight_sources(resumes)
         self.sharded = cfg.train.parallel == "fsdp"
@@ -230,10 +239,11 @@ class Trainer:
         """``model.init_from`` and ``distill.teacher`` as the weights files they named at the run's
         start (``pinned``; rank 0 decides), recorded so in config.yaml (and init_from in each
         checkpoint's model.yaml, for WiSE-FT). A resumed run keeps its start's, as its config.yaml
-        says; it resolves a teacher it never pinned, but not an init_from, which it does not read."""
-        cfg, config_file = self.cfg, self.run_dir / RUN_CONFIG_FILE
+        says (that of the run whose checkpoint it resumes); it resolves a teacher it never pinned, but
+        not an init_from, which it does not read."""
+        cfg, config_file = self.cfg, self._resumed_run_config() if resumes else None
         earlier = None
-        if resumes and config_file.is_file():
+        if config_file is not None:
             try:
                 earlier = load_config(config_file, saved=True)
             except ConfigError as err:  # cut short by a kill as it was written, say: it pins nothing
@@ -248,6 +258,14 @@ class Trainer:
                 setattr(section, field, file)
                 if self.env.is_main:
                     get_logger().info(f"{key}={named}: {file}")
+
+    def _resumed_run_config(self) -> Path | None:
+        """The config.yaml of the run this one continues: its own, or that of the run directory whose
+        checkpoint ``checkpoint.resume=PATH`` names (a run continued in another ``train.out_dir``)."""
+        own, resume = self.run_dir / RUN_CONFIG_FILE, self.cfg.checkpoint.resume
+        if own.is_file():
+            return own
+        return run_config_file(Path(resume)) if resume not in ("", "auto") else None
 
     def _load_init_from(self) -> None:
         """Fine-tuning: the weights and nothing else."""

@@ -20,9 +20,9 @@ import torch
 from clip_train.checkpoint import checkpoint_init_from
 from clip_train.config import ModelConfig
 from clip_train.errors import UserError
-from clip_train.init_from import load_init_from
+from clip_train.init_from import built_from
 from clip_train.logs import get_logger
-from clip_train.model import CLIP, build_model
+from clip_train.model import CLIP
 
 ENDS = "0: the weights the run started from, 1: the fine-tuned weights"
 
@@ -59,9 +59,8 @@ def starting_weights(cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """The weights ``source`` gives a model built from ``cfg``: with ``source`` the run's
     ``model.init_from``, what the run's model held before its first step."""
     cfg = dataclasses.replace(cfg, init_from=source)
-    start = build_model(cfg, load_pretrained=False)
     try:
-        load_init_from(cfg, start)
+        start = built_from(cfg, "the WiSE-FT start")
     except UserError as err:
         raise UserError(f"the WiSE-FT start {source}: {err} (--wise-ft-from names another)") from None
     return start.state_dict()

@@ -168,9 +168,9 @@ def test_weights_that_do_not_fit_are_one_line_naming_the_keys(tmp_path, model):
     with pytest.raises(UserError) as err:
         load_weights(tmp_path / "bad.safetensors", model)
     assert str(err.value) == (
-        f"{tmp_path / 'bad.safetensors'} does not fit the model: Missing key(s) logit_scale; "
-        "Unexpected key(s) extra.bias; "
-        "Size mismatch visual.proj.weight (8, 32) in the file, (16, 32) in the model"
+        f"{tmp_path / 'bad.safetensors'} does not fit the model: missing 1 key (logit_scale); "
+        "unexpected 1 key (extra.bias); "
+        "mis-shaped (weights vs model) 1 key (visual.proj.weight (8, 32) vs (16, 32))"
     )
 
 

@@ -37,7 +37,7 @@ from clip_train.data import (
     sources,
 )
 from clip_train.data.pipeline import position_at, read_source, role_batches, source_urls
-from clip_train.data.samples import BadSample, SkipTally, caption_keys, decode_sample, sample_key
+from clip_train.data.samples import BadSample, SkipTally, decode_sample, sample_key
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
 from clip_train.data.transforms import apply_seeded, train_transform
@@ -981,7 +981,8 @@ def test_decoding_rules_for_caption_keys():
             **{k: v.encode() for k, v in members.items()},
         }
 
-    assert caption_keys(["TXT", " json:Title ", "en.txt"]) == ("txt", "json:Title", "en.txt")
+    keys = DataConfig(caption_key=["TXT", " json:Title ", "en.txt"]).caption_keys
+    assert keys == ("txt", "json:Title", "en.txt")
     sample = raw(txt="a", json=json.dumps({"title": "b", "n": 3}))
     assert [decode_sample(sample, ("txt", "json:title"), pick).caption for pick in range(4)] == [
         "a",

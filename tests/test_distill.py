@@ -129,18 +129,32 @@ def test_a_run_distils_from_a_run_directory_and_logs_the_term(demo_run, digits, 
 
 def test_a_resumed_run_keeps_the_teacher_its_start_found_in_a_run_directory(demo_run, digits, tmp_path):
     """The teacher's run may go on training: a newer checkpoint there must not change the teacher of
-    a resumed run (the steps after the resume would distil towards another model)."""
+    a resumed run (the steps after the resume would distil towards another model), whether it resumes
+    in its own directory, on a fresh disk from its remote, or from its checkpoint in another directory."""
     source = tmp_path / "teacher"
     shutil.copytree(demo_run, source)
-    out = tmp_path / "run"
-    trainer(digits, out, 2, f"distill.teacher={source}").run()
+    out, teacher = tmp_path / "run", f"distill.teacher={source}"
+    remote = f"checkpoint.remote=file://{tmp_path / 'bucket'}"
+    trainer(digits, out, 2, teacher, remote).run()
     checkpoints = source / "checkpoints"
     shutil.copytree(checkpoints / "step_00000020", checkpoints / "step_00000060")  # other weights, newer
-    again = trainer(digits, out, 3, f"distill.teacher={source}", "checkpoint.resume=auto")
-    assert again.step == 2 and again.cfg.distill.teacher == str(checkpoints / "step_00000040" / MODEL_FILE)
     kept = source_weights(demo_run)  # step 40's
-    assert all(torch.equal(tensor, kept[name]) for name, tensor in again.teacher.state_dict().items())
-    again.loader.close()
+    for resumed in (
+        trainer(digits, out, 3, teacher, "checkpoint.resume=auto"),
+        trainer(digits, tmp_path / "fresh-disk", 3, teacher, remote, "checkpoint.resume=auto"),
+        trainer(
+            digits,
+            tmp_path / "elsewhere",
+            3,
+            teacher,
+            f"checkpoint.resume={out / 'checkpoints' / 'step_00000002'}",
+        ),
+    ):
+        assert resumed.step == 2 and resumed.cfg.distill.teacher == str(
+            checkpoints / "step_00000040" / MODEL_FILE
+        )
+        assert all(torch.equal(tensor, kept[name]) for name, tensor in resumed.teacher.state_dict().items())
+        resumed.loader.close()
 
 
 def test_an_open_clip_teacher_takes_its_architecture_from_a_model_yaml(digits, tmp_path):

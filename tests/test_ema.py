@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from clip_train.ema import WeightsEMA, ema_decay_at, load_ema_weights
@@ -75,3 +76,29 @@ def test_swapped_in_puts_the_averages_in_and_the_weights_back_bit_for_bit():
 def test_a_checkpoint_without_an_ema_says_which_setting_saves_one(tmp_path):
     with pytest.raises(UserError, match=r"has no ema.safetensors: only runs with train.ema_decay > 0"):
         load_ema_weights(tmp_path, toy())
+
+
+def test_an_ema_file_loads_without_frozen_parameters_and_one_that_does_not_fit_is_one_line(tmp_path):
+    model, other = toy(), toy()
+    ema = WeightsEMA(model, 0.5)
+    averages = {name: torch.full_like(average, 0.25) for name, average in ema.averages.items()}
+    save_file(averages, tmp_path / "ema.safetensors")
+    load_ema_weights(tmp_path, other)  # the frozen layer has no average: it keeps its weights
+    assert all(torch.equal(other.get_parameter(name), a) for name, a in averages.items())
+    assert torch.equal(other[2].weight, model[2].weight)
+
+    averages["0.weight"], averages["extra"] = torch.zeros(2, 3, dtype=torch.float64), torch.zeros(1)
+    save_file(averages, tmp_path / "ema.safetensors")
+    with pytest.raises(UserError) as err:
+        load_ema_weights(tmp_path, other)
+    assert str(err.value) == (
+        f"{tmp_path / 'ema.safetensors'} does not fit the model: unexpected 1 key (extra); "
+        "mis-shaped (weights vs model) 1 key (0.weight (2, 3) vs (4, 3))"
+    )
+    del averages["extra"], averages["1.bias"]
+    with pytest.raises(UserError) as err:  # a resumed run's EMA needs an average of each trainable weight
+        ema.load_full_weights(averages)
+    assert str(err.value) == (
+        "ema.safetensors does not fit the EMA of the trainable parameters: missing 1 key (1.bias); "
+        "mis-shaped (weights vs model) 1 key (0.weight (2, 3) vs (4, 3))"
+    )

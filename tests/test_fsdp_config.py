@@ -54,3 +54,12 @@ def test_each_tower_is_cut_at_its_transformer_blocks():
 def test_mixed_precision_follows_the_training_precision(precision, param, reduce, want):
     policy = mixed_precision(FsdpConfig(param_dtype=param, reduce_dtype=reduce), precision, torch.float32)
     assert (policy.param_dtype, policy.reduce_dtype) == want
+
+
+def test_adafactor_with_fsdp_is_refused_with_the_way_out():
+    cfg = load_config(TINY, ["train.parallel=fsdp", "optim.name=adafactor"])
+    with pytest.raises(
+        ConfigError, match=r"^optim.name=adafactor with train.parallel=fsdp: .* optim.name=adamw"
+    ):
+        cfg.validate(world_size=2)
+    load_config(TINY, ["optim.name=adafactor"]).validate(world_size=2)  # DDP steps whole parameters

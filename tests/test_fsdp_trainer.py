@@ -46,8 +46,9 @@ import clip_train
 from clip_train import load_config
 from clip_train.checkpoint import MODEL_FILE, SHARDS_DIR, checkpoint_step, complete_checkpoints, read_manifest
 from clip_train.distributed import DistEnv
+from clip_train.errors import UserError
 from clip_train.model import build_model
-from clip_train.optim import MAX_LOGIT_SCALE
+from clip_train.optim import AS_SAVED, MAX_LOGIT_SCALE
 from clip_train.trainer import Trainer
 
 STEPS, EVERY = 12, 4
@@ -179,6 +180,19 @@ def test_a_two_rank_checkpoint_resumes_on_four_then_on_one_with_weights_and_opti
     assert_states_equal(one["restored"], four["trained"])
     assert one["trained"]["step"] == 4
     assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2, 3, 4]
+
+
+def test_a_sharded_checkpoint_of_other_parameter_groups_is_one_line_naming_the_keys(digits, tmp_path):
+    """As an unsharded one's: torch's checkpoint error is a BaseException, which would pass the CLI's
+    one-line ending as a traceback."""
+    out = tmp_path / "run"
+    args = [*overrides(digits, out, "checkpoint.resume=auto", steps=1), "model.image.lock=true"]
+    make_trainer(0, 1, [*args, "model.image.unlocked_layers=1"]).run()
+    with pytest.raises(UserError) as err:
+        make_trainer(0, 1, [*args, "model.image.unlocked_layers=2"])
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {complete_checkpoints(out)[-1]}'s shards do not fit this run (")
+    assert "\n" not in message and message.endswith(f"): {AS_SAVED}")
 
 
 def step_on(trainer: Trainer):

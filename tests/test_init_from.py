@@ -127,13 +127,13 @@ def test_a_pin_holds_under_another_spelling_and_a_pruned_one_gives_way_to_the_ne
     [
         (
             "model.embed_dim=8",
-            "Size mismatch text.proj.weight (16, 32) in the file, (8, 32) in the model, "
-            "visual.proj.weight (16, 32) in the file, (8, 32) in the model",
+            "mis-shaped (weights vs model) 2 keys (text.proj.weight (16, 32) vs (8, 32), "
+            "visual.proj.weight (16, 32) vs (8, 32))",
         ),
         (
             "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 1, embed_dim: 32, num_heads: 2}",
-            "Unexpected key(s) visual.trunk.blocks.1.attn.proj.bias, visual.trunk.blocks.1.attn.proj.weight, "
-            "visual.trunk.blocks.1.attn.qkv.bias and 9 more",
+            "unexpected 12 keys (visual.trunk.blocks.1.attn.proj.bias, "
+            "visual.trunk.blocks.1.attn.proj.weight, visual.trunk.blocks.1.attn.qkv.bias and 9 more)",
         ),
     ],
 )

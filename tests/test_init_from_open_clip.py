@@ -28,7 +28,7 @@ from test_model import write_bert_dir
 from clip_train import load_config
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
-from clip_train.init_from import check_init_from, load_init_from
+from clip_train.init_from import built_from, check_init_from
 from clip_train.model import CLIP, ModelLoadError, build_model
 from clip_train.model.from_open_clip import resolve
 from clip_train.model.tokenizer import HFTokenizer
@@ -71,12 +71,11 @@ def put_in_hub_cache(cache: Path, repo: str, files: dict[str, Path]) -> None:
         shutil.copy(source, root / "snapshots" / commit / name)
 
 
-def initialised(overrides: list[str], spec: str) -> CLIP:
-    """A model built as a run with ``model.init_from=spec`` builds it, then given the weights."""
+def initialised(overrides: list[str], spec: str, key: str = "model.init_from") -> CLIP:
+    """A model built as a run with ``model.init_from=spec`` builds it, then given the weights (what
+    a teacher or a WiSE-FT start is too, named by its own ``key``)."""
     cfg = load_config(TINY_MODEL_CONFIG, [*overrides, f"model.init_from={spec}"]).model
-    model = build_model(cfg, load_pretrained=False)
-    load_init_from(cfg, model)
-    return model.eval()
+    return built_from(cfg, key).eval()
 
 
 def one_line_error(overrides: list[str], spec: str) -> str:
@@ -286,7 +285,10 @@ def test_a_vit_at_another_image_size_takes_the_position_embedding_resampled(vit_
     capsys.readouterr()
     model = initialised([*run, "model.image.timm_kwargs.img_size=32"], spec)
     key, width = "visual.trunk.pos_embed", 32
-    assert f"{key} resampled (bicubic) from (1, 5, {width}) to (1, 17, {width})" in capsys.readouterr().err
+    said = f"{key} resampled (bicubic) from (1, 5, {width}) to (1, 17, {width})"
+    assert f"model.init_from: {said}" in capsys.readouterr().err
+    initialised([*run, "model.image.timm_kwargs.img_size=32"], spec, key="distill.teacher")
+    assert f"distill.teacher: {said}" in capsys.readouterr().err  # a teacher's load names its own key
     theirs, ours = same[key], model.state_dict()[key]
     grid = theirs[:, 1:].reshape(1, 2, 2, width).permute(0, 3, 1, 2)
     resampled = F.interpolate(grid, size=(4, 4), mode="bicubic", antialias=True)

@@ -25,6 +25,7 @@ from clip_train import load_config, stopping
 from clip_train.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
+    RUN_CONFIG_FILE,
     TEMP_PREFIX,
     checkpoint_problem,
     checkpoint_root,
@@ -33,8 +34,9 @@ from clip_train.checkpoint import (
 )
 from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
+from clip_train.monitor import METRICS_FILE, WANDB_ID_FILE
 from clip_train.preemption import Preempted, preemption_signals
-from clip_train.remote import RemoteMirror
+from clip_train.remote import RUN_FILES, RemoteMirror
 from clip_train.trainer import Trainer
 
 
@@ -79,17 +81,13 @@ def test_pushed_checkpoints_come_back_verified_into_an_empty_run(run_copy, remot
 def test_the_remote_keeps_what_the_run_keeps_and_never_pulls_an_incomplete_checkpoint(
     run_copy, remote_url, tmp_path
 ):
-    mirror = RemoteMirror(remote_url, run_copy)
+    mirror = RemoteMirror(remote_url, run_copy, keep=1)
     first, second = complete_checkpoints(run_copy)
-    mirror.push(first)
-    mirror.push(second)
-    mirror.wait()
     fs, root = fsspec.core.url_to_fs(remote_url)
-    assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {first.name, second.name}
-    shutil.rmtree(first)  # the run pruned it: the next upload prunes the remote too
-    mirror.push(second)
-    mirror.wait()
-    assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {second.name}
+    for pushed in (first, second):  # keep=1: each upload leaves only itself
+        mirror.push(pushed)
+        mirror.wait()
+        assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {pushed.name}
     fs.rm(f"{root}/checkpoints/{second.name}/{MANIFEST_FILE}")  # as an upload cut short leaves it
     assert RemoteMirror(remote_url, tmp_path / "fresh").pull_newer_than(None) is None
 
@@ -240,16 +238,79 @@ def test_a_fine_tuning_run_requeued_on_a_fresh_disk_resumes_from_the_remote_not_
     assert f"resumed from {disk / 'checkpoints' / 'step_00000040'} at step 40" in capsys.readouterr().err
 
 
+def test_the_remote_is_pruned_by_the_runs_rule_over_what_it_holds(run_copy, remote_url, tmp_path):
+    """A fresh disk holds only the checkpoint it pulled: its uploads keep the remote's milestones
+    and the newest ``keep`` of the remote's own, not only what that disk holds."""
+    first, second = complete_checkpoints(run_copy)  # steps 20 and 40
+    mirror = RemoteMirror(remote_url, run_copy)
+    for checkpoint in (first, second):
+        mirror.push(checkpoint)
+    mirror.wait()
+    fresh = tmp_path / "fresh"
+    pulled = RemoteMirror(remote_url, fresh).pull_newer_than(None)
+    for keep, keep_every, kept in [(2, 0, [first, second]), (1, 20, [first, second]), (1, 0, [second])]:
+        again = RemoteMirror(remote_url, fresh, keep=keep, keep_every=keep_every)
+        again.push(pulled)
+        again.wait()
+        assert _complete_remote_checkpoints(remote_url) == [path.name for path in kept], (keep, keep_every)
+
+
+def test_a_fresh_disk_pulls_the_run_files_it_lacks_and_keeps_those_it_has(run_copy, remote_url, tmp_path):
+    (run_copy / WANDB_ID_FILE).write_text("abc123\n")
+    mirror = RemoteMirror(remote_url, run_copy)
+    mirror.push(complete_checkpoints(run_copy)[-1])
+    mirror.wait()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / METRICS_FILE).write_text("{}\n")  # the disk's own: kept
+    RemoteMirror(remote_url, fresh).pull_run_files()
+    assert filecmp.cmp(fresh / RUN_CONFIG_FILE, run_copy / RUN_CONFIG_FILE, shallow=False)
+    assert (fresh / WANDB_ID_FILE).read_text() == "abc123\n"
+    assert (fresh / METRICS_FILE).read_text() == "{}\n"
+    assert sorted(path.name for path in fresh.iterdir()) == sorted(RUN_FILES)  # nothing half-pulled
+
+
+def test_a_fresh_run_refuses_a_remote_holding_another_runs_checkpoints(run_copy, digits, tmp_path):
+    """Without resume=auto, a run on a fresh disk would start over and its first upload would prune
+    the remote's checkpoints."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    mirror = RemoteMirror(remote, run_copy)
+    mirror.push(complete_checkpoints(run_copy)[-1])
+    mirror.wait()
+    with pytest.raises(UserError) as err:
+        _train_in_process(digits, tmp_path / "fresh-disk", 41, "", remote)
+    assert str(err.value) == (
+        f"checkpoint.remote={remote} already holds checkpoints of another run (newest step_00000040); "
+        "continue it with checkpoint.resume=auto or pick a new checkpoint.remote"
+    )
+    assert _complete_remote_checkpoints(remote) == ["step_00000040"]
+
+
+def test_a_resumed_checkpoint_the_remote_lacks_goes_up_at_start_up(run_copy, digits, tmp_path, capsys):
+    """An upload cut short (no manifest yet) is retried by the next save; a run resumed at its last
+    step saves nothing more, so its resume uploads it."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    mirror = RemoteMirror(remote, run_copy)
+    for checkpoint in complete_checkpoints(run_copy):
+        mirror.push(checkpoint)
+    mirror.wait()
+    fs, root = fsspec.core.url_to_fs(remote)
+    fs.rm(f"{root}/checkpoints/step_00000040/{MANIFEST_FILE}")
+    _train_in_process(digits, run_copy, 40, "auto", remote)  # finished: evaluates, saves nothing
+    assert "checkpoint step_00000040 mirrored to" in capsys.readouterr().err
+    assert _complete_remote_checkpoints(remote) == ["step_00000020", "step_00000040"]
+
+
 def _hold_uploads(monkeypatch) -> None:
     """Uploads slower than the training between saves, made deterministic: each upload starts only
     once the run waits for it."""
     released = threading.Event()
     push, wait = RemoteMirror._push, RemoteMirror.wait
 
-    def held_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+    def held_push(self: RemoteMirror, checkpoint: Path) -> None:
         released.wait()
         released.clear()
-        push(self, checkpoint, kept)
+        push(self, checkpoint)
 
     def releasing_wait(self: RemoteMirror) -> None:
         if self._upload is not None:
@@ -273,8 +334,8 @@ def test_with_keep_1_a_save_never_prunes_the_checkpoint_still_uploading(digits, 
     held: list[list[str]] = []
     push = RemoteMirror._push
 
-    def recorded_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
-        push(self, checkpoint, kept)
+    def recorded_push(self: RemoteMirror, checkpoint: Path) -> None:
+        push(self, checkpoint)
         held.append(_complete_remote_checkpoints(remote))
 
     monkeypatch.setattr(RemoteMirror, "_push", recorded_push)
@@ -294,9 +355,9 @@ def test_a_signal_after_the_final_evaluation_leaves_the_last_upload_to_finish(di
     remote = f"file://{tmp_path / 'bucket' / 'run'}"
     push = RemoteMirror._push
 
-    def signalled_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+    def signalled_push(self: RemoteMirror, checkpoint: Path) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, which waits for this upload
-        push(self, checkpoint, kept)
+        push(self, checkpoint)
 
     monkeypatch.setattr(RemoteMirror, "_push", signalled_push)
     _hold_uploads(monkeypatch)  # the upload starts once the run waits for it, at its very end
@@ -351,11 +412,11 @@ def _train_with_a_slow_first_upload(rank: int, world_size: int, overrides: list[
     second save waits for it (before pruning with keep=1, before the next upload with keep=2)."""
     push, slowed = RemoteMirror._push, []
 
-    def slow_first_push(self: RemoteMirror, checkpoint: Path, kept: list[str]) -> None:
+    def slow_first_push(self: RemoteMirror, checkpoint: Path) -> None:
         if not slowed:
             slowed.append(checkpoint.name)
             time.sleep(upload_s)
-        push(self, checkpoint, kept)
+        push(self, checkpoint)
 
     RemoteMirror._push = slow_first_push
     cfg = load_config(DEMO_CONFIG, overrides).validate(world_size=world_size)

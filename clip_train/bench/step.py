@@ -30,7 +30,7 @@ from clip_train.distributed import resolve_device, wait_for_device
 from clip_train.engine import GradCache
 from clip_train.errors import UserError
 from clip_train.loss import contrastive_loss
-from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
+from clip_train.memory import MIB, format_bytes, peak_bytes, tensor_bytes, used_bytes
 from clip_train.model import build_model
 from clip_train.precision import autocast
 from clip_train.startup_time import process_started
@@ -182,7 +182,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         return {"mode": spec["mode"], "batch": spec["batch"], "error": "out of memory"}
     # Offloaded to a GPU, the batch stays in host memory and its chunks count as activations.
     in_peak = not (spec["offload"] and device.type == "cuda")
-    batch_bytes = sum(t.numel() * t.element_size() for t in batch) if in_peak else 0
+    batch_bytes = tensor_bytes(batch) if in_peak else 0
     cache_bytes = stats.cache_bytes if spec["mode"] != "direct" else 0
     peak = peak_bytes(device)
     return {

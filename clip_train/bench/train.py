@@ -33,6 +33,7 @@ import torch
 
 from clip_train.bench import positive_ints
 from clip_train.bench.plotting import pyplot
+from clip_train.commands.report import read_records
 from clip_train.config import ConfigError, load_config
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
@@ -138,7 +139,7 @@ def run_clip_train(
         "checkpoint.every_steps=0",  # no saves, as OpenCLIP's --save-frequency 0
     ]  # fmt: skip
     _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train", out)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(out)
     timed = [r for r in records if "time/step_s" in r and r["step"] - log_every >= args.warmup]
     result: dict[str, Any] = {
         "step_s": statistics.median(r["time/step_s"] for r in timed),

@@ -17,6 +17,7 @@ from typing import Any
 
 from clip_train.checkpoint import latest_checkpoint
 from clip_train.errors import UserError
+from clip_train.monitor import METRICS_FILE
 
 LOSS_POINTS = 5  # logged losses shown in the curve line, first and last included
 EVAL_KEYS = {"retrieval/image_to_text_R@1", "zeroshot/top1"}
@@ -51,9 +52,9 @@ def summarize(run_dir: Path, prefix: str) -> list[str]:
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``, less a last line still being written by a running run."""
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
-        raise UserError(f"{run_dir}: no metrics.jsonl; give a run directory (the run's train.out_dir)")
+        raise UserError(f"{run_dir}: no {METRICS_FILE}; give a run directory (the run's train.out_dir)")
     lines = metrics.read_text().splitlines(keepends=True)
     return [json.loads(line) for line in lines if line.endswith("\n")]
 

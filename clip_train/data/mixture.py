@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-SOURCE_SEPARATOR = "::"  # webdataset's, which ``expand_urls`` splits on too
+from clip_train.config import SOURCE_SEPARATOR
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from clip_train.data.samples import (
     DataError,
     Decoded,
     SkipTally,
-    caption_keys,
     decode_sample,
 )
 from clip_train.data.sources import dataset_size, expand_urls, read_shard
@@ -162,7 +161,7 @@ def check_caption_options(data_cfg: DataConfig, urls: list[str]) -> None:
     """``data.caption_key`` picks a tar member, ``data.csv_caption_key`` a table column: set where
     ``urls`` (data.train's and data.val's) hold no data of its kind, it is a mix-up of the two."""
     tables = sum(is_table(url) or is_piece(url) for url in urls)
-    if caption_keys(data_cfg.caption_key) != DEFAULT_CAPTION_KEYS and tables == len(urls):
+    if data_cfg.caption_keys != DEFAULT_CAPTION_KEYS and tables == len(urls):
         raise DataError(
             f"data.caption_key={data_cfg.caption_key!r} picks a member of tar shards, but data.train and "
             "data.val are CSV/TSV tables: name their caption column with data.csv_caption_key"
@@ -520,7 +519,7 @@ def build_train_loader(
     spec = _TrainSpec(
         urls=tuple(urls),
         mixture=mixture,
-        caption_keys=caption_keys(data_cfg.caption_key),
+        caption_keys=data_cfg.caption_keys,
         resampled=data_cfg.resampled,
         seed=seed,
         rank=rank,
@@ -608,7 +607,7 @@ def build_eval_loader(
         batch_size=batch_size,
         transform=eval_transform(image_size),
         tokenizer=tokenizer,
-        caption_keys=caption_keys(data_cfg.caption_key),
+        caption_keys=data_cfg.caption_keys,
     )
     return DataLoader(
         dataset,

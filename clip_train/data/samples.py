@@ -17,6 +17,7 @@ from typing import Any
 
 from PIL import Image
 
+from clip_train.config import JSON_PREFIX
 from clip_train.errors import UserError
 
 log = logging.getLogger("clip_train.data")
@@ -24,7 +25,6 @@ log = logging.getLogger("clip_train.data")
 # What a sample's image member, a table's image file or make-shards' folder image may be: the
 # formats of OpenCLIP's shards, and the others PIL decodes that image sets come in.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
-JSON_PREFIX = "json:"  # a caption key naming a field of the sample's json
 DEFAULT_CAPTION_KEYS = ("txt",)
 SKIP_REASONS = (
     "shard_open",  # the shard could not be opened or held no readable tar member
@@ -66,16 +66,6 @@ class Decoded:
     caption: str
     meta: dict[str, Any]
     source: int = 0  # which source of a weighted mixture it came from (``"__source__"``)
-
-
-def caption_keys(setting: str | list[str]) -> tuple[str, ...]:
-    """``data.caption_key`` as a tuple: member extensions lower-cased (as ``read_shard`` stores
-    them), ``json:FIELD`` fields as written."""
-    keys = [setting] if isinstance(setting, str) else setting
-    return tuple(
-        JSON_PREFIX + key[len(JSON_PREFIX) :] if key.lower().startswith(JSON_PREFIX) else key.lower()
-        for key in (key.strip() for key in keys)
-    )
 
 
 def _caption(members: dict[str, bytes], meta: dict[str, Any], key: str) -> str:

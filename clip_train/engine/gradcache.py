@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ from clip_train.engine.rng import RngState, preserved_rng
 from clip_train.loss import contrastive_loss
 from clip_train.loss.distill import contrastive_and_distillation_loss
 from clip_train.loss.tiles_torch import tile_dtype
+from clip_train.memory import tensor_bytes
 from clip_train.parallel import GatherWaits, gradient_sync, is_sharded
 from clip_train.precision import autocast
 from clip_train.profiling import phase
@@ -241,8 +242,8 @@ class GradCache:
             loss, distill_loss, image_grad, text_grad = self._loss(
                 image.features, text.features, scale_loss, targets
             )
-        cache_bytes = _bytes([image.features, text.features, image_grad, text_grad, *targets])
-        cache_bytes += _bytes(image.trunk_cache + text.trunk_cache)
+        cache_bytes = tensor_bytes([image.features, text.features, image_grad, text_grad, *targets])
+        cache_bytes += tensor_bytes(image.trunk_cache + text.trunk_cache)
         image.features = text.features = None  # replay needs only their gradients
         lossed = clock()
         with phase("replay"), preserved_rng(self.device):  # the step consumes the RNG like one forward pass
@@ -259,7 +260,7 @@ class GradCache:
             gather_s=encode_gather_s + replay_gather_s,
             peak_mem=self.peak_of(self.device) if self.device.type == "cuda" else 0,
             cache_bytes=cache_bytes,
-            batch_bytes=_bytes(batch),
+            batch_bytes=tensor_bytes(batch),
             max_live_chunks=self.chunk_stream.max_live,
             distill_loss=distill_loss,
         )
@@ -489,7 +490,3 @@ def _rows_like(
     """An empty (rows, *like.shape[1:]) buffer; pinned host memory when it should stream back fast."""
     device = "cpu" if host else like.device
     return torch.empty((rows, *like.shape[1:]), dtype=dtype or like.dtype, device=device, pin_memory=host)
-
-
-def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -24,7 +24,6 @@ from clip_train.data.eval_sources import (
     shard_batches,
     zeroshot_sources,
 )
-from clip_train.data.samples import caption_keys
 from clip_train.distributed import rank_and_world
 from clip_train.eval.encode import encode_split
 from clip_train.eval.metrics import hits_at_k, retrieval_recall, validation_loss, zeroshot_from_features
@@ -126,7 +125,7 @@ def _labelled_batches(
     if classes is not None:
         return image_folder_batches(source, labels=classes.labels, image_size=model.image_size, **share)
     # only labels count here: a caption under data.caption_key or txt makes a sample usable
-    either = [*caption_keys(data_cfg.caption_key), "txt"]
+    either = [*data_cfg.caption_keys, "txt"]
     labelled = dataclasses.replace(data_cfg, caption_key=either)
     return shard_batches(source, model, data_cfg=labelled, what=key, **share)
 

@@ -43,6 +43,7 @@ from clip_train.model import CLIP
 from clip_train.model.clip_text_names import PROJECTION, encoder_names
 from clip_train.model.hub import ModelLoadError
 from clip_train.model.text import POOLERS
+from clip_train.state_dicts import listed
 
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins
@@ -322,11 +323,6 @@ def renamed(key: str, tensor: torch.Tensor, rules: tuple[Rule, ...]) -> list[tup
             parts = tensor.chunk(len(targets)) if len(targets) > 1 else (tensor,)
             return [(match.expand(target), part) for target, part in zip(targets, parts, strict=True)]
     return []
-
-
-def listed(keys: list[str], shown: int = 3) -> str:
-    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
-    return f"{len(keys)} keys ({', '.join(sorted(keys)[:shown])}{more})"
 
 
 # --------------------------------------------------------------------------------------------

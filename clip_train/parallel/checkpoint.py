@@ -37,12 +37,13 @@ from clip_train.checkpoint import (
     fresh_temp_dir,
     load_train_state,
     publish_checkpoint,
-    tensor_bytes,
     write_checkpoint_files,
     write_failure,
 )
 from clip_train.distributed import all_ranks_true, decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
+from clip_train.memory import tensor_bytes
+from clip_train.optim import AS_SAVED
 
 OPTIMIZER_KEY = "optimizer"
 EMA_KEY = "ema"
@@ -131,7 +132,14 @@ class ShardedCheckpointer(Checkpointer):
         with_ema = self.ema is not None and (path / EMA_FILE).is_file()
         if with_ema:  # loaded in place, each rank its shards
             state[EMA_KEY] = self.ema.state_dict()
-        dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
+        try:
+            dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
+        except dcp.api.CheckpointException as err:  # a BaseException: past the CLI's one-line ending
+            failure = next(iter(err.failures.values()))[0]
+            reason = " ".join(str(failure).split())
+            raise UserError(
+                f"checkpoint {path}'s shards do not fit this run ({reason}): {AS_SAVED}"
+            ) from None
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[OPTIMIZER_KEY]
         )

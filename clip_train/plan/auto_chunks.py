@@ -17,7 +17,7 @@ from clip_train.config import Config
 from clip_train.engine.rng import preserved_rng
 from clip_train.errors import UserError
 from clip_train.loss.tiles_torch import default_tile
-from clip_train.memory import format_bytes
+from clip_train.memory import format_bytes, tensor_bytes
 from clip_train.parallel.fsdp import mixed_precision
 from clip_train.plan.estimate import GIB, RESERVE, ModelProfile, Setting, breakdown
 from clip_train.plan.profile import profile_built_model
@@ -153,7 +153,7 @@ def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    held = tensor_bytes((*model.parameters(), *model.buffers()))
     budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks, held)
     setting = run_setting(cfg, world_size, device.type)
     choice = largest_fitting_chunks(profile, setting, cfg.batch.auto_towers, budget * (1 - RESERVE))

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from clip_train.config import ModelConfig, OptimConfig
 from clip_train.engine import GradCache, TrainableHead
 from clip_train.errors import UserError
-from clip_train.memory import format_bytes, peak_bytes, used_bytes
+from clip_train.memory import format_bytes, peak_bytes, tensor_bytes, used_bytes
 from clip_train.model import CLIP
 from clip_train.model.freezing import tower_blocks
 from clip_train.model.hub import load_hf
@@ -81,10 +81,6 @@ def _random_inputs(
     return ids, torch.ones_like(ids)
 
 
-def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _measured_precision(precision: str, device_type: str) -> str:
     """CPU fp16 matmuls are emulated (~10x slower than bf16); bf16 has the same bytes per element."""
     return "bf16" if precision == "fp16" and device_type == "cpu" else precision
@@ -105,10 +101,10 @@ def measure_chunk(
     with NewStoragePeak() as peak, torch.no_grad(), autocast(device, measured):
         chunk = tuple(t.clone() for t in inputs)
         tower(*chunk)
-    out["encode"] = peak.bytes - _nbytes(chunk)
+    out["encode"] = peak.bytes - tensor_bytes(chunk)
     with torch.no_grad(), autocast(device, measured):
         hidden = tower.encode_frozen(*inputs)
-    out["trunk"] = _nbytes(hidden) / rows if tower.has_frozen_trunk else 0.0
+    out["trunk"] = tensor_bytes(hidden) / rows if tower.has_frozen_trunk else 0.0
     if tower.is_frozen:
         return out
     head = TrainableHead(tower)
@@ -124,12 +120,12 @@ def measure_chunk(
         chunk = tuple(h.clone() for h in hidden)
         with autocast(device, measured):
             features = head(*chunk)
-        out["forward"] = peak.bytes - _nbytes(chunk)
+        out["forward"] = peak.bytes - tensor_bytes(chunk)
         features.backward(torch.randn_like(features))
         del features
-    out["replay"] = peak.bytes - _nbytes(chunk)
+    out["replay"] = peak.bytes - tensor_bytes(chunk)
     if on_cuda:
-        out["allocator_replay"] = torch.cuda.max_memory_allocated(device) - before - _nbytes(chunk)
+        out["allocator_replay"] = torch.cuda.max_memory_allocated(device) - before - tensor_bytes(chunk)
     return out
 
 
@@ -195,7 +191,7 @@ def profile_built_model(
         image=image,
         text=text,
         embed_dim=model_cfg.embed_dim,
-        weight_bytes=_nbytes((*model.parameters(), *model.buffers())),
+        weight_bytes=tensor_bytes((*model.parameters(), *model.buffers())),
         trainable_bytes=trainable_bytes,
         adamw_bytes=2 * trainable_bytes,
         adafactor_bytes=sum(adafactor_state_numel(tuple(p.shape)) * FP32 for p in trainable),
@@ -241,7 +237,7 @@ def _profile_tower(
         graph=Envelope((line("forward"),) if replays else ()),
         replay=Envelope((line("forward"), line("replay")) if replays else ()),
         trunk_per_sample=round(large["trunk"]) if replays else 0,
-        input_per_sample=_nbytes(_random_inputs(model, name, 1, length)),
+        input_per_sample=tensor_bytes(_random_inputs(model, name, 1, length)),
         replays=replays,
         unit_numels=_unit_numels(tower),
         trainable_numel=sum(p.numel() for p in tower.parameters() if p.requires_grad),
