@@ -9,6 +9,7 @@ replays. The loss is left out: O(B·d) per sample against the towers' O(depth·w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,7 @@ class TowerFlops:
     trainable: int  # encode_trainable
 
 
-def forward_flops(fn, *inputs: torch.Tensor) -> int:
+def forward_flops(fn: Callable[..., object], *inputs: torch.Tensor) -> int:
     """FLOPs of ``fn(*inputs)`` without a graph."""
     with torch.no_grad(), flop_counter_mode() as counter:
         fn(*inputs)

@@ -15,6 +15,7 @@ import gzip
 import json
 import shutil
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ class StepProfiler:
         self._ended: profile | None = None  # traced, not yet written
 
     @contextlib.contextmanager
-    def around(self, step: int):
+    def around(self, step: int) -> Iterator[None]:
         """Around everything step ``step`` does up to its optimizer's last kernel."""
         if step == self.first <= self.last:  # profile_steps=0 traces nothing
             wait_for_device(self.device)

@@ -37,10 +37,10 @@ from clip_train.errors import UserError
 from clip_train.eval import (
     EvalError,
     build_zeroshot_classifier,
+    encode_split,
     evaluate,
     hits_at_k,
     retrieval_recall,
-    zeroshot_accuracy,
     zeroshot_from_features,
     zeroshot_metadata,
 )
@@ -183,7 +183,8 @@ def test_zeroshot_perfect_model_scores_one_and_permuted_zero(data):
         model = ToyCLIP(class_map)
         classifier = build_zeroshot_classifier(model, classnames, templates, device=CPU, batch_size=4)
         batches = shard_batches(data["exact"], model, batch_size=4, rank=0, world_size=1)
-        result = zeroshot_accuracy(model, batches, classifier, device=CPU)
+        split = encode_split(model, batches, device=CPU, precision="fp32", text=False, labels=True)
+        result = zeroshot_from_features(split.image_features, split.labels, classifier)
         assert result == pytest.approx({"top1": top1, "top5": top5, "n": NUM_SAMPLES}, abs=1e-12)
 
 

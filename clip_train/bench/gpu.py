@@ -389,8 +389,8 @@ class _Bench:
         return {"batch": batch, **result, "wall_s": time.perf_counter() - started}
 
 
-def _cell(value: Any, spec: str = ".3g", suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
+def _cell(value: Any, spec: str = ".3g") -> str:
+    return "-" if value is None else f"{value:{spec}}"
 
 
 def summarise(report: dict[str, Any]) -> str:

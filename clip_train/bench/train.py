@@ -34,7 +34,7 @@ import torch
 from clip_train.bench import positive_ints
 from clip_train.bench.plotting import pyplot
 from clip_train.commands.report import read_records
-from clip_train.config import ConfigError, load_config
+from clip_train.config import Config, ConfigError, load_config
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
 from clip_train.model import build_model
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def export_initial_model(cfg, folder: Path) -> None:
+def export_initial_model(cfg: Config, folder: Path) -> None:
     """The config's model as clip_train initialises it (its seed), exported for open_clip: both
     trainers start from the same weights."""
     torch.manual_seed(cfg.train.seed)
@@ -159,7 +159,7 @@ def run_clip_train(
 
 
 def run_open_clip(
-    args: argparse.Namespace, cfg, export: Path, batch: int, nproc: int, out: Path, log_every: int = 1
+    args: argparse.Namespace, cfg: Config, export: Path, batch: int, nproc: int, out: Path, log_every: int = 1
 ) -> dict[str, Any]:
     """One OpenCLIP run: the median of its logged ``Batch (t)`` (the mean step time since its last
     log) over the windows after the warm-up steps, as for clip_train's."""

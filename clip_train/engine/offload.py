@@ -41,7 +41,7 @@ class ChunkStream:
     engine's life: a new stream per run would come from the 32-stream pool that ProcessGroupNCCL's
     stream comes from too, and every 32nd or so would be NCCL's, serialising prefetches with collectives.
 
-    ``max_live``, for tests and benchmarks: the most chunks alive at once (handed out or prefetched) in
+    ``max_live``, which the tests check: the most chunks alive at once (handed out or prefetched) in
     any run since the last ``place``; it stays <= 2 unless ``fn`` keeps references to old chunks.
     """
 

@@ -30,7 +30,6 @@ from clip_train.eval.metrics import hits_at_k, retrieval_recall, validation_loss
 from clip_train.eval.zeroshot import (
     build_zeroshot_classifier,
     synsets_of,
-    zeroshot_accuracy,
     zeroshot_metadata,
 )
 
@@ -44,7 +43,6 @@ __all__ = [
     "hits_at_k",
     "retrieval_recall",
     "synsets_of",
-    "zeroshot_accuracy",
     "zeroshot_from_features",
     "zeroshot_metadata",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -13,11 +13,9 @@ from open_clip import zero_shot_metadata
 from timm.data import ImageNetInfo
 from torch import nn
 
-from clip_train.data import Batch
-from clip_train.data.eval_sources import EvalError, LabelledImages
+from clip_train.data.eval_sources import EvalError
 from clip_train.distributed import gather_rows, rank_and_world
-from clip_train.eval.encode import encode_split, feature_dtype, inference
-from clip_train.eval.metrics import zeroshot_from_features
+from clip_train.eval.encode import feature_dtype, inference
 from clip_train.logs import Progress
 
 Template = Callable[[str], str]
@@ -105,19 +103,3 @@ def build_zeroshot_classifier(
     shown.close()
     local = torch.cat(rows) if rows else torch.zeros((0, 0), dtype=dtype, device=device)
     return gather_rows(local, group)[0]
-
-
-def zeroshot_accuracy(
-    model: nn.Module,
-    loader: Iterable[Batch | LabelledImages],
-    classifier: torch.Tensor,
-    *,
-    device: torch.device,
-    precision: str = "fp32",
-    group: dist.ProcessGroup | None = None,
-) -> dict[str, float]:
-    """Encode this rank's labelled images and score them against ``classifier``: top1, top5, n."""
-    split = encode_split(
-        model, loader, device=device, precision=precision, text=False, labels=True, group=group
-    )
-    return zeroshot_from_features(split.image_features, split.labels, classifier, group=group)
