@@ -33,14 +33,15 @@ comma := ,
 DEMO_CONFIG ?= configs/demo-digits.yaml
 DEMO_RUN ?= runs/$(basename $(notdir $(DEMO_CONFIG)))
 
-# The main job: build the digits shards, train a tiny CLIP on 2 CPU processes, report zero-shot.
+# The main job: build the digits shards, train a tiny CLIP on 2 CPU processes (on a GPU machine
+# too: DEMO_ARGS=train.device=auto uses its GPUs), report zero-shot.
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/clip-train make-shards digits $(DEMO_DATA)
 	rm -rf $(DEMO_RUN)
 	OMP_NUM_THREADS=1 NPROC_PER_NODE=2 PYTHON=$(PY) launch/train.sh $(DEMO_CONFIG) \
 		data.train=$(DEMO_DATA)/train data.val=$(DEMO_DATA)/val \
 		eval.zeroshot=$(DEMO_DATA)/zeroshot.json eval.zeroshot_data=$(DEMO_DATA)/val \
-		train.out_dir=$(DEMO_RUN) $(DEMO_ARGS)
+		train.out_dir=$(DEMO_RUN) train.device=cpu $(DEMO_ARGS)
 	$(VENV)/bin/clip-train report $(DEMO_RUN) --prefix demo
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file on one worker so that its
@@ -110,7 +111,7 @@ gpu-wheels: $(VENV)/.installed-dev+demo
 gpu-check:
 	PYTHON=$(PYTHON) WHEELS=$(GPU_WHEELS) launch/gpu-check.sh
 
-# One GPU session's figures in <= 10 minutes on an H100 (docs/gpu-bench.md): the loss, the trainer
+# One GPU session's figures, aiming at <= 10 minutes on an H100 (docs/gpu-bench.md): the loss, the trainer
 # eager and compiled with MFU, OpenCLIP's trainer beside it and a profiled step, into OUT (default
 # gpu-bench/DATE), with the kit installed offline as gpu-check does. Without the kit it runs on .venv;
 # without a CUDA GPU it is a dry run at toy sizes.

@@ -533,17 +533,15 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Every rank contributes its own state; rank 0 writes. A collective: a save that fails raises
         the same one-line ``UserError`` on every rank."""
-        gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
+        gathered = self._gathered_per_rank()
 
         def write() -> Path:
-            state = {"world_size": rank_and_world()[1], **gathered}
-            state.update({name: part.state_dict() for name, part in self.shared.items()})
             return save_checkpoint(
                 self.run_dir,
                 step,
                 self.model,
                 self.model_cfg,
-                state,
+                self._train_state(gathered),
                 self.cfg.keep,
                 self.cfg.keep_every,
                 check_space=self.cfg.check_free_space,
@@ -551,6 +549,15 @@ class Checkpointer:
             )
 
         decided_by_main(write)
+
+    def _gathered_per_rank(self) -> dict[str, Any]:
+        """Each per-rank component's states of every rank, on rank 0 (a collective)."""
+        return {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
+
+    def _train_state(self, gathered: dict[str, Any]) -> dict[str, Any]:
+        """``train_state.pt``: the world size, the per-rank states gathered and the shared ones."""
+        shared = {name: part.state_dict() for name, part in self.shared.items()}
+        return {"world_size": rank_and_world()[1], **gathered, **shared}
 
     def restore(self) -> Path | None:
         """Load ``checkpoint.resume`` (none, ``auto`` or a path), which rank 0 has chosen and verified."""

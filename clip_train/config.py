@@ -82,7 +82,7 @@ class ModelConfig:
     init_logit_bias: float | None = None  # sigmoid only, learnable; None: -10 (SigLIP) for sigmoid
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
-    init_from: str = ""  # weights to fine-tune from: a checkpoint, run dir or open_clip:SPEC (README)
+    init_from: str = ""  # fine-tune from: a checkpoint, run dir or open_clip:SPEC (docs/fine-tune-clip.md)
 
 
 @dataclass

@@ -42,9 +42,12 @@ class SignalFlag:
         elif self.received is None:
             self.received = signal.Signals(signum)
         if self.interrupting:
-            raise Preempted(
-                f"{self.received.name} received" if self.received else "another rank was signalled"
-            )
+            raise Preempted(self.cause)
+
+    @property
+    def cause(self) -> str:
+        """Why the run stops: this rank's signal, or another rank's."""
+        return f"{self.received.name} received" if self.received else "another rank was signalled"
 
     def relay(self) -> None:
         """From another thread: run the handler in the main thread as a signal would, recording no

@@ -21,6 +21,7 @@ a rank blocked in a collective only trips a flag that its Python code never gets
 from __future__ import annotations
 
 import _thread
+import contextlib
 import itertools
 import os
 import pickle
@@ -78,24 +79,24 @@ _evaluating: list[StoppableEvaluation | None] = [None]
 
 
 @contextmanager
-def writing_checkpoint() -> Iterator[None]:
-    """A checkpoint save: a long write after a signal is the point of the signal, not a stall."""
-    _writing_checkpoint[0] += 1
+def _counted(counter: list[int]) -> Iterator[None]:
+    """Raise ``counter`` while the block runs (nested blocks too), for the watch thread to read."""
+    counter[0] += 1
     try:
         yield
     finally:
-        _writing_checkpoint[0] -= 1
+        counter[0] -= 1
 
 
-@contextmanager
-def waiting_for_own_work() -> Iterator[None]:
+def writing_checkpoint() -> contextlib.AbstractContextManager[None]:
+    """A checkpoint save: a long write after a signal is the point of the signal, not a stall."""
+    return _counted(_writing_checkpoint)
+
+
+def waiting_for_own_work() -> contextlib.AbstractContextManager[None]:
     """The main thread waits for work of this rank alone (a checkpoint's upload), in no collective: no
     peer can be what it waits for, so neither another rank's ending nor a signal cuts it short."""
-    _own_work[0] += 1
-    try:
-        yield
-    finally:
-        _own_work[0] -= 1
+    return _counted(_own_work)
 
 
 class StoppableEvaluation:

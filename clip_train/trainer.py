@@ -49,7 +49,7 @@ from clip_train.flops import TowerFlops, device_peak_tflops, tower_flops, traini
 from clip_train.init_from import load_init_from, pinned
 from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
-from clip_train.model import build_model
+from clip_train.model import CLIP, build_model
 from clip_train.model.compiling import compile_towers
 from clip_train.monitor import RunMonitor
 from clip_train.optim import Update
@@ -135,22 +135,15 @@ class Trainer:
         resumes = decided_by_main(self._finds_a_checkpoint)
         if resumes and self.remote is not None:  # a fresh disk: the run's config, read for its pins
             self.remote.pull_run_files()
-        fine_tune = bool(cfg.model.init_from) and not resumes
         self._pin_weight_sources(resumes)
         self.sharded = cfg.train.parallel == "fsdp"
-        on_meta = self.sharded and builds_on_meta(cfg.fsdp)  # rank 0's weights reach it when sharded
-        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        model = build_model(cfg.model, load_pretrained=not cfg.model.init_from, on_meta=on_meta)
-        model = model.double() if cfg.train.precision == "fp64" else model
-        self.model = model if on_meta else model.to(env.device)
-        if fine_tune and not on_meta:
-            self._load_init_from()
-        if fine_tune and self.sharded:
-            main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
+        self.model = self._built_model(fine_tune=bool(cfg.model.init_from) and not resumes)
         # Loaded at every start, a resumed one's too: the teacher is an input, never checkpointed. It
         # takes the student's parameter dtype (fp64 runs are fp64 throughout).
-        dtype = model.logit_scale.dtype
-        self.teacher = load_teacher(cfg.distill, model, env.device, dtype) if cfg.distill.teacher else None
+        dtype = self.model.logit_scale.dtype
+        self.teacher = None
+        if cfg.distill.teacher:
+            self.teacher = load_teacher(cfg.distill, self.model, env.device, dtype)
         clock.lap("model")
         # Rank 0 logs the MFU against its device's peak, and decides for every rank: ranks' GPUs may
         # differ, and each decision must be made by all. Counted on the whole towers, before compiling
@@ -178,23 +171,7 @@ class Trainer:
             tokenizer=self.model.tokenizer,
             pin_memory=env.device.type == "cuda",
         )
-        per_rank = {"rng": ProcessRng(), "data": self.loader}
-        if self.sharded:  # the optimizer's states are saved in shards, beside the weights'
-            optimizer = self.update.optimizer
-            make_checkpointer = functools.partial(ShardedCheckpointer, optimizer=optimizer)
-            update = OptimizerApart(self.update, optimizer)
-        else:
-            make_checkpointer, update = Checkpointer, self.update
-        self.checkpointer = make_checkpointer(
-            self.run_dir,
-            cfg.checkpoint,
-            self.model,
-            cfg.model,
-            shared={"trainer": self, "update": update},
-            per_rank=per_rank,
-            ema=self.ema,
-            remote=self.remote,
-        )
+        self.checkpointer = self._checkpointer()
         torch.manual_seed(cfg.train.seed + 1 + env.rank)  # dropout masks differ across ranks
         clock.lap("optimizer_and_loader")
         self.resumed_from = self.checkpointer.restore()
@@ -217,6 +194,44 @@ class Trainer:
             trains, replayed = self.engine.trains_and_replays(rows)
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
         clock.lap("engine")
+
+    def _built_model(self, fine_tune: bool) -> CLIP:
+        """The model with its first weights on the run's device: built from the seed (the same on every
+        rank) or pretrained, then ``model.init_from``'s when fine-tuning. Ranks that build on meta
+        (FSDP) get rank 0's weights when the towers are sharded."""
+        cfg, device = self.cfg, self.env.device
+        on_meta = self.sharded and builds_on_meta(cfg.fsdp)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, load_pretrained=not cfg.model.init_from, on_meta=on_meta)
+        model = model.double() if cfg.train.precision == "fp64" else model
+        model = model if on_meta else model.to(device)
+        if fine_tune and not on_meta:
+            with naming_key("model.init_from", cfg.model.init_from):
+                load_init_from(cfg.model, model)
+        if fine_tune and self.sharded:
+            main_done()  # the ranks on meta wait for rank 0's load here, not in shard_towers' broadcast
+        return model
+
+    def _checkpointer(self) -> Checkpointer:
+        """What a checkpoint holds: the weights, the EMA, this trainer's and the update's state, and
+        each rank's RNG and data position; under FSDP the optimizer's states in shards."""
+        per_rank = {"rng": ProcessRng(), "data": self.loader}
+        if self.sharded:  # the optimizer's states are saved in shards, beside the weights'
+            optimizer = self.update.optimizer
+            make_checkpointer = functools.partial(ShardedCheckpointer, optimizer=optimizer)
+            update = OptimizerApart(self.update, optimizer)
+        else:
+            make_checkpointer, update = Checkpointer, self.update
+        return make_checkpointer(
+            self.run_dir,
+            self.cfg.checkpoint,
+            self.model,
+            self.cfg.model,
+            shared={"trainer": self, "update": update},
+            per_rank=per_rank,
+            ema=self.ema,
+            remote=self.remote,
+        )
 
     def _check_one_chunk_for_cuda_graphs(self) -> None:
         """What ``Config.validate`` cannot see: the chunks auto chose (or a checkpoint kept)."""
@@ -266,11 +281,6 @@ class Trainer:
         if own.is_file():
             return own
         return run_config_file(Path(resume)) if resume not in ("", "auto") else None
-
-    def _load_init_from(self) -> None:
-        """Fine-tuning: the weights and nothing else."""
-        with naming_key("model.init_from", self.cfg.model.init_from):
-            load_init_from(self.cfg.model, self.model)
 
     def _measure_chunks(self) -> ChunkChoice:
         """Auto chunks fitted on rank 0 alone (its towers measured); every rank gets its choice.
@@ -460,9 +470,8 @@ class Trainer:
             signals.interrupting = False
 
     def _preempted(self, signals: SignalFlag) -> Preempted:
-        cause = f"{signals.received.name} received" if signals.received else "another rank was signalled"
         return Preempted(
-            f"{cause}: stopped after step {self.step}; checkpoint.resume=auto continues from "
+            f"{signals.cause}: stopped after step {self.step}; checkpoint.resume=auto continues from "
             f"{latest_checkpoint(self.run_dir) or 'the start'}"
         )
 

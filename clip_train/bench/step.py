@@ -31,7 +31,7 @@ from clip_train.engine import GradCache
 from clip_train.errors import UserError
 from clip_train.loss import contrastive_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, tensor_bytes, used_bytes
-from clip_train.model import build_model
+from clip_train.model import CLIP, build_model
 from clip_train.precision import autocast
 from clip_train.startup_time import process_started
 
@@ -234,7 +234,7 @@ def _direct_step(model, precision: str, loss_impl: str, device):
     return step
 
 
-def synthetic_batch(model, rows: int):
+def synthetic_batch(model: CLIP, rows: int) -> tuple[torch.Tensor, ...]:
     """Random uint8 images and token ids shaped for ``model``, in host memory as a loader delivers them."""
     gen = torch.Generator().manual_seed(rows)
     size, context = model.image_size, model.tokenizer.context_length

@@ -41,7 +41,7 @@ def expand_urls(spec: str, *, what: str = "data.train") -> list[str]:
             urls.extend(tars)
         else:
             urls.append(url)
-    local = [u for u in urls if not u.startswith("pipe:") and "://" not in u]
+    local = [u for u in urls if is_local(u)]
     missing = [u for u in local if not os.path.exists(u)]
     if local and len(missing) == len(local):
         raise DataError(f"{what}: no such file or directory: {missing[0]}")
@@ -52,15 +52,16 @@ def expand_urls(spec: str, *, what: str = "data.train") -> list[str]:
     return urls
 
 
+def is_local(url: str) -> bool:
+    """A path on this machine: neither a ``pipe:`` command nor a URL (``s3://``, ``https://``)."""
+    return not url.startswith("pipe:") and "://" not in url
+
+
 def check_readable(urls: list[str], *, what: str) -> None:
     """Fail at start-up, not in a data worker mid-run, when no local shard opens as a tar (a 0-byte
     or non-tar file). Stops at the first one that opens, so a long shard list costs one read.
     Tables pass: their readers check their headers when they split them into pieces."""
-    local = [
-        u
-        for u in urls
-        if not u.startswith("pipe:") and "://" not in u and os.path.isfile(u) and not is_table(u)
-    ]
+    local = [u for u in urls if is_local(u) and os.path.isfile(u) and not is_table(u)]
     problem = ""
     for url in local:
         try:

@@ -38,6 +38,7 @@ from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 from timm.layers import QuickGELU
 from timm.models.vision_transformer import VisionTransformer
 
+from clip_train.checkpoint import Adapt
 from clip_train.config import ModelConfig
 from clip_train.model import CLIP
 from clip_train.model.clip_text_names import PROJECTION, encoder_names
@@ -503,9 +504,7 @@ def check_open_clip(spec: str) -> None:
             raise ModelLoadError(f"the {tower} tower does not map ({tower_map.leftover})")
 
 
-def load_open_clip(
-    spec: str, model: CLIP, cfg: ModelConfig, adapt: Callable[[dict[str, torch.Tensor]], None] | None = None
-) -> None:
+def load_open_clip(spec: str, model: CLIP, cfg: ModelConfig, adapt: Adapt | None = None) -> None:
     """Replace every weight of ``model`` with the open_clip model's; a one-line ``ModelLoadError`` names
     what does not map, the config difference or the first key whose shape differs. ``adapt`` may
     replace the mapped tensors before their shapes are checked."""

@@ -40,10 +40,11 @@ from clip_train.checkpoint import (
     write_checkpoint_files,
     write_failure,
 )
-from clip_train.distributed import all_ranks_true, decided_by_main, gather_to_main, rank_and_world
+from clip_train.distributed import all_ranks_true, decided_by_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.memory import tensor_bytes
 from clip_train.optim import AS_SAVED
+from clip_train.state_dicts import listed
 
 OPTIMIZER_KEY = "optimizer"
 EMA_KEY = "ema"
@@ -72,7 +73,7 @@ class ShardedCheckpointer(Checkpointer):
     def save(self, step: int) -> None:
         """A collective: each rank writes its shards, rank 0 the rest; a failure on any rank removes
         the folder and raises the same one-line ``UserError`` on every rank."""
-        gathered = {name: gather_to_main(part.state_dict()) for name, part in self.per_rank.items()}
+        gathered = self._gathered_per_rank()
         final = checkpoint_dir(self.run_dir, step)
         needed = self._bytes_needed()
         check_space = self.cfg.check_free_space
@@ -99,8 +100,7 @@ class ShardedCheckpointer(Checkpointer):
             try:
                 if not written:
                     raise OSError(failure or "another rank could not write its shards")
-                state = {"world_size": rank_and_world()[1], **gathered}
-                state.update({name: part.state_dict() for name, part in self.shared.items()})
+                state = self._train_state(gathered)
                 write_checkpoint_files(tmp, step, weights, state, self.model, self.model_cfg, ema)
             except WRITE_ERRORS as err:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -128,6 +128,11 @@ class ShardedCheckpointer(Checkpointer):
                 f"model.init_from={path}"
             )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        if untrained := _saved_optimizer_params(path / SHARDS_DIR) - optimizer_state["state"].keys():
+            raise UserError(  # DCP would load this run's states and pass over those, as no other load does
+                f"checkpoint {path} holds optimizer states of parameters this run does not train "
+                f"({listed(untrained)}): {AS_SAVED}"
+            )
         state = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
         with_ema = self.ema is not None and (path / EMA_FILE).is_file()
         if with_ema:  # loaded in place, each rank its shards
@@ -147,6 +152,13 @@ class ShardedCheckpointer(Checkpointer):
             self._resumes_ema(path)  # an EMA turned on at this resume starts from the weights
         self._load_components(load_train_state(path))
         return path
+
+
+def _saved_optimizer_params(shards: Path) -> set[str]:
+    """The parameters whose optimizer states a sharded checkpoint holds (``optimizer.state.NAME.STATE``)."""
+    prefix = f"{OPTIMIZER_KEY}.state."
+    keys = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
+    return {key.removeprefix(prefix).rpartition(".")[0] for key in keys if key.startswith(prefix)}
 
 
 def _one_process() -> bool:
