@@ -21,7 +21,6 @@ import pickle
 import re
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,8 +37,8 @@ from clip_train.errors import UserError
 from clip_train.logs import get_logger
 from clip_train.memory import format_bytes, tensor_bytes
 from clip_train.model import CLIP
+from clip_train.model.state_dicts import Adapt, misfit
 from clip_train.model.tokenizer import OPEN_CLIP
-from clip_train.state_dicts import misfit
 
 if TYPE_CHECKING:
     from clip_train.ema import WeightsEMA
@@ -267,8 +266,9 @@ def checkpoint_init_from(checkpoint: Path) -> str:
 
 def run_config_file(checkpoint: Path) -> Path | None:
     """The config.yaml of the run a checkpoint directory belongs to, while it is still beside it."""
-    path = checkpoint.parent.parent / RUN_CONFIG_FILE  # {out_dir}/checkpoints/step_N
-    return path if path.is_file() else None
+    out_dir = checkpoint.parent.parent  # {out_dir}/checkpoints/step_N
+    path = out_dir / RUN_CONFIG_FILE
+    return path if checkpoint.parent == checkpoint_root(out_dir) and path.is_file() else None
 
 
 def step_dirs(out_dir: str | os.PathLike) -> list[Path]:
@@ -456,9 +456,6 @@ def _weights_in(folder: Path) -> Path:
     )
 
 
-Adapt = Callable[[dict[str, torch.Tensor]], None]  # replaces tensors of a weights file in place
-
-
 def load_weights(
     path: str | os.PathLike,
     model: nn.Module,
@@ -570,9 +567,9 @@ class Checkpointer:
                 f"train.parallel=fsdp, or start a new run from its weights with model.init_from={path}"
             )
         load_weights_file(path / MODEL_FILE, self.model)
+        self._load_components(load_train_state(path))  # a changed locking is said by the optimizer's groups
         if self._resumes_ema(path):
             self.ema.load_full_weights(load_file(path / EMA_FILE))
-        self._load_components(load_train_state(path))
         return path
 
     def _resumes_ema(self, path: Path) -> bool:
@@ -621,8 +618,9 @@ class Checkpointer:
                 f"train.out_dir={self.run_dir} already holds checkpoints of another run; continue it "
                 "with checkpoint.resume=auto or pick a new train.out_dir"
             )
-        if path is None and self.remote is not None and (newest := self.remote.newest_complete()):
-            raise UserError(  # its first upload would prune them
+        starts_here = path is None or not self._is_own(path)  # afresh, or from another directory's
+        if starts_here and self.remote is not None and (newest := self.remote.newest_complete()):
+            raise UserError(  # its uploads would prune them
                 f"checkpoint.remote={self.remote.url} already holds checkpoints of another run (newest "
                 f"{newest}); continue it with checkpoint.resume=auto or pick a new checkpoint.remote"
             )
@@ -642,6 +640,9 @@ class Checkpointer:
     def _mirror_if_missing(self, checkpoint: Path) -> None:
         """Upload the run's resumed checkpoint if the remote lacks it whole: an upload cut short by the
         process's end is otherwise retried by the next save, and the last step's has none."""
-        ours = checkpoint.parent.resolve() == checkpoint_root(self.run_dir).resolve()
-        if ours and not self.remote.holds(checkpoint.name):
+        if self._is_own(checkpoint) and not self.remote.holds(checkpoint.name):
             self.remote.push(checkpoint)
+
+    def _is_own(self, checkpoint: Path) -> bool:
+        """Whether ``checkpoint`` is one of this run directory's."""
+        return checkpoint.parent.resolve() == checkpoint_root(self.run_dir).resolve()

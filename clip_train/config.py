@@ -681,8 +681,11 @@ def config_yaml(config: Config) -> str:
 
 def save_config(config: Config, path: str | os.PathLike) -> None:
     """Write the resolved config so a run directory records exactly what ran."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(config_yaml(config))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_name(f".{path.name}.tmp")  # replaced whole: an upload or a kill never sees half
+    written.write_text(config_yaml(config))
+    os.replace(written, path)
 
 
 class ConfigKey(typing.NamedTuple):

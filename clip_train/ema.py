@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from clip_train.checkpoint import EMA_FILE
 from clip_train.config import TrainConfig
 from clip_train.errors import UserError
-from clip_train.state_dicts import misfit
+from clip_train.model.state_dicts import misfit
 
 
 def ema_decay_at(step: int, decay: float, warmup_power: float = 0.0) -> float:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from clip_train.checkpoint import Adapt, find_weights, load_weights
+from clip_train.checkpoint import find_weights, load_weights
 from clip_train.config import ModelConfig
 from clip_train.logs import get_logger
 from clip_train.model import CLIP, build_model
 from clip_train.model.from_open_clip import KEPT_IF_ABSENT, check_open_clip, is_open_clip, load_open_clip
 from clip_train.model.image import resampled_position_embedding
+from clip_train.model.state_dicts import Adapt
 
 POSITION_EMBEDDING = "visual.trunk.pos_embed"
 

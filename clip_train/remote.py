@@ -85,7 +85,7 @@ class RemoteMirror:
             for name in RUN_FILES:
                 if (self.run_dir / name).is_file():
                     self._put(self.run_dir / name, f"{self.root}/{name}")
-            self._prune()
+            self._prune(checkpoint_step(checkpoint))
             get_logger().info(f"checkpoint {checkpoint.name} mirrored to {self.url}")
         except Exception as err:  # any storage error: warn, and retry with the next save
             get_logger().warning(
@@ -102,11 +102,13 @@ class RemoteMirror:
             self._put(file, f"{target}/{file.relative_to(checkpoint).as_posix()}")
         self._put(checkpoint / MANIFEST_FILE, f"{target}/{MANIFEST_FILE}")  # complete from now on
 
-    def _prune(self) -> None:
-        """Delete what the run's keep rule drops from the remote's complete checkpoints, and the
-        uploads cut short (no manifest) of other steps."""
+    def _prune(self, uploaded: int) -> None:
+        """Delete what the run's keep rule drops from the remote's complete checkpoints up to the
+        ``uploaded`` step, the run's newest; those after it (a history the run went back from) and
+        the uploads cut short (no manifest) of other steps go too."""
         steps = self._remote_steps()
-        complete = sorted((Path(name) for name in steps if self.holds(name)), key=checkpoint_step)
+        ours = (Path(name) for name in steps if checkpoint_step(Path(name)) <= uploaded and self.holds(name))
+        complete = sorted(ours, key=checkpoint_step)
         dropped = beyond_keep(complete, self.keep, self.keep_every)
         kept = {path.name for path in complete if path not in dropped}
         for stale in set(steps) - kept:
@@ -127,15 +129,16 @@ class RemoteMirror:
         does not come is a warning: the checkpoint alone resumes the training."""
         for name in RUN_FILES:
             local, remote = self.run_dir / name, f"{self.root}/{name}"
+            pulled = local.with_name(f".{name}.pulled")
             try:
                 if local.exists() or not self.fs.isfile(remote):
                     continue
-                pulled = local.with_name(f".{name}.pulled")
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(remote, str(pulled))
                 os.replace(pulled, local)
                 get_logger().info(f"checkpoint.remote={self.url}: pulled {name}")
             except Exception as err:  # any storage error
+                pulled.unlink(missing_ok=True)
                 get_logger().warning(
                     f"warning: checkpoint.remote={self.url}: pulling {name} failed ({type(err).__name__}: "
                     f"{err}); the run resumes without it"

@@ -27,6 +27,7 @@ from clip_train.checkpoint import (
     remove_stale_temp_dirs,
     replace_folder,
     resolve_resume,
+    run_config_file,
     save_checkpoint,
     saved_step,
 )
@@ -210,3 +211,15 @@ def test_rng_state_round_trip():
     rng.load_state_dict(state)
     again = (random.random(), torch.rand(3))
     assert first[0] == again[0] and torch.equal(first[1], again[1])
+
+
+def test_a_checkpoints_run_config_is_the_one_of_its_run_directory_only(tmp_path):
+    """A copied checkpoint outside a run directory has none: a config.yaml two folders up belongs to
+    something else, and its pins would become the run's."""
+    in_run = tmp_path / "run" / "checkpoints" / "step_00000002"
+    copied = tmp_path / "data" / "ckpts" / "step_00000002"
+    for checkpoint in (in_run, copied):
+        checkpoint.mkdir(parents=True)
+        (checkpoint.parent.parent / "config.yaml").write_text("train: {}\n")
+    assert run_config_file(in_run) == tmp_path / "run" / "config.yaml"
+    assert run_config_file(copied) is None

@@ -28,9 +28,10 @@ from clip_train.checkpoint import EMA_FILE, MODEL_FILE, SHARDS_DIR, STATE_FILE, 
 from clip_train.cli import main as cli_main
 from clip_train.distributed import DistEnv
 from clip_train.ema import load_ema_weights
+from clip_train.errors import UserError
 from clip_train.eval import evaluate
 from clip_train.model import build_model
-from clip_train.optim import lr_factor
+from clip_train.optim import AS_SAVED, lr_factor
 from clip_train.trainer import Trainer
 
 STEPS, RESUME_AT = 4, 2
@@ -141,6 +142,19 @@ def param_groups(out_dir: Path) -> tuple[list[dict], list[str] | None]:
     dcp_to_torch_save(checkpoint / SHARDS_DIR, whole)
     groups = torch.load(whole, weights_only=True)["optimizer"]["param_groups"]
     return groups, [name for group in groups for name in group["params"]]
+
+
+def test_a_resume_with_another_locking_is_refused_naming_the_keys_to_set_back(runs, tmp_path):
+    """The EMA (of the trainable weights) does not fit such a run either; the line that says what to
+    set back is the optimizer groups' (DDP), or the sharded states' (FSDP)."""
+    args, reference, _ = runs
+    relocked = "model.image.unlocked_layers=0" if "model.image.lock=true" in args else "model.image.lock=true"
+    resume = f"checkpoint.resume={step_dir(reference, RESUME_AT)}"
+    overrides = [*args, f"train.out_dir={tmp_path}", resume, relocked, "data.workers=0"]
+    cfg = load_config(DEMO_CONFIG, overrides).validate(world_size=1)
+    with pytest.raises(UserError) as err:
+        Trainer(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    assert "\n" not in str(err.value) and str(err.value).endswith(AS_SAVED)
 
 
 def test_clip_train_load_and_export_take_the_ema(runs, tmp_path):

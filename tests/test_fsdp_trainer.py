@@ -183,26 +183,35 @@ def test_a_two_rank_checkpoint_resumes_on_four_then_on_one_with_weights_and_opti
 
 
 @pytest.mark.parametrize(
-    ("unlocked", "problem"),
+    ("change", "problem", "ending"),
     [
-        (2, "'s shards do not fit this run (Missing key in checkpoint state_dict: "),
-        (0, " holds optimizer states of parameters this run does not train (14 keys (visual.trunk.blocks.1."),
+        (
+            "model.image.unlocked_layers=2",
+            "'s shards do not fit this run (Missing key in checkpoint ",
+            AS_SAVED,
+        ),
+        (
+            "model.image.unlocked_layers=0",
+            " holds optimizer states of parameters this run does not train (14 keys (visual.trunk.blocks.1.",
+            AS_SAVED,
+        ),
+        ("model.embed_dim=8", " does not fit the model: mis-shaped (weights vs model) 2 keys (", "(8, 32))"),
     ],
 )
-def test_a_sharded_checkpoint_of_other_parameter_groups_is_one_line_naming_the_keys(
-    digits, tmp_path, unlocked, problem
+def test_a_sharded_checkpoint_that_does_not_fit_is_one_line_naming_the_keys(
+    digits, tmp_path, change, problem, ending
 ):
-    """As an unsharded one's, more trainable parameters or fewer: torch's checkpoint error is a
-    BaseException, which would pass the CLI's one-line ending as a traceback, and a sharded load
-    takes the run's own states, passing over the checkpoint's others."""
+    """As an unsharded one's, with more trainable parameters, fewer, or another model: torch's
+    checkpoint error is a BaseException, which would pass the CLI's one-line ending as a traceback,
+    and a sharded load takes the run's own states, passing over the checkpoint's others."""
     out = tmp_path / "run"
     args = [*overrides(digits, out, "checkpoint.resume=auto", steps=1), "model.image.lock=true"]
     make_trainer(0, 1, [*args, "model.image.unlocked_layers=1"]).run()
     with pytest.raises(UserError) as err:
-        make_trainer(0, 1, [*args, f"model.image.unlocked_layers={unlocked}"])
+        make_trainer(0, 1, [*args, "model.image.unlocked_layers=1", change])
     message = str(err.value)
     assert message.startswith(f"checkpoint {complete_checkpoints(out)[-1]}{problem}")
-    assert "\n" not in message and message.endswith(f"): {AS_SAVED}")
+    assert "\n" not in message and message.endswith(ending)
 
 
 def step_on(trainer: Trainer):

@@ -253,9 +253,18 @@ def test_the_remote_is_pruned_by_the_runs_rule_over_what_it_holds(run_copy, remo
         again.push(pulled)
         again.wait()
         assert _complete_remote_checkpoints(remote_url) == [path.name for path in kept], (keep, keep_every)
+    mirror.push(first)
+    mirror.push(second)
+    mirror.wait()
+    back = RemoteMirror(remote_url, run_copy, keep=3)
+    back.push(first)  # a run that went back to step 20: its newest, whatever a failed drop left after it
+    back.wait()
+    assert _complete_remote_checkpoints(remote_url) == [first.name]
 
 
-def test_a_fresh_disk_pulls_the_run_files_it_lacks_and_keeps_those_it_has(run_copy, remote_url, tmp_path):
+def test_a_fresh_disk_pulls_the_run_files_it_lacks_and_keeps_those_it_has(
+    run_copy, remote_url, tmp_path, monkeypatch, capsys
+):
     (run_copy / WANDB_ID_FILE).write_text("abc123\n")
     mirror = RemoteMirror(remote_url, run_copy)
     mirror.push(complete_checkpoints(run_copy)[-1])
@@ -263,11 +272,23 @@ def test_a_fresh_disk_pulls_the_run_files_it_lacks_and_keeps_those_it_has(run_co
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / METRICS_FILE).write_text("{}\n")  # the disk's own: kept
-    RemoteMirror(remote_url, fresh).pull_run_files()
+    puller = RemoteMirror(remote_url, fresh)
+    get_file = puller.fs.get_file
+
+    def cut_short(remote: str, local: str) -> None:
+        Path(local).write_text("half")
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(puller.fs, "get_file", cut_short)
+    puller.pull_run_files()
+    assert sorted(path.name for path in fresh.iterdir()) == [METRICS_FILE]  # no partial file left
+    assert capsys.readouterr().err.count("the run resumes without it") == 2
+    monkeypatch.setattr(puller.fs, "get_file", get_file)
+    puller.pull_run_files()
     assert filecmp.cmp(fresh / RUN_CONFIG_FILE, run_copy / RUN_CONFIG_FILE, shallow=False)
     assert (fresh / WANDB_ID_FILE).read_text() == "abc123\n"
     assert (fresh / METRICS_FILE).read_text() == "{}\n"
-    assert sorted(path.name for path in fresh.iterdir()) == sorted(RUN_FILES)  # nothing half-pulled
+    assert sorted(path.name for path in fresh.iterdir()) == sorted(RUN_FILES)
 
 
 def test_a_fresh_run_refuses_a_remote_holding_another_runs_checkpoints(run_copy, digits, tmp_path):
@@ -277,13 +298,15 @@ def test_a_fresh_run_refuses_a_remote_holding_another_runs_checkpoints(run_copy,
     mirror = RemoteMirror(remote, run_copy)
     mirror.push(complete_checkpoints(run_copy)[-1])
     mirror.wait()
-    with pytest.raises(UserError) as err:
-        _train_in_process(digits, tmp_path / "fresh-disk", 41, "", remote)
-    assert str(err.value) == (
-        f"checkpoint.remote={remote} already holds checkpoints of another run (newest step_00000040); "
-        "continue it with checkpoint.resume=auto or pick a new checkpoint.remote"
-    )
-    assert _complete_remote_checkpoints(remote) == ["step_00000040"]
+    elsewhere = str(complete_checkpoints(run_copy)[0])  # another directory's step 20, going on here
+    for resume in ("", elsewhere):
+        with pytest.raises(UserError) as err:
+            _train_in_process(digits, tmp_path / "fresh-disk", 41, resume, remote)
+        assert str(err.value) == (
+            f"checkpoint.remote={remote} already holds checkpoints of another run (newest step_00000040); "
+            "continue it with checkpoint.resume=auto or pick a new checkpoint.remote"
+        )
+        assert _complete_remote_checkpoints(remote) == ["step_00000040"]
 
 
 def test_a_resumed_checkpoint_the_remote_lacks_goes_up_at_start_up(run_copy, digits, tmp_path, capsys):

@@ -38,13 +38,12 @@ from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 from timm.layers import QuickGELU
 from timm.models.vision_transformer import VisionTransformer
 
-from clip_train.checkpoint import Adapt
 from clip_train.config import ModelConfig
 from clip_train.model import CLIP
 from clip_train.model.clip_text_names import PROJECTION, encoder_names
 from clip_train.model.hub import ModelLoadError
+from clip_train.model.state_dicts import Adapt, listed
 from clip_train.model.text import POOLERS
-from clip_train.state_dicts import listed
 
 PREFIX = "open_clip:"
 WEIGHT_NAMES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)  # open_clip's names in a folder or repo, first wins

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,9 +44,10 @@ from clip_train.checkpoint import (
 from clip_train.distributed import all_ranks_true, decided_by_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.memory import tensor_bytes
+from clip_train.model.state_dicts import listed, misfit
 from clip_train.optim import AS_SAVED
-from clip_train.state_dicts import listed
 
+MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 EMA_KEY = "ema"
 
@@ -83,7 +85,7 @@ class ShardedCheckpointer(Checkpointer):
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         failure = ""
         try:
-            shards = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
+            shards = {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
             if self.ema is not None:
                 shards[EMA_KEY] = self.ema.state_dict()
             dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
@@ -128,12 +130,15 @@ class ShardedCheckpointer(Checkpointer):
                 f"model.init_from={path}"
             )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        if untrained := _saved_optimizer_params(path / SHARDS_DIR) - optimizer_state["state"].keys():
+        saved = dcp.FileSystemReader(path / SHARDS_DIR).read_metadata().state_dict_metadata
+        if problem := misfit(_saved_weights(saved), model_state):  # said as an unsharded load says it
+            raise UserError(f"checkpoint {path} does not fit the model: {problem}")
+        if untrained := _saved_optimizer_params(saved) - optimizer_state["state"].keys():
             raise UserError(  # DCP would load this run's states and pass over those, as no other load does
                 f"checkpoint {path} holds optimizer states of parameters this run does not train "
                 f"({listed(untrained)}): {AS_SAVED}"
             )
-        state = {"model": model_state, OPTIMIZER_KEY: optimizer_state}
+        state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
         with_ema = self.ema is not None and (path / EMA_FILE).is_file()
         if with_ema:  # loaded in place, each rank its shards
             state[EMA_KEY] = self.ema.state_dict()
@@ -146,7 +151,10 @@ class ShardedCheckpointer(Checkpointer):
                 f"checkpoint {path}'s shards do not fit this run ({reason}): {AS_SAVED}"
             ) from None
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[OPTIMIZER_KEY]
+            self.model,
+            self.optimizer,
+            model_state_dict=state[MODEL_KEY],
+            optim_state_dict=state[OPTIMIZER_KEY],
         )
         if not with_ema:
             self._resumes_ema(path)  # an EMA turned on at this resume starts from the weights
@@ -154,11 +162,20 @@ class ShardedCheckpointer(Checkpointer):
         return path
 
 
-def _saved_optimizer_params(shards: Path) -> set[str]:
+def _saved_weights(saved: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint's weights (``model.NAME`` in its metadata) as meta tensors of their shapes."""
+    prefix = f"{MODEL_KEY}."
+    return {
+        key.removeprefix(prefix): torch.empty(tuple(entry.size), device="meta")
+        for key, entry in saved.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def _saved_optimizer_params(saved: dict[str, Any]) -> set[str]:
     """The parameters whose optimizer states a sharded checkpoint holds (``optimizer.state.NAME.STATE``)."""
     prefix = f"{OPTIMIZER_KEY}.state."
-    keys = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
-    return {key.removeprefix(prefix).rpartition(".")[0] for key in keys if key.startswith(prefix)}
+    return {key.removeprefix(prefix).rpartition(".")[0] for key in saved if key.startswith(prefix)}
 
 
 def _one_process() -> bool:

@@ -1,10 +1,13 @@
-"""Why a state dict does not load into a model, in one line a user can act on."""
+"""Loading state dicts: why one does not fit a model, in one line a user can act on, and the hook
+that adapts one before it is checked (a position embedding resampled to the run's image size)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
+
+Adapt = Callable[[dict[str, torch.Tensor]], None]  # replaces tensors of a weights file in place
 
 
 def listed(names: Iterable[str], shown: int = 3) -> str:
