@@ -35,6 +35,7 @@ from clip_train.checkpoint import (
     replace_checkpoint,
     temp_checkpoint_dir,
 )
+from clip_train.config import CheckpointConfig
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
 from clip_train.monitor import METRICS_FILE, WANDB_ID_FILE
@@ -47,7 +48,13 @@ class RemoteMirror:
     """Uploads of ``run_dir``'s checkpoints to ``url``, one at a time, and the pull back. The remote
     keeps what ``keep`` and ``keep_every`` keep (``checkpoint.*``)."""
 
-    def __init__(self, url: str, run_dir: str | os.PathLike, keep: int = 3, keep_every: int = 0) -> None:
+    def __init__(
+        self,
+        url: str,
+        run_dir: str | os.PathLike,
+        keep: int = CheckpointConfig.keep,
+        keep_every: int = CheckpointConfig.keep_every,
+    ) -> None:
         self.url, self.run_dir = url, Path(run_dir)
         self.keep, self.keep_every = keep, keep_every
         try:

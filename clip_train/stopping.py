@@ -230,7 +230,7 @@ class StopWatch:
         own = Ending.of(err, self.env.rank)
         first = self._record(own)
         ending = own if _own_ending(err) else first
-        if ending is own and not isinstance(err, KeyboardInterrupt | PeerEnded | UserError | Preempted):
+        if ending is own and not (_own_ending(err) or isinstance(err, KeyboardInterrupt | PeerEnded)):
             get_logger().error(f"rank {self.env.rank} of {self.env.world_size} failed:", exc_info=err)
         ending.log(self.env.rank)
         abort_distributed()

@@ -125,10 +125,10 @@ class Trainer:
 
         use_tf32(env.device, cfg.train.precision)
         # checkpoint.remote on rank 0; the checkpointer pulls from it when it picks the step to resume.
-        keeping = {"keep": cfg.checkpoint.keep, "keep_every": cfg.checkpoint.keep_every}
+        saving = cfg.checkpoint
         self.remote = (
-            RemoteMirror(cfg.checkpoint.remote, self.run_dir, **keeping)
-            if cfg.checkpoint.remote and env.is_main
+            RemoteMirror(saving.remote, self.run_dir, keep=saving.keep, keep_every=saving.keep_every)
+            if saving.remote and env.is_main
             else None
         )
         # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
