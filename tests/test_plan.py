@@ -385,17 +385,20 @@ def test_a_text_model_in_the_hub_cache_is_read_from_there(tmp_path, monkeypatch)
         find_text_architecture(TextTowerConfig(hf="acme/other-bert"))
 
 
-def _offline(home: Path) -> dict[str, str]:
-    """No network and an empty hub cache: nothing downloaded before can help."""
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory) -> dict[str, str]:
+    """No network and an empty hub cache: nothing downloaded before can help. One environment for
+    the module, so its commands fork from one test server (a server imports torch for each)."""
+    home = tmp_path_factory.mktemp("offline_hub")
     hub = {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1"}
     return {**os.environ, **hub, "TRANSFORMERS_OFFLINE": "1"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", LAION_RECIPES, ids=lambda path: path.stem)
-def test_laion_recipes_plan_offline_and_say_what_they_measure(recipe, tmp_path):
+def test_laion_recipes_plan_offline_and_say_what_they_measure(recipe, offline):
     command = [sys.executable, "-m", "clip_train", "plan", str(recipe), "--gpus", "8", "--gpu-mem", "80"]
-    proc = run_to_end(command, cwd=ROOT, env=_offline(tmp_path))
+    proc = run_to_end(command, cwd=ROOT, env=offline)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"plan: {recipe}")
     assert "architecture from plan's table of known models" in proc.stdout
@@ -411,10 +414,10 @@ def test_laion_recipes_plan_offline_and_say_what_they_measure(recipe, tmp_path):
         assert sum(f"measuring the {tower} tower" in step for step in steps) == 4
 
 
-def test_an_unknown_text_model_fails_in_one_line_before_loading_torch(tmp_path):
+def test_an_unknown_text_model_fails_in_one_line_before_loading_torch(offline):
     recipe = LAION_RECIPES[0]
     command = [sys.executable, "-m", "clip_train", "plan", str(recipe), "model.text.hf=acme/unknown-bert"]
-    proc = run_to_end(command, cwd=ROOT, env=_offline(tmp_path))
+    proc = run_to_end(command, cwd=ROOT, env=offline)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()  # no "plan: importing torch ..." either: it failed before
     assert line.startswith("clip-train: error: model.text.hf='acme/unknown-bert': plan needs")
