@@ -13,14 +13,16 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # The tests' CPU, set before anything here starts torch (every process they start inherits it).
 # Two test workers share two cores, so OpenMP threads that spin while they wait for work burn what
 # the other worker needs: with idle threads asleep, three in-process test files took 107 s of CPU
-# instead of 192 (71 s of wall instead of 113, `-n 2`). Inductor compiles on the CPU in the
-# compiling process (no pool of fresh interpreters importing torch) and without vector
-# instructions, whose headers make each C++ kernel slower to build: the compiled-replay test took 87
-# s of CPU instead of 113. What the tests check of compiling (graphs, recompiles, RNG replay,
-# results) is the same; the GPU's Triton kernels are `make gpu-check`'s.
+# instead of 192 (71 s of wall instead of 113, `-n 2`).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# Where cores are that few, inductor compiles in the compiling process (no pool of fresh
+# interpreters that each import torch) and without vector instructions, whose headers make each
+# C++ kernel slower to build: the compiled-replay test took 87 s of CPU instead of 113. What the
+# tests check of compiling (graphs, recompiles, RNG replay, results) is the same. A GPU box's
+# `make gpu-check` keeps the pool for its Triton kernels.
+if (os.cpu_count() or 1) <= 4:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 # The longest files, longest first (wall seconds in a 2-core `make test`; the real Slurm runs add
 # about 75 s to test_launch in CI). `make test` hands whole files to its two workers in this order
