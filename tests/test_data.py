@@ -1021,6 +1021,19 @@ def test_a_zero_byte_caption_is_a_blank_one_and_unread_members_do_not_count():
             decode_sample(sample | {"txt": b"t", member: b""})
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_a_16_bit_grey_image_keeps_its_top_8_bits_in_each_channel(fmt):
+    """PIL's own RGB conversion clips 16-bit grey at 255: all but the darkest pixels would be white."""
+    grey = np.random.default_rng(0).integers(0, 1 << 16, (6, 9), dtype=np.uint16)
+    encoded = io.BytesIO()
+    Image.fromarray(grey).save(encoded, format=fmt)
+    assert Image.open(encoded).mode == "I;16"
+    sample = {"__key__": "k", "__url__": "u", fmt.lower(): encoded.getvalue(), "txt": b"a"}
+    pixels = np.asarray(decode_sample(sample).image)
+    assert pixels.shape == (6, 9, 3) and pixels.dtype == np.uint8
+    assert all(np.array_equal(pixels[..., channel], grey >> 8) for channel in range(3))
+
+
 def test_caption_key_and_csv_caption_key_are_not_mixed_up(table, caption_shards):
     shards, tsv = expand_urls(f"{caption_shards}/both"), expand_urls(str(table.path))
     with pytest.raises(

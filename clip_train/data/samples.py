@@ -131,12 +131,20 @@ def decode_sample(
             raise BadSample("bad_json", f"expected an object, got {type(meta).__name__}")
     caption = _pick_caption(members, meta, keys, pick)
     try:
-        image = Image.open(io.BytesIO(members[ext])).convert("RGB")
+        image = _rgb(Image.open(io.BytesIO(members[ext])))
     except Exception as err:  # arbitrary bytes make PIL raise many types; all mean "undecodable"
         raise BadSample("bad_image", f"{type(err).__name__}: {err}") from None
     return Decoded(
         key=raw["__key__"], image=image, caption=caption, meta=meta, source=raw.get("__source__", 0)
     )
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """``image`` in RGB. PIL takes 16-bit grey (PNG, TIFF: modes ``I;16*``) to 8 bits by clipping at
+    255, which turns all but the darkest pixels white; such an image keeps its top 8 bits instead."""
+    if image.mode.startswith("I;16"):
+        image = image.convert("I").point(lambda value: value / 256).convert("L")
+    return image.convert("RGB")
 
 
 class SkipTally:
