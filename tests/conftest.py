@@ -24,25 +24,28 @@ if (os.cpu_count() or 1) <= 4:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
-# The longest files, longest first (wall seconds in a 2-core `make test`; the real Slurm runs add
-# about 75 s to test_launch in CI). `make test` hands whole files to its two workers in this order
-# (--no-loadscope-reorder: xdist's own order puts the files with the most tests first, and those
-# are quick), so the long ones start early and the workers end together instead of one finishing
-# the last long file alone. A stale list costs balance only; files not named keep their order.
+# The longest files, longest first (wall seconds of their tests, fixtures included, in a 2-core
+# `make test` with a local Slurm cluster, so test_launch's real-Slurm jobs ran). `make test` hands
+# whole files to its two workers in this order (--no-loadscope-reorder: xdist's own order puts the
+# files with the most tests first, and those are quick), so the long ones start early and the
+# workers end together instead of one finishing the last long file alone. A stale list costs
+# balance only; files not named keep their order.
 LONGEST_FIRST = (
-    "test_stopping.py",  # 176
-    "test_launch.py",  # 40, 115 in CI
-    "test_gpu_bench.py",  # 71
-    "test_fsdp_gradcache.py",  # 71
-    "test_gpu_kit.py",  # 66, much of it pip reading the package index: it overlaps the CPU's work
-    "test_fsdp_trainer.py",  # 60
-    "test_bench.py",  # 54
-    "test_forked_cli.py",  # 52
-    "test_trainer.py",  # 50
-    "test_checkpoint_verify.py",  # 49
-    "test_fsdp_bench.py",  # 38
-    "test_fine_tune_runs.py",  # 33
-    "test_open_clip_text.py",  # 32
+    "test_compile.py",  # 222
+    "test_launch.py",  # 211, 64 of it without Slurm
+    "test_gpu_bench.py",  # 143
+    "test_forked_cli.py",  # 143
+    "test_gpu_kit.py",  # 128, much of it pip reading the package index: it overlaps the CPU's work
+    "test_fsdp_gradcache.py",  # 127
+    "test_stopping.py",  # 126
+    "test_trainer.py",  # 124
+    "test_bench.py",  # 122
+    "test_fsdp_trainer.py",  # 119
+    "test_data.py",  # 83
+    "test_fsdp_bench.py",  # 69
+    "test_plan.py",  # 68
+    "test_fine_tune_runs.py",  # 62
+    "test_export.py",  # 51
 )
 
 
