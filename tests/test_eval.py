@@ -32,7 +32,7 @@ from torch import nn
 
 from clip_train.cli import main as cli_main
 from clip_train.config import DataConfig, EvalConfig, load_config
-from clip_train.data.eval_sources import shard_batches
+from clip_train.data.eval_sources import image_folder_batches, shard_batches
 from clip_train.errors import UserError
 from clip_train.eval import (
     EvalError,
@@ -395,6 +395,22 @@ def test_zeroshot_folders_named_by_class_name_take_their_names_place_in_the_list
     eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=folder, retrieval=False)
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
     assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0}
+
+
+def test_a_16_bit_grey_image_in_a_folder_reads_as_its_top_8_bits(tmp_path):
+    """Evaluation folders decode as training shards do: PIL's own conversion would clip 16-bit grey
+    at 255, near white."""
+    grey = np.random.default_rng(0).integers(0, 1 << 16, (16, 16), dtype=np.uint16)
+    for folder, pixels in (("16-bit", grey), ("8-bit", (grey >> 8).astype(np.uint8))):
+        (tmp_path / folder / "class").mkdir(parents=True)
+        Image.fromarray(pixels).save(tmp_path / folder / "class" / "image.png")
+    share = dict(labels=None, image_size=16, batch_size=1, workers=0, rank=0, world_size=1)
+    read = {
+        folder: next(image_folder_batches(str(tmp_path / folder), **share)).images
+        for folder in ("16-bit", "8-bit")
+    }
+    assert Image.open(tmp_path / "16-bit" / "class" / "image.png").mode == "I;16"
+    assert read["16-bit"].shape == (1, 3, 16, 16) and torch.equal(read["16-bit"], read["8-bit"])
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from torchvision.datasets.folder import find_classes
 
 from clip_train.config import DataConfig, EvalConfig
 from clip_train.data.pipeline import build_eval_loader
+from clip_train.data.samples import load_rgb
 from clip_train.data.transforms import eval_transform
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
@@ -72,7 +73,7 @@ def image_folder_batches(
 ) -> Iterator[LabelledImages]:
     """This rank's strided share of an ImageFolder as uint8 centre crops; ``labels``: each class
     folder's label (``folder_classes``), None for its sorted place."""
-    dataset = ImageFolder(root, transform=eval_transform(image_size))
+    dataset = ImageFolder(root, transform=eval_transform(image_size), loader=load_rgb)
     if labels is not None:
         dataset.target_transform = labels.__getitem__
     share = Subset(dataset, range(rank, len(dataset), world_size))

@@ -139,6 +139,12 @@ def decode_sample(
     )
 
 
+def load_rgb(path: str) -> Image.Image:
+    """An image file decoded as a sample's image is (``ImageFolder``'s loader for evaluation folders)."""
+    with open(path, "rb") as file:
+        return _rgb(Image.open(file))
+
+
 def _rgb(image: Image.Image) -> Image.Image:
     """``image`` in RGB. PIL takes 16-bit grey (PNG, TIFF: modes ``I;16*``) to 8 bits by clipping at
     255, which turns all but the darkest pixels white; such an image keeps its top 8 bits instead."""
