@@ -6,11 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import open_clip
 import pytest
 import timm
 import torch
 import yaml
+from PIL import Image
 from safetensors.torch import load_file, save_file
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 from test_model import write_bert_dir
@@ -90,6 +92,16 @@ def test_preprocess_and_tokenizer_are_the_eval_pipelines(demo_run, digits):
     assert (
         preprocess(images[0].convert("L")).shape == preprocess(images[0].convert("RGBA")).shape == (3, 16, 16)
     )
+
+
+def test_preprocess_takes_a_16_bit_grey_image_by_its_top_8_bits(demo_run):
+    """open_clip's transform (PIL's RGB conversion) clips 16-bit grey at 255, a near-white image;
+    the loaded preprocess sees what the 8-bit image of the same top bits gives."""
+    _, preprocess, _ = clip_train.load(demo_run)
+    grey = np.random.default_rng(0).integers(0, 1 << 16, (20, 24), dtype=np.uint16)
+    sixteen_bit = Image.fromarray(grey)
+    assert sixteen_bit.mode == "I;16"
+    assert torch.equal(preprocess(sixteen_bit), preprocess(Image.fromarray((grey >> 8).astype(np.uint8))))
 
 
 def test_a_checkpoint_needs_none_of_the_files_its_towers_came_from(tmp_path):

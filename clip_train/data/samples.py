@@ -18,6 +18,7 @@ from typing import Any
 from PIL import Image
 
 from clip_train.config import JSON_PREFIX
+from clip_train.data.transforms import eight_bit
 from clip_train.errors import UserError
 
 log = logging.getLogger("clip_train.data")
@@ -146,11 +147,8 @@ def load_rgb(path: str) -> Image.Image:
 
 
 def _rgb(image: Image.Image) -> Image.Image:
-    """``image`` in RGB. PIL takes 16-bit grey (PNG, TIFF: modes ``I;16*``) to 8 bits by clipping at
-    255, which turns all but the darkest pixels white; such an image keeps its top 8 bits instead."""
-    if image.mode.startswith("I;16"):
-        image = image.convert("I").point(lambda value: value / 256).convert("L")
-    return image.convert("RGB")
+    """``image`` in RGB, a 16-bit grey one by its top 8 bits (``eight_bit``)."""
+    return eight_bit(image).convert("RGB")
 
 
 class SkipTally:

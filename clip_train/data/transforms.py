@@ -42,6 +42,14 @@ def train_transform(
     return v2.Compose([crop, *colour, v2.PILToTensor()])
 
 
+def eight_bit(image: Image.Image) -> Image.Image:
+    """16-bit grey (PNG, TIFF: modes ``I;16*``) as 8-bit grey by its top 8 bits; other modes as they
+    are. PIL's own conversion clips at 255, which turns all but the darkest pixels white."""
+    if image.mode.startswith("I;16"):
+        return image.convert("I").point(lambda value: value / 256).convert("L")
+    return image
+
+
 def eval_transform(image_size: int) -> ImageTransform:
     """Resize the short side, take the centre square, convert to RGB (any PIL mode in).
 
@@ -49,9 +57,11 @@ def eval_transform(image_size: int) -> ImageTransform:
     for an image handed to ``clip_train.load``'s transform (resizing before the conversion matters
     for RGBA, which PIL resizes with premultiplied alpha). The data loaders decode to RGB first, as
     open_clip's webdataset and image-folder loaders do; only its CSV loader resizes RGBA as RGBA.
+    A 16-bit grey image, which open_clip's transform turns near-white, keeps its top 8 bits.
     """
     return v2.Compose(
         [
+            eight_bit,
             v2.Resize(image_size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
             v2.CenterCrop(image_size),
             v2.RGB(),
