@@ -33,13 +33,14 @@ from clip_train.data import (
     check_readable,
     dataset_size,
     expand_urls,
-    pipeline,
     sources,
+    train_loader,
 )
-from clip_train.data.pipeline import position_at, read_source, role_batches, source_urls
+from clip_train.data.batches import read_source, source_urls
 from clip_train.data.samples import BadSample, SkipTally, decode_sample, sample_key
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
+from clip_train.data.train_loader import position_at, role_batches
 from clip_train.data.transforms import apply_seeded, train_transform
 from clip_train.data.writers import Record, csv_pairs, write_pairs, write_shards
 from clip_train.logs import setup_logging
@@ -430,10 +431,10 @@ def test_workers_of_a_large_run_draw_their_own_shard_sequences(monkeypatch):
     """Seed 0, 2048 ranks x 8 workers, epoch 21: rank 1373's worker 7 and rank 1615's worker 3 drew
     the same shards in the same order (webdataset's ResampledShards keeps 31 bits of the seed)."""
     urls = tuple(f"/d/{i:05d}.tar" for i in range(41408))
-    monkeypatch.setattr(pipeline, "_samples_of", lambda drawn, pool: drawn)  # the shard names drawn
+    monkeypatch.setattr(train_loader, "_samples_of", lambda drawn, pool: drawn)  # the shard names drawn
 
     def draws(rank: int, role: int) -> list[str]:
-        stream = pipeline.TrainStream(SimpleNamespace(seed=0, rank=rank), None, None, [], 0)
+        stream = train_loader.TrainStream(SimpleNamespace(seed=0, rank=rank), None, None, [], 0)
         return list(itertools.islice(stream._resampled(urls, role, 21), 5))
 
     first, second = draws(1373, 7), draws(1615, 3)

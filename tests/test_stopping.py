@@ -117,17 +117,17 @@ def assert_last_checkpoint_intact(out: Path, step: int) -> None:
 
 
 DATA_ERROR = """
-from clip_train.data import pipeline
+from clip_train.data import train_loader
 from clip_train.data.samples import DataError
 
-real_next = pipeline.TrainLoader.__next__
+real_next = train_loader.TrainLoader.__next__
 
 def next_or_fail(self):
     if self._step == 2:
         raise DataError("3 of 8 samples were skipped, more than data.max_skip_fraction=0.1 (injected)")
     return real_next(self)
 
-pipeline.TrainLoader.__next__ = next_or_fail
+train_loader.TrainLoader.__next__ = next_or_fail
 """
 
 OUT_OF_MEMORY = """

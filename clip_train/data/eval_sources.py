@@ -14,7 +14,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import find_classes
 
 from clip_train.config import DataConfig, EvalConfig
-from clip_train.data.pipeline import build_eval_loader
+from clip_train.data.eval_loader import build_eval_loader
 from clip_train.data.samples import load_rgb
 from clip_train.data.transforms import eval_transform
 from clip_train.errors import UserError

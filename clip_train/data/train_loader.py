@@ -1,4 +1,6 @@
-"""Training and eval loaders: shards -> checked samples -> uint8 batches, built in DataLoader workers.
+"""The training loader: a rank's batches, forever across epochs, resumable at any step.
+
+How the training stream makes ranks agree and resume exact:
 
 How the training stream makes ranks agree and resume exact:
 
@@ -21,12 +23,11 @@ How the training stream makes ranks agree and resume exact:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import itertools
 import random
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -34,65 +35,25 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clip_train.config import DataConfig
-from clip_train.data.mixture import Source, interleave, mixture_sources
-from clip_train.data.samples import (
-    DEFAULT_CAPTION_KEYS,
-    BadSample,
-    DataError,
-    Decoded,
-    SkipTally,
-    decode_sample,
+from clip_train.data.batches import (
+    Batch,
+    Decode,
+    RawSample,
+    Tokenizer,
+    collate,
+    keys_for,
+    read_source,
+    source_urls,
+    usable,
 )
-from clip_train.data.sources import dataset_size, expand_urls, read_shard
-from clip_train.data.tables import TableFormat, expand_tables, is_piece, is_table, read_piece
-from clip_train.data.transforms import ImageTransform, apply_seeded, eval_transform, train_transform
+from clip_train.data.mixture import Source, interleave, mixture_sources
+from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, decode_sample
+from clip_train.data.sources import dataset_size
+from clip_train.data.tables import is_piece
+from clip_train.data.transforms import ImageTransform, apply_seeded, train_transform
 from clip_train.preemption import signal_free_workers
 
-Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
-RawSample = dict[str, Any]  # a tar sample as ``read_shard`` yields it
-Decode = Callable[[RawSample, int], Decoded]  # (raw sample, its number in the stream) -> checked sample
 STATE_VERSION = 1
-
-
-@dataclass
-class Batch:
-    """One rank's batch. Images stay uint8 (B, 3, H, W); the device side normalises them."""
-
-    images: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    keys: list[str]
-    labels: torch.Tensor | None = None  # from ``{key}.json`` ``{"label": int}`` when every sample has one
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count since the worker's last batch
-    sources: dict[str, int] = field(default_factory=dict)  # mixture source name -> samples in this batch
-    position: tuple[int, int, int, int] | None = None  # (role, epoch, done, consumed): resume bookkeeping
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def pin_memory(self) -> Batch:
-        """Called by the DataLoader's pin-memory thread."""
-        return dataclasses.replace(
-            self,
-            images=self.images.pin_memory(),
-            input_ids=self.input_ids.pin_memory(),
-            attention_mask=self.attention_mask.pin_memory(),
-            labels=None if self.labels is None else self.labels.pin_memory(),
-        )
-
-
-def _collate(samples: list[tuple[Decoded, torch.Tensor]], tokenizer: Tokenizer, **extra: Any) -> Batch:
-    tokens = tokenizer([sample.caption for sample, _ in samples])
-    labels = [sample.meta.get("label") for sample, _ in samples]
-    has_labels = all(isinstance(label, int) and not isinstance(label, bool) for label in labels)
-    return Batch(
-        images=torch.stack([image for _, image in samples]),
-        input_ids=torch.as_tensor(tokens["input_ids"]).long(),
-        attention_mask=torch.as_tensor(tokens["attention_mask"]).long(),
-        keys=[sample.key for sample, _ in samples],
-        labels=torch.tensor(labels) if has_labels else None,
-        **extra,
-    )
 
 
 class Position(NamedTuple):
@@ -136,44 +97,6 @@ class _TrainSpec:
     max_skip_fraction: float
 
 
-def source_urls(spec: str, data_cfg: DataConfig, *, what: str) -> list[str]:
-    """The URLs of ``spec``'s shards, each CSV/TSV table replaced by its pieces (read with the
-    ``data.csv_*`` keys, which its header is checked against here)."""
-    table_format = TableFormat(data_cfg.csv_separator, data_cfg.csv_image_key, data_cfg.csv_caption_key)
-    return expand_tables(expand_urls(spec, what=what), table_format, data_cfg.csv_shard_rows)
-
-
-def read_source(url: str, first: int = 0, every: int = 1) -> Iterator[RawSample]:
-    """The raw samples of a shard or of a table's piece, every ``every``-th from ``first`` (a rank's
-    share): a piece reads only those rows' images, a tar is read through."""
-    if is_piece(url):
-        return read_piece(url, first, every)
-    return itertools.islice(read_shard(url), first, None, every)
-
-
-def keys_for(raw: RawSample, keys: tuple[str, ...]) -> tuple[str, ...]:
-    """The caption keys of ``raw``: a table's rows hold their caption (the ``data.csv_caption_key``
-    column) as ``txt``, whatever ``data.caption_key`` picks in tar shards."""
-    return DEFAULT_CAPTION_KEYS if is_piece(raw["__url__"]) else keys
-
-
-def check_caption_options(data_cfg: DataConfig, urls: list[str]) -> None:
-    """``data.caption_key`` picks a tar member, ``data.csv_caption_key`` a table column: set where
-    ``urls`` (data.train's and data.val's) hold no data of its kind, it is a mix-up of the two."""
-    tables = sum(is_table(url) or is_piece(url) for url in urls)
-    if data_cfg.caption_keys != DEFAULT_CAPTION_KEYS and tables == len(urls):
-        raise DataError(
-            f"data.caption_key={data_cfg.caption_key!r} picks a member of tar shards, but data.train and "
-            "data.val are CSV/TSV tables: name their caption column with data.csv_caption_key"
-        )
-    if data_cfg.csv_caption_key and not tables:
-        raise DataError(
-            f"data.csv_caption_key={data_cfg.csv_caption_key!r} names a column of CSV/TSV tables, but "
-            "data.train and data.val are tar shards: pick their caption member with data.caption_key "
-            "(txt, caption, json:FIELD, or a list of them)"
-        )
-
-
 def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
     """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards."""
     empty: set[str] = set()
@@ -188,21 +111,6 @@ def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
         empty.add(url)
         if empty >= pool:
             raise DataError(f"the shards {sorted(pool)[:4]}{'...' if len(pool) > 4 else ''} hold no samples")
-
-
-def _usable(
-    items: Iterable[RawSample], tally: SkipTally, decode: Decode, start: int = 0
-) -> Iterator[tuple[int, Decoded]]:
-    """Each usable sample with the count of items taken up to it, ``start`` of them before ``items``;
-    the unusable ones are counted in ``tally``."""
-    for taken, raw in enumerate(items, start + 1):
-        try:
-            sample = decode(raw, taken)
-        except BadSample as bad:
-            tally.add_bad(bad, raw)
-            continue
-        tally.add_good(sample.source)
-        yield taken, sample
 
 
 def _replay(items: Iterator[RawSample], good_wanted: int, decode: Decode) -> int:
@@ -300,7 +208,7 @@ class TrainStream(IterableDataset):
         else:
             consumed = _replay(items, done * spec.batch_size, decode)
         batch: list[tuple[Decoded, torch.Tensor]] = []
-        for taken, sample in _usable(items, tally, decode, consumed):
+        for taken, sample in usable(items, tally, decode, consumed):
             crop_seed = _seed("crop", spec.seed, epoch, spec.rank, role, taken)
             batch.append((sample, apply_seeded(self.transform, sample.image, crop_seed)))
             if len(batch) == spec.batch_size:
@@ -308,7 +216,7 @@ class TrainStream(IterableDataset):
                 position = (role, epoch, done, taken)
                 sources = collections.Counter(spec.mixture[s.source].name for s, _ in batch if spec.mixture)
                 extra = {"skipped": tally.take_pending(), "sources": dict(sources), "position": position}
-                yield _collate(batch, self.tokenizer, **extra)
+                yield collate(batch, self.tokenizer, **extra)
                 batch = []
                 if done == wanted:
                     return
@@ -539,80 +447,3 @@ def build_train_loader(
         grayscale_prob=data_cfg.grayscale_prob,
     )
     return TrainLoader(spec, transform, tokenizer, workers=data_cfg.workers, pin_memory=pin_memory)
-
-
-@dataclass
-class EvalStream(IterableDataset):
-    """Every sample once across ranks: workers split the shards, ranks split each shard's samples
-    (sample i goes to rank i % world_size), so any number of shards serves any world size."""
-
-    urls: list[str]
-    rank: int
-    world_size: int
-    batch_size: int
-    transform: ImageTransform
-    tokenizer: Tokenizer
-    caption_keys: tuple[str, ...]  # several: the first usable one (no randomness in evaluation)
-
-    def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        tally = SkipTally.counting_only()
-        batch: list[tuple[Decoded, torch.Tensor]] = []
-
-        def decode(raw: RawSample, _: int) -> Decoded:
-            return decode_sample(raw, keys_for(raw, self.caption_keys))
-
-        for url in self.urls[worker::workers]:
-            mine = read_source(url, self.rank, self.world_size)
-            for _, sample in _usable(mine, tally, decode):
-                # A full batch goes once the next sample is usable: the last one then counts the
-                # samples skipped after it too.
-                if len(batch) == self.batch_size:
-                    yield _collate(batch, self.tokenizer, skipped=tally.take_pending())
-                    batch = []
-                batch.append((sample, self.transform(sample.image)))
-        skipped = tally.take_pending()
-        if batch:
-            yield _collate(batch, self.tokenizer, skipped=skipped)
-        elif skipped:  # a share without one usable sample: its skips must still be counted
-            no_rows = torch.zeros(0, dtype=torch.long)
-            yield Batch(no_rows.byte(), no_rows, no_rows, keys=[], skipped=skipped)
-
-
-def build_eval_loader(
-    urls: str,
-    *,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    image_size: int,
-    tokenizer: Tokenizer,
-    workers: int = 2,
-    pin_memory: bool = False,
-    data_cfg: DataConfig | None = None,
-    what: str = "eval data",
-) -> DataLoader:
-    """A re-iterable loader over eval shards or tables (a spec as for ``data.val``, tables read
-    with ``data_cfg``'s ``csv_*`` keys, shards' captions with its ``caption_key``): deterministic,
-    centre crops, each sample exactly once across ranks, the last batch partial, and a share with
-    no usable sample one empty batch that carries its skip counts. Ranks may get different numbers
-    of batches; gather features after the loop, not per batch."""
-    data_cfg = data_cfg or DataConfig()
-    shard_urls = source_urls(urls, data_cfg, what=what)  # what: the key that names them, for errors
-    dataset = EvalStream(
-        shard_urls,
-        rank=rank,
-        world_size=world_size,
-        batch_size=batch_size,
-        transform=eval_transform(image_size),
-        tokenizer=tokenizer,
-        caption_keys=data_cfg.caption_keys,
-    )
-    return DataLoader(
-        dataset,
-        batch_size=None,
-        num_workers=min(workers, len(shard_urls)),
-        pin_memory=pin_memory and torch.cuda.is_available(),
-        **signal_free_workers(),
-    )

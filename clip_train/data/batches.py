@@ -1,0 +1,116 @@
+"""What both loaders share: shards and tables to checked samples to uint8 batches, which the
+DataLoader workers make; the caption options checked at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from clip_train.config import DataConfig
+from clip_train.data.samples import DEFAULT_CAPTION_KEYS, BadSample, DataError, Decoded, SkipTally
+from clip_train.data.sources import expand_urls, read_shard
+from clip_train.data.tables import TableFormat, expand_tables, is_piece, is_table, read_piece
+
+Tokenizer = Callable[[list[str]], Any]  # texts -> {"input_ids", "attention_mask"} (B, L) tensors
+RawSample = dict[str, Any]  # a tar sample as ``read_shard`` yields it
+Decode = Callable[[RawSample, int], Decoded]  # (raw sample, its number in the stream) -> checked sample
+
+
+@dataclass
+class Batch:
+    """One rank's batch. Images stay uint8 (B, 3, H, W); the device side normalises them."""
+
+    images: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    keys: list[str]
+    labels: torch.Tensor | None = None  # from ``{key}.json`` ``{"label": int}`` when every sample has one
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count since the worker's last batch
+    sources: dict[str, int] = field(default_factory=dict)  # mixture source name -> samples in this batch
+    position: tuple[int, int, int, int] | None = None  # (role, epoch, done, consumed): resume bookkeeping
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def pin_memory(self) -> Batch:
+        """Called by the DataLoader's pin-memory thread."""
+        return dataclasses.replace(
+            self,
+            images=self.images.pin_memory(),
+            input_ids=self.input_ids.pin_memory(),
+            attention_mask=self.attention_mask.pin_memory(),
+            labels=None if self.labels is None else self.labels.pin_memory(),
+        )
+
+
+def collate(samples: list[tuple[Decoded, torch.Tensor]], tokenizer: Tokenizer, **extra: Any) -> Batch:
+    """The batch of decoded samples and their image tensors; labels only where every sample has one."""
+    tokens = tokenizer([sample.caption for sample, _ in samples])
+    labels = [sample.meta.get("label") for sample, _ in samples]
+    has_labels = all(isinstance(label, int) and not isinstance(label, bool) for label in labels)
+    return Batch(
+        images=torch.stack([image for _, image in samples]),
+        input_ids=torch.as_tensor(tokens["input_ids"]).long(),
+        attention_mask=torch.as_tensor(tokens["attention_mask"]).long(),
+        keys=[sample.key for sample, _ in samples],
+        labels=torch.tensor(labels) if has_labels else None,
+        **extra,
+    )
+
+
+def source_urls(spec: str, data_cfg: DataConfig, *, what: str) -> list[str]:
+    """The URLs of ``spec``'s shards, each CSV/TSV table replaced by its pieces (read with the
+    ``data.csv_*`` keys, which its header is checked against here)."""
+    table_format = TableFormat(data_cfg.csv_separator, data_cfg.csv_image_key, data_cfg.csv_caption_key)
+    return expand_tables(expand_urls(spec, what=what), table_format, data_cfg.csv_shard_rows)
+
+
+def read_source(url: str, first: int = 0, every: int = 1) -> Iterator[RawSample]:
+    """The raw samples of a shard or of a table's piece, every ``every``-th from ``first`` (a rank's
+    share): a piece reads only those rows' images, a tar is read through."""
+    if is_piece(url):
+        return read_piece(url, first, every)
+    return itertools.islice(read_shard(url), first, None, every)
+
+
+def keys_for(raw: RawSample, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The caption keys of ``raw``: a table's rows hold their caption (the ``data.csv_caption_key``
+    column) as ``txt``, whatever ``data.caption_key`` picks in tar shards."""
+    return DEFAULT_CAPTION_KEYS if is_piece(raw["__url__"]) else keys
+
+
+def check_caption_options(data_cfg: DataConfig, urls: list[str]) -> None:
+    """``data.caption_key`` picks a tar member, ``data.csv_caption_key`` a table column: set where
+    ``urls`` (data.train's and data.val's) hold no data of its kind, it is a mix-up of the two."""
+    tables = sum(is_table(url) or is_piece(url) for url in urls)
+    if data_cfg.caption_keys != DEFAULT_CAPTION_KEYS and tables == len(urls):
+        raise DataError(
+            f"data.caption_key={data_cfg.caption_key!r} picks a member of tar shards, but data.train and "
+            "data.val are CSV/TSV tables: name their caption column with data.csv_caption_key"
+        )
+    if data_cfg.csv_caption_key and not tables:
+        raise DataError(
+            f"data.csv_caption_key={data_cfg.csv_caption_key!r} names a column of CSV/TSV tables, but "
+            "data.train and data.val are tar shards: pick their caption member with data.caption_key "
+            "(txt, caption, json:FIELD, or a list of them)"
+        )
+
+
+def usable(
+    items: Iterable[RawSample], tally: SkipTally, decode: Decode, start: int = 0
+) -> Iterator[tuple[int, Decoded]]:
+    """Each usable sample with the count of items taken up to it, ``start`` of them before ``items``;
+    the unusable ones are counted in ``tally``."""
+    for taken, raw in enumerate(items, start + 1):
+        try:
+            sample = decode(raw, taken)
+        except BadSample as bad:
+            tally.add_bad(bad, raw)
+            continue
+        tally.add_good(sample.source)
+        yield taken, sample
