@@ -90,9 +90,14 @@ def test_a_run_resumed_before_its_last_logged_step_logs_every_step_once(digits, 
 
 def wandb_records(run_dir: Path) -> list[str]:
     """The kinds of the records in the offline run's ``.wandb`` file, and the exit code as "exit N".
-    The file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) framed pieces."""
+    The file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) framed pieces.
+
+    ``finish()`` returns once wandb's service has the run's last records, which the service writes
+    as it closes the run: ``teardown`` waits for that, as the end of a training process does."""
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
+    wandb.teardown()
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     raw, block, position, kinds, pieces = path.read_bytes(), 32768, 7, [], b""
     while position + 7 <= len(raw):
