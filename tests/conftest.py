@@ -25,27 +25,32 @@ if (os.cpu_count() or 1) <= 4:
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 # The longest files, longest first (wall seconds of their tests, fixtures included, in a 2-core
-# `make test` with a local Slurm cluster, so test_launch's real-Slurm jobs ran). `make test` hands
-# whole files to its two workers in this order (--no-loadscope-reorder: xdist's own order puts the
-# files with the most tests first, and those are quick), so the long ones start early and the
-# workers end together instead of one finishing the last long file alone. A stale list costs
+# `make test` on 2026-11-30; test_launch's with the real-Slurm jobs that .ci/run's local cluster
+# runs). `make test` hands whole files to its two workers in this order (--no-loadscope-reorder:
+# xdist's own order puts the files with the most tests first, and those are quick), so the long
+# ones start early and the workers end together instead of one finishing the last long file alone
+# (test_remote, unlisted, once ran last and left one core idle for 30 s). A stale list costs
 # balance only; files not named keep their order.
 LONGEST_FIRST = (
-    "test_compile.py",  # 222
-    "test_launch.py",  # 211, 64 of it without Slurm
-    "test_gpu_bench.py",  # 143
-    "test_forked_cli.py",  # 143
-    "test_gpu_kit.py",  # 128, much of it pip reading the package index: it overlaps the CPU's work
-    "test_fsdp_gradcache.py",  # 127
-    "test_stopping.py",  # 126
-    "test_trainer.py",  # 124
-    "test_bench.py",  # 122
-    "test_fsdp_trainer.py",  # 119
-    "test_data.py",  # 83
-    "test_fsdp_bench.py",  # 69
-    "test_plan.py",  # 68
-    "test_fine_tune_runs.py",  # 62
-    "test_export.py",  # 51
+    "test_launch.py",  # 177, 55 of it without Slurm
+    "test_compile.py",  # 137
+    "test_trainer.py",  # 101
+    "test_bench.py",  # 97
+    "test_stopping.py",  # 87
+    "test_fsdp_gradcache.py",  # 82
+    "test_gpu_bench.py",  # 75
+    "test_fsdp_trainer.py",  # 74
+    "test_forked_cli.py",  # 72
+    "test_gpu_kit.py",  # 63, much of it pip reading the package index: it overlaps the CPU's work
+    "test_fsdp_bench.py",  # 46
+    "test_remote.py",  # 36
+    "test_fsdp_memory.py",  # 34
+    "test_fine_tune_runs.py",  # 33
+    "test_data.py",  # 32
+    "test_export.py",  # 27
+    "test_open_clip_text.py",  # 24
+    "test_loss_tiles.py",  # 24
+    "test_plan.py",  # 22
 )
 
 
