@@ -2,8 +2,6 @@
 
 How the training stream makes ranks agree and resume exact:
 
-How the training stream makes ranks agree and resume exact:
-
 * S = steps per epoch (``data.num_samples // batch.global_size``), W = loader workers. The DataLoader
   hands batches out round-robin, so step i comes from worker *role* ``i % W`` (worker d plays role
   ``(d + start_step) % W``); role r's k-th batch is step ``r + k*W``, of epoch ``(r + k*W) // S``.
