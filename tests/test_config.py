@@ -5,7 +5,14 @@ import yaml
 from small_runs import TINY_MODEL_CONFIG
 
 from clip_train import load_config
-from clip_train.config import Config, ConfigError, config_keys, load_model_config, save_config
+from clip_train.config import (
+    Config,
+    ConfigError,
+    config_keys,
+    load_model_config,
+    model_config_yaml,
+    save_config,
+)
 
 BERT = "model.text.hf=bert-base-uncased"  # the defaults name no text encoder
 
@@ -17,13 +24,27 @@ def test_defaults_validate():
 
 
 def test_yaml_round_trip(tmp_path):
+    """Also text that the loader would read as a number (a run named after its learning rate): a
+    saved config and a checkpoint's model.yaml read back as they were."""
     config = load_config(
-        None, ["batch.global_size=1024", "model.image.timm_kwargs={depth: 2}", "log.wandb.tags=[a,b]"]
+        None,
+        [
+            "batch.global_size=1024",
+            "model.image.timm_kwargs={depth: 2}",
+            "log.wandb.tags=[a,b]",
+            "log.wandb.name=3e-4",
+            "train.out_dir=1e3",
+            "model.init_from=2E5",
+        ],
     )
+    assert (config.log.wandb.name, config.train.out_dir, config.model.init_from) == ("3e-4", "1e3", "2E5")
     path = tmp_path / "run" / "config.yaml"
     save_config(config, path)
     assert load_config(path) == config
     assert yaml.safe_load(path.read_text())["batch"]["global_size"] == 1024
+    model_yaml = tmp_path / "model.yaml"
+    model_yaml.write_text(model_config_yaml(config.model))
+    assert load_model_config(model_yaml, "distill.teacher_model") == config.model
 
 
 @pytest.mark.parametrize(
@@ -84,6 +105,24 @@ def test_overrides_beat_file_and_includes(tmp_path):
         16,
         16,
     )
+
+
+def test_a_mapping_value_in_a_file_replaces_the_included_one_whole(tmp_path):
+    """Sections merge key by key across includes; a key whose value is a mapping (timm or
+    transformers arguments) takes the later file's, ``{}`` included, as an override would."""
+    (tmp_path / "base.yaml").write_text(
+        "model:\n  embed_dim: 32\n  image:\n    timm_kwargs: {depth: 4, img_size: 32}\n"
+        "  text:\n    hf_config: {model_type: bert, hidden_size: 64}\n"
+    )
+    (tmp_path / "run.yaml").write_text(
+        "include: [base.yaml]\nmodel:\n  image:\n    timm_kwargs: {depth: 2}\n  text:\n    hf_config: {}\n"
+        "    hf: bert-base-uncased\n"
+    )
+    config = load_config(tmp_path / "run.yaml")
+    assert config.model.embed_dim == 32
+    assert config.model.image.timm_kwargs == {"depth": 2}
+    assert config.model.text.hf_config == {}
+    config.validate(world_size=1)  # exactly one of model.text.hf and model.text.hf_config
 
 
 @pytest.mark.parametrize(

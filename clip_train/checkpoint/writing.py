@@ -3,7 +3,6 @@ manifest, then renamed into place; pruning, and the start-up's clean-up of saves
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -12,7 +11,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -34,7 +32,7 @@ from clip_train.checkpoint.layout import (
     step_dirs,
     temp_checkpoint_dir,
 )
-from clip_train.config import ModelConfig
+from clip_train.config import ModelConfig, model_config_yaml
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
 from clip_train.memory import format_bytes, tensor_bytes
@@ -144,8 +142,7 @@ def write_checkpoint_files(
         save_weights(ema, tmp / EMA_FILE, metadata={"step": str(step)})
     with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch's error then carries the OSError
         torch.save(train_state, f)
-    section = {"model": dataclasses.asdict(model_cfg)}
-    (tmp / MODEL_CONFIG_FILE).write_text(yaml.safe_dump(section, sort_keys=False))
+    (tmp / MODEL_CONFIG_FILE).write_text(model_config_yaml(model_cfg))
     model.text.encoder.config.save_pretrained(tmp / TEXT_DIR)
     model.tokenizer.save_pretrained(tmp / TEXT_DIR)
     write_manifest(tmp)

@@ -7,6 +7,7 @@ from clip_train.config.parsing import (
     config_yaml,
     load_config,
     load_model_config,
+    model_config_yaml,
     save_config,
 )
 from clip_train.config.schema import (
@@ -75,6 +76,7 @@ __all__ = [
     "config_yaml",
     "load_config",
     "load_model_config",
+    "model_config_yaml",
     "one_chunk_for_cuda_graphs",
     "save_config",
 ]

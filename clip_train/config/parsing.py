@@ -67,11 +67,17 @@ class _YamlLoader(yaml.SafeLoader):
     ``model.text.hf_config``, ``model.image.timm_kwargs``); PyYAML's YAML 1.1 wants ``1.0e-4``."""
 
 
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+class _YamlDumper(yaml.SafeDumper):
+    """YAML that ``_YamlLoader`` reads back as written: a text that it would read as a number (a
+    run named ``3e-4``) is quoted."""
+
+
+for _yaml_class in (_YamlLoader, _YamlDumper):
+    _yaml_class.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
 
 
 def _read_yaml(text: str) -> Any:
@@ -104,7 +110,16 @@ def _text_keys() -> frozenset[str]:
 
 def config_yaml(config: Config) -> str:
     """The resolved config as YAML, every key included, in declaration order."""
-    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+    return _dump_yaml(dataclasses.asdict(config))
+
+
+def model_config_yaml(model: ModelConfig) -> str:
+    """The ``model:`` section alone, as ``load_model_config`` reads it (a checkpoint's model.yaml)."""
+    return _dump_yaml({"model": dataclasses.asdict(model)})
+
+
+def _dump_yaml(data: dict[str, Any]) -> str:
+    return yaml.dump(data, Dumper=_YamlDumper, sort_keys=False)
 
 
 def save_config(config: Config, path: str | os.PathLike) -> None:
@@ -188,12 +203,25 @@ def _read_yaml_with_includes(path: Path, seen: tuple[Path, ...] = ()) -> dict[st
     return merged
 
 
-def _deep_merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+def _deep_merge(into: dict[str, Any], new: dict[str, Any], prefix: str = "") -> None:
+    """``new`` over ``into``, section by section; a mapping that is a key's value
+    (``model.image.timm_kwargs: {}``) replaces the earlier one whole, as an override does."""
     for key, value in new.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _deep_merge(into[key], value)
+        if isinstance(value, dict) and isinstance(into.get(key), dict) and prefix + key in _section_names():
+            _deep_merge(into[key], value, f"{prefix}{key}.")
         else:
             into[key] = value
+
+
+@functools.cache
+def _section_names(cls: type = Config, prefix: str = "") -> frozenset[str]:
+    """The dotted names of the config's sections (``model``, ``model.image``, ``log.wandb``)."""
+    hints = typing.get_type_hints(cls)
+    names: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            names |= {prefix + f.name, *_section_names(hints[f.name], f"{prefix}{f.name}.")}
+    return frozenset(names)
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
