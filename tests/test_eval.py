@@ -672,6 +672,32 @@ def test_eval_cli_without_a_config_keeps_the_checkpoints_model(demo_run, capsys)
     ]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (
+            ["eval.zeroshot=", "eval.zeroshot_data=VAL"],
+            "eval.zeroshot_data needs eval.zeroshot: the class names and templates to score it with",
+        ),
+        (
+            ["eval.zeroshot=", "eval.zeroshot_data=", "eval.zeroshot_sets={v2: VAL}"],
+            "eval.zeroshot_sets needs eval.zeroshot: the class names and templates to score them with",
+        ),
+        (
+            ["data.caption_key=json"],
+            "data.caption_key='json': each key is a member of the samples (txt, caption) or json:FIELD, "
+            "a field of their json",
+        ),
+        (["eval.batch_size=0"], "eval.batch_size=0 must be > 0"),
+    ],
+)
+def test_eval_cli_refuses_the_eval_settings_training_refuses(demo_run, overrides, error, capsys):
+    """Rather than evaluate without what was asked for (zero-shot data with no class names)."""
+    overrides = [item.replace("VAL", str(demo_run)) for item in overrides]
+    assert cli_main(["eval", str(demo_run), *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"clip-train: error: {error}"]
+
+
 def test_eval_cli_rejects_missing_and_mismatched_checkpoints(tmp_path, tiny_config, tiny_model, capsys):
     """In-process through the CLI's ``main`` (the subprocess path is covered above): exit 2, one line."""
     assert cli_main(["eval", str(tmp_path / "nope"), str(tiny_config)]) == 2

@@ -38,6 +38,7 @@ from clip_train.config.schema import (
     TowerConfig,
     TrainConfig,
     WandbConfig,
+    check_evaluation,
     check_lock,
     one_chunk_for_cuda_graphs,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "TowerConfig",
     "TrainConfig",
     "WandbConfig",
+    "check_evaluation",
     "check_lock",
     "config_keys",
     "config_yaml",

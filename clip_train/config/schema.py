@@ -261,7 +261,6 @@ class Config:
             "train.max_bad_steps",
             "checkpoint.keep",
             "log.every_steps",
-            "eval.batch_size",
             "optim.lr",
             "data.csv_shard_rows",
         ):
@@ -286,10 +285,6 @@ class Config:
             raise ConfigError(f"train.seed={self.train.seed} must lie in [0, 2**32)")
         if not self.train.out_dir.strip():
             raise ConfigError("train.out_dir is empty: name the run's directory")
-        if self.eval.zeroshot_data and not self.eval.zeroshot:
-            raise ConfigError(
-                "eval.zeroshot_data needs eval.zeroshot: the class names and templates to score it with"
-            )
         if self.log.peak_tflops < 0:
             raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the table)")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
@@ -307,7 +302,7 @@ class Config:
             if not 0.0 <= (value := getattr(self.data, key)) <= 1.0:
                 raise ConfigError(f"data.{key}={value} must lie in [0, 1]")
         _check_color_jitter(self.data.color_jitter)
-        _check_zeroshot_sets(self.eval)
+        check_evaluation(self.eval, self.data)
         if len(self.data.csv_separator) > 1 and self.data.csv_separator != "\\t":
             raise ConfigError(
                 f"data.csv_separator={self.data.csv_separator!r} must be one character, \\t for a tab, "
@@ -403,8 +398,7 @@ def _check_distill(distill: DistillConfig, loss: LossConfig) -> None:
 
 
 def _check_data_sources(data: DataConfig) -> None:
-    """One positive weight per ``::`` source, drawn with replacement; caption keys that can name a
-    caption (docs/data-mixtures.md)."""
+    """One positive weight per ``::`` source, drawn with replacement (docs/data-mixtures.md)."""
     weights, sources = data.train_weights, len(data.train.split(SOURCE_SEPARATOR))
     if weights and len(weights) != sources:
         raise ConfigError(
@@ -417,11 +411,6 @@ def _check_data_sources(data: DataConfig) -> None:
         raise ConfigError(
             "data.train_weights needs data.resampled=true: a weighted mixture draws each source's shards "
             "with replacement (one pass over every shard has no proportions to keep)"
-        )
-    if not data.caption_keys or any(key in ("", "json", JSON_PREFIX) for key in data.caption_keys):
-        raise ConfigError(
-            f"data.caption_key={data.caption_key!r}: each key is a member of the samples (txt, caption) "
-            "or json:FIELD, a field of their json"
         )
 
 
@@ -444,6 +433,23 @@ def _check_color_jitter(strengths: list[float]) -> None:
         raise ConfigError(
             f"data.color_jitter={strengths} must be four strengths >= 0 (brightness, contrast, saturation, "
             "hue <= 0.5), e.g. [0.4, 0.4, 0.4, 0.1], or [] for none"
+        )
+
+
+def check_evaluation(eval_cfg: EvalConfig, data: DataConfig) -> None:
+    """What evaluation reads, checked alike by ``clip-train train`` and ``clip-train eval`` (which
+    takes a training run's config, but not its batch layout's checks)."""
+    if eval_cfg.batch_size <= 0:
+        raise ConfigError(f"eval.batch_size={eval_cfg.batch_size} must be > 0")
+    if eval_cfg.zeroshot_data and not eval_cfg.zeroshot:
+        raise ConfigError(
+            "eval.zeroshot_data needs eval.zeroshot: the class names and templates to score it with"
+        )
+    _check_zeroshot_sets(eval_cfg)
+    if not data.caption_keys or any(key in ("", "json", JSON_PREFIX) for key in data.caption_keys):
+        raise ConfigError(
+            f"data.caption_key={data.caption_key!r}: each key is a member of the samples (txt, caption) "
+            "or json:FIELD, a field of their json"
         )
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clip_train.checkpoint import checkpoint_model_config, run_config_file
-from clip_train.config import Config, DataConfig, EvalConfig, load_config
+from clip_train.config import Config, DataConfig, EvalConfig, check_evaluation, load_config
 from clip_train.data.eval_sources import (
     EvalError,
     FolderClasses,
@@ -136,7 +136,8 @@ def evaluates_anything(eval_cfg: EvalConfig, data_cfg: DataConfig) -> bool:
 def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Config:
     """The config to evaluate ``weights`` with: ``config`` with ``overrides``; without one, the
     checkpoint's own model section and, for the rest (data, eval, train), the config.yaml of the
-    run it belongs to, if it is still beside it. Checked for something to evaluate."""
+    run it belongs to, if it is still beside it. Checked as training checks its eval settings, and for
+    something to evaluate."""
     if config is not None:
         cfg = load_config(config, overrides)
     else:
@@ -148,8 +149,7 @@ def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Conf
             )
         cfg = load_config(run_config_file(weights.parent), overrides, saved=True)
         cfg.model = checkpoint_model_config(weights.parent)
-    if cfg.eval.batch_size <= 0:
-        raise EvalError(f"eval.batch_size={cfg.eval.batch_size} must be > 0")
+    check_evaluation(cfg.eval, cfg.data)
     if not evaluates_anything(cfg.eval, cfg.data):
         raise EvalError("nothing to evaluate: set eval.zeroshot=FILE|imagenet and/or data.val=SHARDS")
     return cfg
