@@ -871,10 +871,30 @@ def test_a_mixture_changed_since_the_saved_state_is_refused(two_sources):
     loader = loader_for(cfg)
     take(loader, 2)
     state = loader.state_dict()
-    with pytest.raises(DataError, match=r"saved with mixture=\[\['0-a', 3, 0\.8\].*data\.train_weights"):
+    with pytest.raises(DataError, match=r"saved with mixture_shares=\[\[3, 0\.8\].*data\.train_weights"):
         loader_for(dataclasses.replace(cfg, train_weights=[0.5, 0.5])).load_state_dict(state)
-    with pytest.raises(DataError, match=r"saved with mixture=.*this run has mixture=None"):
+    with pytest.raises(DataError, match=r"saved with mixture_shares=.*this run has mixture_shares=None"):
         loader_for(dataclasses.replace(cfg, train_weights=[])).load_state_dict(state)
+
+
+def test_a_mixture_whose_source_moved_to_another_folder_resumes_and_keeps_counting_it(two_sources, tmp_path):
+    """As a single source's shards copied elsewhere do (a local cache of a dataset): the state holds
+    each source's shard names and share, and the per-source counts follow the source to its new name."""
+    cfg = config(f"{two_sources}/a::{two_sources}/b", train_weights=[0.8, 0.2], num_samples=64)
+    loader = loader_for(cfg)
+    take(loader, 3)
+    state, saved_counts, following = loader.state_dict(), loader.source_counts(), take(loader, 3)
+    cache = tmp_path / "cache"
+    shutil.copytree(two_sources / "b", cache)
+    resumed = loader_for(dataclasses.replace(cfg, train=f"{two_sources}/a::{cache}"))
+    assert resumed.source_names == ("0-a", "1-cache")
+    resumed.load_state_dict(state)
+    assert [b.keys for b in take(resumed, 3)] == [b.keys for b in following]
+    from_b = sum(key.startswith("b") for batch in following for key in batch.keys)
+    assert resumed.source_counts() == {
+        "0-a": loader.source_counts()["0-a"],
+        "1-cache": saved_counts["1-b"] + from_b,
+    }
 
 
 # --------------------------------------------------------------------------------------------

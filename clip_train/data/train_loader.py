@@ -267,7 +267,7 @@ class TrainLoader:
         self._positions = list(starts)  # per role: where it stands after its last batch handed out
         self._skipped: collections.Counter[str] = collections.Counter(state["skipped"] if state else {})
         self._sources: collections.Counter[str] = collections.Counter(
-            state.get("sources", {}) if state else {}
+            _renamed_sources(state.get("sources", {}), spec.mixture) if state else {}
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -327,7 +327,7 @@ FINGERPRINT_KEYS = {
     "resampled": "data.resampled",
     "shards": "data.train",
     "shard_names": "data.train",
-    "mixture": "data.train and data.train_weights",
+    "mixture_shares": "data.train and data.train_weights",
     "shuffle_buffer": "data.shuffle_buffer",
     "caption_keys": "data.caption_key",
 }
@@ -344,11 +344,18 @@ def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
         "resampled": spec.resampled,
         "shards": len(spec.urls),
         "shard_names": _shard_names_digest(spec.urls),
-        # None without a mixture, so that a state saved before mixtures existed still matches
-        "mixture": [[s.name, len(s.urls), s.weight] for s in spec.mixture] or None,
+        # each source's shard count and weight, not its name (its folder's): a source's shards moved
+        # to another folder resume, as a single source's do. None without a mixture.
+        "mixture_shares": [[len(s.urls), s.weight] for s in spec.mixture] or None,
         "shuffle_buffer": spec.shuffle_buffer,
         "caption_keys": list(spec.caption_keys),
     }
+
+
+def _renamed_sources(counts: dict[str, int], mixture: tuple[Source, ...]) -> dict[str, int]:
+    """Saved per-source counts under this run's source names: a name is the source's index and its
+    folder's name (``mixture.source_name``), and a source may have moved to another folder."""
+    return {mixture[int(name.split("-", 1)[0])].name: count for name, count in counts.items()}
 
 
 def _shard_names_digest(urls: Iterable[str]) -> str:
