@@ -8,6 +8,7 @@ eval loader (or a real torchvision ImageFolder), so everything but the towers ru
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import json
@@ -395,6 +396,33 @@ def test_zeroshot_folders_named_by_class_name_take_their_names_place_in_the_list
     eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=folder, retrieval=False)
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
     assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0}
+
+
+def test_a_folder_is_read_in_every_image_format_and_its_undecodable_files_are_skipped_and_counted(tmp_path):
+    """GIFs beside PNGs (torchvision's ImageFolder lists no GIF; a class of GIFs alone failed), a file
+    that is not an image and a zero-byte one: the GIFs score, the two bad files are counted as a
+    shard's would be, on 2 ranks and their workers too."""
+    classnames, templates = ["zebra", "apple", "mango"], ["a photo of a {}."]
+    (tmp_path / "names.json").write_text(json.dumps({"classnames": classnames, "templates": templates}))
+    folder = Path(class_folders(tmp_path / "fruit", {name: i for i, name in enumerate(classnames)}))
+    for png in folder.glob("[am]*/*.png"):  # apple's and mango's
+        Image.open(png).save(png.with_suffix(".gif"))
+    for png in folder.glob("mango/*.png"):
+        png.unlink()  # a class of GIFs alone
+    (folder / "zebra" / "broken.jpg").write_bytes(b"not an image")
+    (folder / "apple" / "empty.png").touch()
+    model = NamedToy(classnames, [t.format for t in templates])
+    eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=str(folder), retrieval=False)
+    metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 8, "zeroshot/skipped": 2}
+    share = dict(labels=None, image_size=16, batch_size=3, workers=2)
+    per_rank = [list(image_folder_batches(str(folder), rank=r, world_size=2, **share)) for r in range(2)]
+    assert sum(len(b.images) for batches in per_rank for b in batches) == 8
+    skipped = collections.Counter()
+    for batches in per_rank:
+        for batch in batches:
+            skipped.update(batch.skipped)
+    assert skipped == {"bad_image": 1, "empty_file": 1}
 
 
 def test_a_16_bit_grey_image_in_a_folder_reads_as_its_top_8_bits(tmp_path):

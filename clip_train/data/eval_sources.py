@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import find_classes
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
 from clip_train.config import DataConfig, EvalConfig
 from clip_train.data.eval_loader import build_eval_loader
-from clip_train.data.samples import load_rgb
+from clip_train.data.samples import IMAGE_EXTENSIONS, load_rgb
 from clip_train.data.transforms import eval_transform
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
@@ -32,7 +35,11 @@ class LabelledImages:
 
     images: torch.Tensor
     labels: torch.Tensor
-    skipped: dict[str, int] = field(default_factory=dict)  # always empty: an ImageFolder skips no file
+    skipped: dict[str, int] = field(default_factory=dict)  # files left out, by reason (SKIP_REASONS)
+
+    def pin_memory(self) -> LabelledImages:
+        """Called by the DataLoader's pin-memory thread."""
+        return LabelledImages(self.images.pin_memory(), self.labels.pin_memory(), self.skipped)
 
 
 def zeroshot_sources(eval_cfg: EvalConfig, data_cfg: DataConfig) -> dict[str, tuple[str, str]]:
@@ -72,19 +79,54 @@ def image_folder_batches(
     pin_memory: bool = False,
 ) -> Iterator[LabelledImages]:
     """This rank's strided share of an ImageFolder as uint8 centre crops; ``labels``: each class
-    folder's label (``folder_classes``), None for its sorted place."""
-    dataset = ImageFolder(root, transform=eval_transform(image_size), loader=load_rgb)
-    if labels is not None:
-        dataset.target_transform = labels.__getitem__
+    folder's label (``folder_classes``), None for its sorted place. Files of every image format that
+    shards take are read; one that does not decode is skipped and counted, as a shard's sample is."""
+    dataset = ImageFolder(
+        root,
+        loader=_image_or_skip_reason,
+        transform=functools.partial(_crop_decoded, crop=eval_transform(image_size)),
+        target_transform=None if labels is None else labels.__getitem__,
+        is_valid_file=lambda path: Path(path).suffix.lower() in FOLDER_IMAGE_SUFFIXES,
+    )
     share = Subset(dataset, range(rank, len(dataset), world_size))
     loader = DataLoader(
         share,
         batch_size=batch_size,
         num_workers=workers,
         pin_memory=pin_memory,
+        collate_fn=functools.partial(_collate_decoded, image_size=image_size),
         **signal_free_workers(),
     )
-    return (LabelledImages(images, labels) for images, labels in loader)
+    return iter(loader)
+
+
+# An evaluation folder's images: the formats shards take, and those torchvision's ImageFolder reads.
+FOLDER_IMAGE_SUFFIXES = frozenset({f".{ext}" for ext in IMAGE_EXTENSIONS} | set(IMG_EXTENSIONS))
+
+
+def _image_or_skip_reason(path: str) -> Image.Image | str:
+    """The file's image as a sample's is decoded (``load_rgb``), or the reason to skip it."""
+    try:
+        return load_rgb(path)
+    except Exception:  # arbitrary bytes make PIL raise many types; all mean "undecodable"
+        return "empty_file" if os.path.getsize(path) == 0 else "bad_image"
+
+
+def _crop_decoded(
+    image: Image.Image | str, crop: Callable[[Image.Image], torch.Tensor]
+) -> torch.Tensor | str:
+    return image if isinstance(image, str) else crop(image)  # a skip reason passes through
+
+
+def _collate_decoded(items: list[tuple[torch.Tensor | str, int]], image_size: int) -> LabelledImages:
+    """The decoded crops and their labels; the others counted by their reason."""
+    decoded = [(image, label) for image, label in items if not isinstance(image, str)]
+    skipped = collections.Counter(image for image, _ in items if isinstance(image, str))
+    if not decoded:
+        empty = torch.zeros((0, 3, image_size, image_size), dtype=torch.uint8)
+        return LabelledImages(empty, torch.zeros(0, dtype=torch.long), dict(skipped))
+    images, labels = zip(*decoded, strict=True)
+    return LabelledImages(torch.stack(images), torch.tensor(labels), dict(skipped))
 
 
 @dataclass(frozen=True)
