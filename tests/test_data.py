@@ -542,8 +542,20 @@ def test_a_state_resumes_over_the_same_shards_moved_but_not_over_others_as_many(
     resumed = loader_for(dataclasses.replace(cfg, train=str(moved)))
     resumed.start_at(3, state)
     assert [b.keys for b in take(resumed, 3)] == [b.keys for b in following]
-    with pytest.raises(DataError, match=r"saved with shard_names=\w{16}, .* set data\.train as the run"):
+    with pytest.raises(DataError, match=r"saved with shard_names=\w{16}, .* set data\.train \(a table's: "):
         loader_for(dataclasses.replace(cfg, train=str(renamed))).start_at(3, state)
+
+
+def test_a_table_cut_otherwise_since_the_saved_state_is_refused_naming_the_rows_a_piece(table):
+    """The user changed no data.train: the error names the key a table's pieces depend on too."""
+    cfg = config(str(table.path), resampled=True, num_samples=16, csv_shard_rows=6)  # 24 rows: 4 pieces
+    loader = loader_for(cfg)
+    take(loader, 2)
+    with pytest.raises(
+        DataError,
+        match=r"shards=4, this run has shards=3; set data\.train \(a table's: and data\.csv_shard_rows\) as",
+    ):
+        loader_for(dataclasses.replace(cfg, csv_shard_rows=8)).load_state_dict(loader.state_dict())
 
 
 # --------------------------------------------------------------------------------------------

@@ -325,8 +325,9 @@ FINGERPRINT_KEYS = {
     "steps_per_epoch": "data.num_samples (or the shards' sizes)",
     "seed": "train.seed",
     "resampled": "data.resampled",
-    "shards": "data.train",
-    "shard_names": "data.train",
+    # a table's pieces are named by its csv keys and counted by its rows a piece
+    "shards": "data.train (a table's: and data.csv_shard_rows)",
+    "shard_names": "data.train (a table's: and data.csv_shard_rows, data.csv_*_key, data.csv_separator)",
     "mixture_shares": "data.train and data.train_weights",
     "shuffle_buffer": "data.shuffle_buffer",
     "caption_keys": "data.caption_key",
