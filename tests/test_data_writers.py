@@ -142,6 +142,11 @@ def test_csv_round_trip_and_bad_csv_errors(image_folder, tmp_path):
     assert [caption for caption, _, _ in read_back(tmp_path / "other_out")[1].values()] == ["x"]
     with pytest.raises(DataError, match=r"separator ';;' must be one character"):
         run_cli("csv", image_folder / "list.csv", tmp_path / "bad_out", "--separator", ";;")
+    (image_folder / "mac.csv").write_bytes(b"path,caption\rimg.0.JPG,first one\r")  # classic Mac OS text
+    with pytest.raises(
+        DataError, match=r"mac\.csv: .*a carriage return outside quotes \(save the table with LF"
+    ):
+        run_cli("csv", image_folder / "mac.csv", tmp_path / "bad_out")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("keep me")
     with pytest.raises(DataError, match="not written by make-shards"):

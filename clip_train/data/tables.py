@@ -142,7 +142,10 @@ def _records(handle: BinaryIO, separator: str, path: Path) -> Iterator[tuple[lis
             if record:
                 yield record, offset
     except (UnicodeDecodeError, csv.Error) as err:
-        raise DataError(f"{path}: cannot read the row ending near byte {offset}: {err}") from None
+        problem = str(err)
+        if "new-line character" in problem:  # csv's words for a CR outside quotes that no LF follows
+            problem = "a carriage return outside quotes (save the table with LF or CRLF line endings)"
+        raise DataError(f"{path}: cannot read the row ending near byte {offset}: {problem}") from None
 
 
 def piece_rows(piece: Piece) -> Iterator[tuple[int, list[str]]]:
