@@ -311,16 +311,49 @@ def test_a_vit_at_another_image_size_takes_the_position_embedding_resampled(vit_
         ),
         (
             "model.image.timm_kwargs.global_pool=avg",
-            "open_clip pools the timm trunk with timm_pool='', the run with 'avg': remove "
-            "model.image.timm_kwargs.global_pool",
+            "open_clip's timm trunk local-dir:{export} and the run's model.image differ (the trunk: "
+            "global_pool=token vs global_pool=avg, open_clip's vs the run's): set model.image.timm and "
+            "model.image.timm_kwargs as the weights' model has them",
+        ),
+        (
+            "model.image.timm_kwargs.num_heads=4",
+            "open_clip's timm trunk local-dir:{export} and the run's model.image differ (blocks.0.attn: "
+            "Attention num_heads=2 vs Attention num_heads=4, ",
+        ),
+        (
+            "model.image.timm_kwargs.act_layer=quick_gelu",
+            "open_clip's timm trunk local-dir:{export} and the run's model.image differ (blocks.0.mlp.act: "
+            "GELU approximate=none vs QuickGELU, ",
+        ),
+        (
+            "model.text.hf_config.num_attention_heads=4",
+            "open_clip's text tower {export} and the run's model.text differ (open_clip's vs the run's "
+            "num_attention_heads 2 vs 4): set model.text.hf or model.text.hf_config to match",
+        ),
+        (
+            "model.text.hf_config.hidden_act=gelu_new",
+            "open_clip's text tower {export} and the run's model.text differ (open_clip's vs the run's "
+            "hidden_act gelu vs gelu_new)",
         ),
     ],
-    ids=["text-depth", "global-pool"],
+    ids=["text-depth", "global-pool", "image-heads", "image-activation", "text-heads", "text-activation"],
 )
 def test_an_export_into_a_run_that_differs_fails_in_one_line(demo_export, override, message):
+    """What changes the embeddings but no weight's shape too: the pooling in effect, heads, activations
+    (a run of another architecture would train from weights that do not compute what they did)."""
     _, export = demo_export
     run = [*TINY_MODEL, "model.text.pooling=mean", override]
-    assert one_line_error(run, f"open_clip:local-dir:{export}").startswith(message)
+    assert one_line_error(run, f"open_clip:local-dir:{export}").startswith(message.format(export=export))
+
+
+def test_an_export_of_an_average_pooled_vit_round_trips(tmp_path):
+    """Its pooling is the export's timm config's (open_clip's timm_pool "" keeps the trunk's own)."""
+    pooled = [*TINY_MODEL, "model.image.timm_kwargs.global_pool=avg"]
+    model = perturbed(build_model(load_config(DEMO_CONFIG, pooled).model))
+    export_open_clip(model, tmp_path / "export")
+    loaded = initialised([*pooled, "model.text.pooling=mean"], f"open_clip:local-dir:{tmp_path / 'export'}")
+    own = model.state_dict()
+    assert all(torch.equal(tensor, own[name]) for name, tensor in loaded.state_dict().items())
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ from open_clip.constants import (
 from open_clip.factory import load_state_dict, parse_model_name
 from open_clip.hf_configs import arch_dict
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
-from timm.layers import QuickGELU
+from open_clip.timm_model import TimmModel
+from timm.layers import DropPath, PatchDropout, QuickGELU
 from timm.models.vision_transformer import VisionTransformer
+from transformers import AutoConfig
 
 from clip_train.config import ModelConfig
 from clip_train.model import CLIP
@@ -225,7 +227,7 @@ def image_map(model_cfg: dict) -> TowerMap:
         return TowerMap(
             TIMM_IMAGE,
             "head layers other than a bias-free linear projection",
-            lambda model, cfg: timm_pool_problem(vision, cfg),
+            lambda model, cfg: timm_trunk_problem(vision, model_cfg["embed_dim"], model.visual.trunk),
         )
     if isinstance(vision.layers, int):  # a VisionTransformer (a ModifiedResNet has one count per stage)
         quick_gelu = model_cfg.get("quick_gelu", False)
@@ -243,7 +245,7 @@ def text_map(model_cfg: dict) -> TowerMap:
         return TowerMap(
             HF_TEXT,
             "parts other than the encoder and a linear projection",
-            lambda model, cfg: pooling_problem(text, model),
+            lambda model, cfg: pooling_problem(text, model) or hf_text_problem(text, model),
         )
     if unmapped := text_transformer_differences(text):
         return TowerMap(
@@ -391,17 +393,88 @@ def normalisation_problem(source: Source, model: CLIP) -> str | None:
     )
 
 
-def timm_pool_problem(vision: CLIPVisionCfg, cfg: ModelConfig) -> str | None:
-    """open_clip resets the trunk's pooling to ``timm_pool`` unless it is "" (the architecture's own)."""
-    ours = cfg.image.timm_kwargs.get("global_pool", "")
-    if vision.timm_pool == ours:
+def timm_trunk_problem(vision: CLIPVisionCfg, embed_dim: int, trunk: torch.nn.Module) -> str | None:
+    """The trunk open_clip's ``TimmModel`` builds (from its timm name, or the folder's config.json for
+    an export), on the meta device, against the run's by ``architecture``: what each computes is
+    compared (the pooling in effect, not the text of the configs)."""
+    name = vision.timm_model_name
+    if name.startswith("hf-hub:"):  # read from the cache as the weights are: timm would ask the hub
+        name = f"local-dir:{cached_file(name.removeprefix('hf-hub:'), ('config.json',)).parent}"
+    with torch.device("meta"):
+        theirs = TimmModel(
+            name,
+            embed_dim,
+            image_size=vision.image_size,
+            pool=vision.timm_pool,
+            proj=vision.timm_proj,
+            proj_bias=vision.timm_proj_bias,
+        ).trunk
+    if problem := architecture_difference(architecture(theirs), architecture(trunk)):
+        return (
+            f"open_clip's timm trunk {vision.timm_model_name} and the run's model.image differ ({problem}, "
+            "open_clip's vs the run's): set model.image.timm and model.image.timm_kwargs as the weights' "
+            "model has them"
+        )
+    return None
+
+
+ARCHITECTURE_ATTRIBUTES = ("num_heads", "eps", "global_pool", "pool_type", "approximate")
+REGULARISERS = (torch.nn.Dropout, DropPath, PatchDropout, torch.nn.Identity)  # Identity: a rate of 0
+
+
+def architecture(module: torch.nn.Module) -> dict[str, str]:
+    """What changes a module tree's output without changing a weight's name or shape, by submodule:
+    the type of each one without weights of its own (an activation, a pooling, a block), and its
+    heads, norm epsilon and pooling. Regularisers are left out: a fine-tune may set its own."""
+    found = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, REGULARISERS):
+            continue
+        attributes = [
+            f"{attribute}={value}"
+            for attribute in ARCHITECTURE_ATTRIBUTES
+            if isinstance(value := getattr(sub, attribute, None), (int, float, str))
+        ]
+        weightless = next(sub.parameters(recurse=False), None) is None
+        found[name or "the trunk"] = " ".join([type(sub).__name__] * weightless + attributes)
+    return found
+
+
+def architecture_difference(theirs: dict[str, str], ours: dict[str, str]) -> str | None:
+    """The first submodule whose ``architecture`` differs, named with both descriptions."""
+    for name in [*theirs, *(name for name in ours if name not in theirs)]:
+        if theirs.get(name) != ours.get(name):
+            return f"{name}: {theirs.get(name) or 'absent'} vs {ours.get(name) or 'absent'}"
+    return None
+
+
+HF_ARCHITECTURE = (
+    "model_type",
+    "num_attention_heads",
+    "hidden_act",
+    "layer_norm_eps",
+    "position_embedding_type",
+)
+
+
+def hf_text_problem(text: CLIPTextCfg, model: CLIP) -> str | None:
+    """The transformers config open_clip's ``HFTextEncoder`` builds from (a folder, or the hub cache)
+    against the run's encoder, on what changes the embeddings but no shape."""
+    folder = Path(text.hf_model_name).expanduser()
+    if not folder.is_dir():  # read from the cache as the weights are, never from the hub
+        folder = cached_file(text.hf_model_name, ("config.json",)).parent
+    theirs, ours = AutoConfig.from_pretrained(str(folder)), model.text.encoder.config
+    differ = [
+        f"{key} {getattr(theirs, key, None)} vs {getattr(ours, key, None)}"
+        for key in HF_ARCHITECTURE
+        if getattr(theirs, key, None) != getattr(ours, key, None)
+    ]
+    if not differ:
         return None
-    fix = (
-        f"set model.image.timm_kwargs.global_pool={vision.timm_pool}"
-        if vision.timm_pool
-        else "remove model.image.timm_kwargs.global_pool"
+    return (
+        f"open_clip's text tower {text.hf_model_name} and the run's model.text differ (open_clip's vs the "
+        f"run's {', '.join(differ)}): set model.text.hf or model.text.hf_config to match"
     )
-    return f"open_clip pools the timm trunk with timm_pool={vision.timm_pool!r}, the run with {ours!r}: {fix}"
 
 
 def vit_problem(
