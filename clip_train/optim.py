@@ -34,8 +34,8 @@ AS_SAVED = (
     "unlocked_layers, lock_head, freeze_norms) as the run that saved it did"
 )
 # A transformer block's parameter: timm ViTs' ``blocks.N.``, BERT's ``encoder.layer.N.``, CLIP's
-# text transformer's ``encoder.layers.N.``.
-_BLOCK = re.compile(r"(?:^|\.)(?:blocks|encoder\.layers?)\.(\d+)\.")
+# text transformer's ``encoder.layers.N.``; not a stage of blocks (EfficientNet's ``blocks.S.B.``).
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|encoder\.layers?)\.(\d+)\.(?!\d)")
 
 
 def block_index(name: str) -> tuple[str, int] | None:

@@ -224,10 +224,15 @@ def test_one_rate_for_all_keeps_the_two_groups():
     assert [(g["lr"], g["weight_decay"]) for g in groups] == [(LR, 0.1), (LR, 0.0)]
 
 
+@pytest.mark.parametrize("timm", ["resnet18", "efficientnet_b0"])  # stages of blocks: blocks.S.B.
+def test_a_tower_without_one_list_of_blocks_takes_no_layer_decay(timm):
+    hierarchical = (f"model.image.timm={timm}", "model.image.timm_kwargs={}")
+    with pytest.raises(ConfigError, match=r"optim.layer_decay=0.7 needs one list .* model.image, which has"):
+        parameter_groups(tiny_model(*hierarchical), OptimConfig(layer_decay=0.7))
+
+
 def test_layer_decay_on_a_tower_without_blocks_names_the_key_unless_nothing_there_trains():
     resnet = ("model.image.timm=resnet18", "model.image.timm_kwargs={}")
-    with pytest.raises(ConfigError, match=r"optim.layer_decay=0.7 needs one list .* model.image, which has"):
-        parameter_groups(tiny_model(*resnet), OptimConfig(layer_decay=0.7))
     model = tiny_model(*resnet, "model.image.lock=true", "model.image.lock_head=true")  # LiT: locked whole
     cfg = OptimConfig(lr=LR, text_lr=TEXT_LR, layer_decay=DECAY)
     rates = {p: group["lr"] for group in parameter_groups(model, cfg) for p in group["params"]}
