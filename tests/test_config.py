@@ -65,7 +65,7 @@ def test_yaml_round_trip(tmp_path):
         ("model.text.hf_config={hidden_size: 64}", lambda c: c.model.text.hf_config, {"hidden_size": 64}),
         ("loss.impl=inf", lambda c: c.loss.impl, "inf"),
         ("model.image.lock=True", lambda c: c.model.image.lock, True),
-        # a text key takes its value as typed: YAML would fail on ",", cut at "#", read octal, base 60
+        # a text key takes its value as typed: YAML would fail on ",", cut at "#", read a number, base 60
         ("data.csv_separator=,", lambda c: c.data.csv_separator, ","),
         ("data.csv_separator=|", lambda c: c.data.csv_separator, "|"),
         ("train.out_dir=runs/exp #2", lambda c: c.train.out_dir, "runs/exp #2"),
@@ -84,6 +84,9 @@ def test_yaml_round_trip(tmp_path):
             0.1,
         ),
         ("batch.global_size=1e5", lambda c: c.batch.global_size, 100000),
+        ("train.seed=010", lambda c: c.train.seed, 10),  # YAML 1.1 would read octal 8 (09 it read as 9)
+        ("model.image.timm_kwargs.depth=012", lambda c: c.model.image.timm_kwargs["depth"], 12),
+        ("train.seed=0x10", lambda c: c.train.seed, 16),
         ("optim.image_lr=None", lambda c: c.optim.image_lr, None),  # as docs/config.md shows the default
         ("data.caption_key=[txt, json:caption]", lambda c: c.data.caption_key, ["txt", "json:caption"]),
     ],
@@ -195,7 +198,7 @@ def test_bad_type_names_key(override):
 
 
 def test_values_yaml_reads_otherwise_than_meant_are_one_line_naming_the_key(tmp_path):
-    """Text keys take text only (YAML reads 0755 as 493, 1:30 as 90 and 1e3 as 1000.0: a run
+    """Text keys take text only (YAML reads 0755 as 755, 1:30 as 90 and 1e3 as 1000.0: a run
     directory or a wandb name would change silently); a list's text that is not YAML, a number past
     a float's range, a file that is not UTF-8 and includes that name no file fail in one line."""
     cases = {
@@ -213,7 +216,7 @@ def test_values_yaml_reads_otherwise_than_meant_are_one_line_naming_the_key(tmp_
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00train")
     with pytest.raises(ConfigError, match=r"binary\.yaml: not UTF-8 text$"):
         load_config(tmp_path / "binary.yaml")
-    with pytest.raises(ConfigError, match=r"^log\.wandb\.tags\[0\]=493: expected text"):
+    with pytest.raises(ConfigError, match=r"^log\.wandb\.tags\[0\]=755: expected text"):
         load_config(None, ["log.wandb.tags=[0755]"])
     assert load_config(None, ["train.out_dir=0755", "log.wandb.tags=['0755']"]).train.out_dir == "0755"
 

@@ -64,7 +64,17 @@ def load_config(
 
 class _YamlLoader(yaml.SafeLoader):
     """YAML as configs are written: ``1e-4`` is a float also where no type says so (in
-    ``model.text.hf_config``, ``model.image.timm_kwargs``); PyYAML's YAML 1.1 wants ``1.0e-4``."""
+    ``model.text.hf_config``, ``model.image.timm_kwargs``); PyYAML's YAML 1.1 wants ``1.0e-4``. And
+    ``010`` is ten, as YAML 1.2 reads it, not YAML 1.1's octal eight (``train.seed=010``)."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = str(self.construct_scalar(node)).replace("_", "")
+        if re.fullmatch(r"[-+]?0[0-7]+", text):
+            return int(text, 10)
+        return super().construct_yaml_int(node)
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:int", _YamlLoader.construct_yaml_int)
 
 
 class _YamlDumper(yaml.SafeDumper):
@@ -86,7 +96,7 @@ def _read_yaml(text: str) -> Any:
 
 def _override_value(key: str, text: str) -> Any:
     """An override's value: a text key's (a path, a name, a separator such as ``,`` or ``|``) as
-    typed, since YAML would cut it at ``#``, read ``012`` as octal or fail on ``,``; any other read
+    typed, since YAML would cut it at ``#``, read ``012`` as a number or fail on ``,``; any other read
     as YAML."""
     text = text.strip()
     if key in _text_keys() or not text:
@@ -307,7 +317,7 @@ def _coerce_scalar(hint: type, value: Any, key: str) -> Any:
         if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
             return str(value).lower() in _TRUE
         raise bad
-    if hint is str and not isinstance(value, str):  # YAML read 0755 as 493 and 1:30 as 90: not text
+    if hint is str and not isinstance(value, str):  # YAML read 0755 as 755 and 1:30 as 90: not text
         raise ConfigError(f"{key}={value!r}: expected text; quote it in the YAML file")
     # bool is an int subclass but never a number; a whole float (1e3) is an int, 1.5 is not
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
