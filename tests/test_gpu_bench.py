@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
+import time
 
 import pytest
 from processes import Watched, run_to_end
 
 from clip_train.bench.gpu import FILES, SECTIONS
+from clip_train.bench.runner import RunFailed, run_logged
 from clip_train.bench.train import SPLIT
 from clip_train.profiling import PHASES
 
@@ -114,3 +117,28 @@ def test_a_failing_section_is_recorded_at_once_and_the_next_one_runs(tmp_path):
     assert "error" not in report["matmul"] and report["matmul"]["tflops"] > 0
     assert "gpu-bench: open_clip: FAILED" in result.stdout and "gpu-bench: matmul: done" in result.stdout
     assert "## matmul" in (out / "gpu-bench.md").read_text()
+
+
+def test_a_logged_run_past_its_time_is_stopped_and_leaves_what_it_said(tmp_path):
+    """A run that hangs on the GPU box: stopped at its timeout, its output so far on disk and in the
+    error, rather than the whole session's time spent waiting."""
+    output = tmp_path / "run" / "output.log"
+    hangs = [sys.executable, "-c", "import time; print('step: 1/30', flush=True); time.sleep(120)"]
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match=r"^a run was stopped after 2 s:\n(.|\n)*step: 1/30"):
+        run_logged(hangs, output, "a run", timeout_s=2)
+    assert time.monotonic() - started < 60  # not the sleep's 120 s
+    assert output.read_text() == "step: 1/30\n"
+    with pytest.raises(RunFailed, match=r"^a run exited 3:\nerror: no shards\n\.\.\."):
+        run_logged([sys.executable, "-c", "print('error: no shards'); exit(3)"], output, "a run")
+
+
+def test_what_the_budget_leaves_no_time_for_is_recorded_as_not_run(tmp_path):
+    """A section (or a trainer run) starts only with 20 s of the budget left; the summary is written."""
+    out = tmp_path / "bench"
+    result, report = _bench(out, "--sections", "matmul", "--budget-s", "1")
+    assert re.fullmatch(
+        r"TimeoutError: not run: -?\d+ s of the 1 s budget \(--budget-s\) left", report["matmul"]["error"]
+    )
+    assert "**failed**: `TimeoutError: not run:" in (out / "gpu-bench.md").read_text()
+    assert "gpu-bench: matmul: FAILED: TimeoutError: not run" in result.stdout

@@ -21,9 +21,12 @@ of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everythi
    loss's 4 matmuls at the rate of its b × d × b product measured in the same run (``bench loss``).
 
 Each section runs in its own processes and fails soft: its error goes into the JSON and the summary,
-and the next section runs. Without a CUDA GPU the same sections run on the CPU at toy sizes (the
-tiny model, small batches, small losses): a dry run that keeps the command working between GPU
-sessions, said so on its first line; its figures mean nothing. There ``train.compile`` runs with
+and the next section runs. ``--budget-s`` bounds the whole: a run still going when it is spent is
+stopped, and what has not started is recorded as not run, so the summary is written in time.
+
+Without a CUDA GPU the same sections run on the CPU at toy sizes (the tiny model, small batches,
+small losses): a dry run that keeps the command working between GPU sessions, said so on its first
+line; its figures mean nothing. There ``train.compile`` runs with
 ``TORCHDYNAMO_DISABLE=1`` (inductor's C++ builds take minutes on a small CPU): the runs and their
 reports are the same, the towers run eager.
 """
@@ -31,6 +34,7 @@ reports are the same, the towers run eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -38,11 +42,10 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -51,13 +54,15 @@ import torch
 
 from clip_train.bench import step as bench_step
 from clip_train.bench.matmul import square_matmul_tflops
-from clip_train.bench.runner import in_fresh_process
+from clip_train.bench.runner import in_fresh_process, run_logged
 from clip_train.bench.train import OUTPUT, export_initial_model, run_clip_train, run_open_clip
 from clip_train.config import load_config
 from clip_train.profiling import SHARES, describe
 
 # The trainer's figures first: a session whose time runs out loses the loss, measured three times before.
 SECTIONS = ("matmul", "trainer", "step", "open_clip", "loss")
+BUDGET_S = 500.0  # of a GPU session's ten minutes: the kit's install and the summary need the rest
+LEFT_TO_START_S = 20.0  # a run or section starts only with this much of the budget left
 Compiling = Literal["off", "default", "reduce-overhead"]  # eager, or train.compile in that mode
 FILES = ("gpu-bench.json", "gpu-bench.md", "gpu-bench.log", "gpu-bench.trace.json.gz")
 
@@ -138,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}"
     )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help=f"seconds for all of it (default {BUDGET_S:.0f}): a run still going then is stopped, and what "
+        "has not started is not run; 0 for no limit",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     summary = _write(report, out)  # rewritten after every section: a session cut short keeps what it measured
     with tempfile.TemporaryDirectory() as tmp, (out / "gpu-bench.log").open("w") as log:
-        bench = _Bench(sizes, "cuda" if cuda else "cpu", out, Path(tmp), log, args.set)
+        budget_s = args.budget_s or float("inf")
+        bench = _Bench(sizes, "cuda" if cuda else "cpu", out, Path(tmp), log, args.set, budget_s)
         for name in sections:
             report[name] = bench.section(name, getattr(bench, name))
             report["wall_s"] = time.perf_counter() - started
@@ -206,10 +219,22 @@ class _Bench:
     """The sections, in order; later ones use what earlier ones measured (the matmul rate, the
     trainer's runs)."""
 
-    def __init__(self, sizes: Sizes, device: str, out: Path, work: Path, log, overrides: list[str]) -> None:
+    def __init__(
+        self, sizes: Sizes, device: str, out: Path, work: Path, log, overrides: list[str], budget_s: float
+    ) -> None:
         self.sizes, self.device, self.out, self.work, self.log = sizes, device, out, work, log
         self.overrides = overrides
         self.matmul_tflops: float | None = None
+        self.started, self.budget_s = time.perf_counter(), budget_s
+
+    def _left_s(self) -> float:
+        """What is left of the budget: each process's timeout."""
+        return self.budget_s - (time.perf_counter() - self.started)
+
+    def _out_of_time(self) -> str | None:
+        if self._left_s() >= LEFT_TO_START_S:
+            return None
+        return f"not run: {self._left_s():.0f} s of the {self.budget_s:.0f} s budget (--budget-s) left"
 
     def section(self, name: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``measure()``'s results, or its error: one failing section never loses the others."""
@@ -217,6 +242,8 @@ class _Bench:
         self._note(f"=== {name}")
         started = time.perf_counter()
         try:
+            if late := self._out_of_time():
+                raise TimeoutError(late)
             result = measure()
         except Exception as err:
             result = {"error": f"{type(err).__name__}: {err}"[-3000:]}
@@ -233,19 +260,25 @@ class _Bench:
         """``python -m clip_train ARGUMENTS`` with its output in the log; its last lines on failure."""
         command = [sys.executable, "-m", "clip_train", *arguments]
         self._note("$ " + " ".join(command))
-        proc = subprocess.run(command, capture_output=True, text=True, check=False)
-        self._note(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            lines = (proc.stdout + proc.stderr).strip().splitlines()
-            said = [line for line in lines if "error:" in line.lower()][:5]  # a process's own message first
-            shown = "\n".join([*said, "...", *lines[-10:]])
-            raise RuntimeError(f"clip-train {arguments[0]} {arguments[1]} exited {proc.returncode}:\n{shown}")
+        output = self.work / f"{'-'.join(arguments[:2])}.log"
+        with self._output_logged(output):
+            run_logged(command, output, f"clip-train {arguments[0]} {arguments[1]}", timeout_s=self._left_s())
+
+    @contextlib.contextmanager
+    def _output_logged(self, output: Path) -> Iterator[None]:
+        """A process writing ``output``: put in the log however the process ends (its start-up lines,
+        progress and profile, or what it said before it failed or was stopped)."""
+        try:
+            yield
+        finally:
+            if output.is_file():
+                self._note(output.read_text(errors="replace"))
 
     def matmul(self) -> dict[str, Any]:
         """The rate a large square bf16 product reaches here: what "of matmul rate" is against, the
         device's practical ceiling (an H100 SXM reaches about 800 of its datasheet's 989 TFLOP/s)."""
         spec = {"device": self.device, "size": self.sizes.matmul_size}
-        self.matmul_tflops = in_fresh_process(square_matmul_tflops, spec)
+        self.matmul_tflops = in_fresh_process(square_matmul_tflops, spec, self._left_s())
         return {**spec, "dtype": "bfloat16", "tflops": self.matmul_tflops}
 
     def loss(self) -> dict[str, Any]:
@@ -315,8 +348,10 @@ class _Bench:
             self._note(f"clip-train train {sizes.model} {' '.join(settings)}")
             run_dir, started = self.work / f"run-{batch}-{compiling}", time.perf_counter()
             try:
-                run |= run_clip_train(options, batch, 1, run_dir, sizes.log_every)
-                self._note((run_dir / OUTPUT).read_text())  # its start-up lines, progress and profile
+                if late := self._out_of_time():
+                    raise TimeoutError(late)
+                with self._output_logged(run_dir / OUTPUT):
+                    run |= run_clip_train(options, batch, 1, run_dir, sizes.log_every, self._left_s())
                 if profiled:
                     profile = {
                         "batch": batch,
@@ -361,7 +396,7 @@ class _Bench:
             self._note("clip-train bench step " + " ".join(arguments))
             spec = bench_step.batch_spec(parser.parse_args(arguments), batch, ["gc"])
             started = time.perf_counter()
-            point = in_fresh_process(bench_step.measure, {**spec, "mode": "gc"})
+            point = in_fresh_process(bench_step.measure, {**spec, "mode": "gc"}, self._left_s())
             self._note(json.dumps(point))
             if "error" in point:
                 raise RuntimeError(f"bench step at batch {batch}: {point['error']}")
@@ -384,8 +419,8 @@ class _Bench:
         options = SimpleNamespace(shards=shards, steps=sizes.steps, warmup=sizes.warmup)
         started = time.perf_counter()
         run_dir = self.work / "open_clip"
-        result = run_open_clip(options, cfg, export, batch, 1, run_dir, sizes.log_every)
-        self._note((run_dir / OUTPUT).read_text())
+        with self._output_logged(run_dir / OUTPUT):
+            result = run_open_clip(options, cfg, export, batch, 1, run_dir, sizes.log_every, self._left_s())
         return {"batch": batch, **result, "wall_s": time.perf_counter() - started}
 
 

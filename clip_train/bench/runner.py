@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from clip_train.errors import UserError
 
 
 class ProcessFailed(RuntimeError):
@@ -26,18 +29,52 @@ class ProcessFailed(RuntimeError):
         self.last_line = (stderr.strip().splitlines() or ["no output"])[-1]
 
 
-def in_fresh_process(fn: Callable[[Any], Any], spec: Any) -> Any:
+def in_fresh_process(fn: Callable[[Any], Any], spec: Any, timeout_s: float | None = None) -> Any:
     """``fn(spec)`` in a new interpreter; ``fn`` is a module-level function. Its stdout passes through;
-    its stderr is replayed after it ends, or carried by :class:`ProcessFailed`."""
+    its stderr is replayed after it ends, or carried by :class:`ProcessFailed`. Past ``timeout_s`` it
+    is killed (``subprocess.TimeoutExpired``)."""
     target = f"{fn.__module__}:{fn.__qualname__}"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         command = [sys.executable, "-m", __name__, target, str(out)]
-        proc = subprocess.run(command, input=json.dumps(spec), stderr=subprocess.PIPE, text=True, check=False)
+        proc = subprocess.run(
+            command, input=json.dumps(spec), stderr=subprocess.PIPE, text=True, check=False, timeout=timeout_s
+        )
         if proc.returncode != 0:
             raise ProcessFailed(target, proc.returncode, proc.stderr)
         sys.stderr.write(proc.stderr)
         return json.loads(out.read_text())
+
+
+class RunFailed(UserError):
+    """A logged command (``run_logged``) failed or outlived its time; the message ends with its last lines."""
+
+
+def run_logged(
+    command: list[str],
+    output: Path,
+    what: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """``command`` with its stdout and stderr written to ``output`` as they come, so that a run that
+    hangs, or outlives ``timeout_s`` and is killed, leaves what it said. :class:`RunFailed` names
+    how it ended, with its own error lines first and its last lines."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("w") as sink:
+        try:
+            ended = subprocess.run(
+                command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                timeout=timeout_s, check=False,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            ended = None
+    if ended == 0:
+        return
+    lines = output.read_text(errors="replace").strip().splitlines()
+    said = [line for line in lines if "error:" in line.lower()][:5]  # a process's own message first
+    how = f"was stopped after {timeout_s:.0f} s" if ended is None else f"exited {ended}"
+    raise RunFailed("\n".join([f"{what} {how}:", *said, "...", *lines[-10:]]))
 
 
 def _main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ import torch
 
 from clip_train.bench import positive_ints
 from clip_train.bench.plotting import pyplot
+from clip_train.bench.runner import run_logged
 from clip_train.commands.report import read_records
 from clip_train.config import Config, ConfigError, load_config
 from clip_train.errors import UserError
@@ -118,27 +118,25 @@ def _launcher(nproc: int) -> list[str]:
 OUTPUT = "output.log"  # each run's stdout and stderr, in its folder (gpu-bench copies them into its log)
 
 
-def _run(command: list[str], what: str, out: Path, env: dict[str, str] | None = None) -> None:
-    proc = subprocess.run(
-        command, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})}
-    )
-    if proc.returncode != 0:
-        raise UserError(f"{what} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    (out / OUTPUT).write_text(proc.stdout + proc.stderr)
-
-
 def run_clip_train(
-    args: argparse.Namespace, batch: int, nproc: int, out: Path, log_every: int = 1
+    args: argparse.Namespace,
+    batch: int,
+    nproc: int,
+    out: Path,
+    log_every: int = 1,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """One clip_train run: the medians of its logged samples/s (each over the steps since the last
-    log), step time and split (the logged steps') from ``metrics.jsonl``, after the warm-up steps."""
+    log), step time and split (the logged steps') from ``metrics.jsonl``, after the warm-up steps.
+    Its output is in ``out/output.log`` as it comes; past ``timeout_s`` it is stopped."""
     overrides = [
         *args.set, f"data.train={args.shards}/train", "data.val=", "eval.zeroshot=", "eval.zeroshot_data=",
         f"batch.global_size={batch}", f"train.max_steps={args.steps}", f"log.every_steps={log_every}",
         "log.wandb.mode=disabled", f"train.out_dir={out}",
         "checkpoint.every_steps=0",  # no saves, as OpenCLIP's --save-frequency 0
     ]  # fmt: skip
-    _run([*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides], "clip_train", out)
+    command = [*_launcher(nproc), "-m", "clip_train", "train", args.config, *overrides]
+    run_logged(command, out / OUTPUT, "clip_train", timeout_s=timeout_s)
     records = read_records(out)
     timed = [r for r in records if "time/step_s" in r and r["step"] - log_every >= args.warmup]
     result: dict[str, Any] = {
@@ -159,7 +157,14 @@ def run_clip_train(
 
 
 def run_open_clip(
-    args: argparse.Namespace, cfg: Config, export: Path, batch: int, nproc: int, out: Path, log_every: int = 1
+    args: argparse.Namespace,
+    cfg: Config,
+    export: Path,
+    batch: int,
+    nproc: int,
+    out: Path,
+    log_every: int = 1,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """One OpenCLIP run: the median of its logged ``Batch (t)`` (the mean step time since its last
     log) over the windows after the warm-up steps, as for clip_train's."""
@@ -176,7 +181,7 @@ def run_open_clip(
         "--zeroshot-frequency", "0", "--report-to", "", "--seed", str(cfg.train.seed),
     ]  # fmt: skip
     worker = [*_launcher(nproc), "-m", "clip_train.bench.open_clip_trainer", *options]
-    _run(worker, "open_clip_train", out, {"OPEN_CLIP_LOGS": str(out)})
+    run_logged(worker, out / OUTPUT, "open_clip_train", {"OPEN_CLIP_LOGS": str(out)}, timeout_s)
     logged = [
         (int(samples) // batch, float(t))
         for samples, t in OPEN_CLIP_STEP.findall((out / "run" / "out.log").read_text())
