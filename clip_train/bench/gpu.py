@@ -14,7 +14,7 @@ of at most ten minutes on an H100, into one folder: ``gpu-bench.json`` (everythi
 3. step: ``bench step``, the bare Gradient Cache step (forward and backward, no loop, no optimizer)
    at the trainer's eager batches and chunks, and the trainer's samples/s as a share of its;
 4. open_clip: OpenCLIP's own trainer on the same exported architecture and shards at batch 256,
-   at the trainer's steps and log cadence, beside the eager trainer;
+   at the trainer's log cadence, beside the eager trainer;
 5. loss: forward + backward in bf16, d = 512, at 16k to 262k rows: clip_train's tiles, open_clip's
    ``ClipLoss`` (until it runs out of memory) and Inf-CL's ``cal_inf_loss`` when ``inf_cl`` is
    installed; time, peak memory, error against fp64 at 8k rows, and the time over the floor of the
@@ -410,8 +410,9 @@ class _Bench:
         return {"repeats": self.sizes.step_repeats, "points": points}
 
     def open_clip(self) -> dict[str, Any]:
-        """OpenCLIP's own trainer on the same exported architecture and shards at the trainer's steps
-        and log cadence (its samples/s per log window, as clip_train's), beside the eager trainer."""
+        """OpenCLIP's own trainer on the same exported architecture and shards at the trainer's log
+        cadence (its samples/s per log window, as clip_train's), beside the eager trainer. Its epoch
+        rounds the trainer's steps up to a whole number of batches per loader worker."""
         sizes, export = self.sizes, self.work / "open_clip_model"
         cfg = load_config(sizes.model, self._settings(0, 0))
         export_initial_model(cfg, export)
@@ -489,7 +490,8 @@ def _trainer_table(result: dict[str, Any]) -> list[str]:
     lines = [
         f"`clip-train train` {result['model']}, bf16, synthetic shards, logged every {every} "
         f"steps; medians over steps {first}-{result['steps']}: samples/s of each log window, "
-        "the split of each logged step",
+        "the split of each logged step; peak GiB: the most allocated, or under CUDA graphs "
+        "(reduce-overhead) reserved, graph pools included",
         "",
         "| batch | chunks | compile | samples/s | model TFLOP/s | MFU | of matmul rate | peak GiB | "
         "data/encode/loss/replay/optimizer s | start-up s | run's wall s |",
