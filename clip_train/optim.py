@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,7 @@ class Update:
         fused = any(group.get("fused") for group in self.optimizer.param_groups)
         self.skips_on_device = fused and not self.scaler.is_enabled()
         self.stepped = torch.ones((), dtype=torch.bool, device=device)  # the last step's, on the device
+        self._stat_norms = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
         self.base_lr = cfg.optim.lr
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]  # this config's
         self.settings = [_settings(group) for group in self.optimizer.param_groups]  # weight decay, betas...
@@ -180,6 +182,18 @@ class Update:
         """``optim.lr`` as the last step ran at it (``train/lr``, logged with that step's loss, as
         OpenCLIP logs it); each group's rate is its own multiple of it."""
         return self.base_lr * self.scheduler.lr_lambdas[0](max(self.scheduler.last_epoch - 1, 0))
+
+    @contextlib.contextmanager
+    def running_stats_guarded(self) -> Iterator[None]:
+        """Around a step's forward and update: batch norm's running statistics as they were before it
+        if the step is skipped. Its forward folded the bad batch's statistics into them, and a NaN
+        there would outlive the skip in every evaluation, checkpoint and export while the weights,
+        and the training losses (batch statistics), stayed finite. Decided on the device."""
+        live = [b for norm in self._stat_norms for b in norm.buffers(recurse=False)]
+        kept = [b.clone() for b in live]
+        yield
+        for buffer, before in zip(live, kept, strict=True):
+            buffer.copy_(torch.where(self.stepped, buffer, before))
 
     def __call__(self, loss: torch.Tensor | float, step: int) -> torch.Tensor:
         """Unscale, clip and take optimizer step ``step`` (1 for the first), or skip it; returns the

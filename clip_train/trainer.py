@@ -323,17 +323,18 @@ class Trainer:
         """One optimizer step on this rank's share of the global batch. A ``logged`` one waits for the
         device at each stage and at its end, so that its time split is its own."""
         self.update.optimizer.zero_grad(set_to_none=True)
-        stats = self.engine.step(
-            batch.images,
-            batch.input_ids,
-            batch.attention_mask,
-            scale_loss=self.update.scaler.scale,
-            timed=logged,
-        )
-        with phase("optimizer"):
-            grad_norm = self.update(stats.loss, self.step + 1)
-            if self.ema is not None:
-                self.ema.update(self.step + 1, self.update.stepped)  # a skipped step leaves it as it is
+        with self.update.running_stats_guarded():
+            stats = self.engine.step(
+                batch.images,
+                batch.input_ids,
+                batch.attention_mask,
+                scale_loss=self.update.scaler.scale,
+                timed=logged,
+            )
+            with phase("optimizer"):
+                grad_norm = self.update(stats.loss, self.step + 1)
+                if self.ema is not None:
+                    self.ema.update(self.step + 1, self.update.stepped)  # a skipped step leaves it as it is
         self.step += 1
         if logged:  # the optimizer's and the EMA's queued kernels are this step's time
             wait_for_device(self.env.device)

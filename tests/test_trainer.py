@@ -388,6 +388,36 @@ def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_pat
     assert int(state["step"]) == 2  # the skipped step is not counted in AdamW's bias correction
 
 
+@GUARDS
+def test_a_skipped_step_leaves_batch_norms_running_statistics_as_they_were(digits, tmp_path, fused):
+    """A ResNet image tower whose second step's forward overflows: the skip keeps its batch norms'
+    running statistics too (that forward folded inf into them, which every evaluation, checkpoint
+    and export would carry), and a good step moves them."""
+    resnet = ("model.image.timm=resnet10t", "model.image.timm_kwargs={}")
+    trainer = in_process_trainer(
+        digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=3", fused, *resnet
+    )
+    first_conv = next(m for m in trainer.model.visual.modules() if isinstance(m, torch.nn.Conv2d))
+    real_step, seen = trainer.engine.step, []  # seen[i]: the model's state as step i + 1 starts
+
+    def step(*args, **kwargs):
+        seen.append(snapshot(trainer))
+        return real_step(*args, **kwargs)
+
+    trainer.engine.step = step
+    first_conv.register_forward_hook(
+        lambda module, inputs, output: output * math.inf if len(seen) == 2 else None
+    )
+    trainer.run()
+    assert trainer.update.skipped_steps.total == 1
+    stats = [name for name in seen[0] if ".running_" in name or name.endswith("num_batches_tracked")]
+    assert stats and all(seen[1][name].isfinite().all() for name in stats)
+    assert any(not torch.equal(seen[1][name], seen[0][name]) for name in stats), "the good step moved none"
+    assert_bit_identical(seen[2], seen[1])  # weights and statistics
+    saved = load_file(tmp_path / "checkpoints" / "step_00000003" / "model.safetensors")
+    assert all(saved[name].isfinite().all() for name in stats)
+
+
 @pytest.mark.parametrize(
     ("fused", "steps", "in_a_row"),
     [
