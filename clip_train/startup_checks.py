@@ -32,9 +32,13 @@ def check_paths(cfg: Config) -> None:
             folder = class_map(source, classnames, synsets, key)
             if folder is None and source != cfg.data.val:  # shards; data.val: checked above
                 expand_urls(source, what=key)
-    _check_model_sources(cfg.model)
-    resume_from = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir)
-    if cfg.model.init_from and resume_from is None:  # a resumed run never reads init_from
+    # A resumed run reads neither init_from nor the pretrained weights; with checkpoint.remote, auto
+    # may find its checkpoint there (on a fresh disk): the trainer then reads what it needs.
+    may_resume = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir) is not None or (
+        cfg.checkpoint.resume == "auto" and bool(cfg.checkpoint.remote)
+    )
+    _check_model_sources(cfg.model, may_resume)
+    if cfg.model.init_from and not may_resume:
         with naming_key("model.init_from", cfg.model.init_from):
             check_init_from(cfg.model.init_from)
     if cfg.distill.teacher:  # read at every start, a resumed one's too
@@ -44,9 +48,10 @@ def check_paths(cfg: Config) -> None:
             load_model_config(cfg.distill.teacher_model, "distill.teacher_model")
 
 
-def _check_model_sources(model: ModelConfig) -> None:
-    """Local pretrained weights (unread with ``init_from``), text encoder and tokenizer directories."""
-    if not model.init_from and model.image.pretrained not in ("", "hub"):
+def _check_model_sources(model: ModelConfig, may_resume: bool) -> None:
+    """Local pretrained weights (unread with ``init_from`` or on a resume), text encoder and tokenizer
+    directories."""
+    if not (model.init_from or may_resume) and model.image.pretrained not in ("", "hub"):
         local_weights_file(model.image.pretrained)
     check_local_dir(model.text.hf, "model.text.hf")
     check_local_dir(model.text.tokenizer, "model.text.tokenizer")

@@ -131,13 +131,14 @@ class Trainer:
             if saving.remote and env.is_main
             else None
         )
-        # A requeued run resumes its own checkpoint and never reads init_from (it may be gone).
+        # A requeued run resumes its own checkpoint and never reads init_from or the towers' pretrained
+        # weights (they may be gone; the checkpoint holds every weight).
         resumes = decided_by_main(self._finds_a_checkpoint)
         if resumes and self.remote is not None:  # a fresh disk: the run's config, read for its pins
             self.remote.pull_run_files()
         self._pin_weight_sources(resumes)
         self.sharded = cfg.train.parallel == "fsdp"
-        self.model = self._built_model(fine_tune=bool(cfg.model.init_from) and not resumes)
+        self.model = self._built_model(resumes)
         # Loaded at every start, a resumed one's too: the teacher is an input, never checkpointed. It
         # takes the student's parameter dtype (fp64 runs are fp64 throughout).
         dtype = self.model.logit_scale.dtype
@@ -195,14 +196,17 @@ class Trainer:
             self.flops_per_sample = training_flops_per_sample(towers_flops, trains, replayed)
         clock.lap("engine")
 
-    def _built_model(self, fine_tune: bool) -> CLIP:
+    def _built_model(self, resumes: bool) -> CLIP:
         """The model with its first weights on the run's device: built from the seed (the same on every
-        rank) or pretrained, then ``model.init_from``'s when fine-tuning. Ranks that build on meta
-        (FSDP) get rank 0's weights when the towers are sharded."""
+        rank) or pretrained, then ``model.init_from``'s when fine-tuning; a run that ``resumes`` reads
+        neither (its checkpoint's weights follow). Ranks that build on meta (FSDP) get rank 0's weights
+        when the towers are sharded."""
         cfg, device = self.cfg, self.env.device
         on_meta = self.sharded and builds_on_meta(cfg.fsdp)
+        fine_tune = bool(cfg.model.init_from) and not resumes
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, load_pretrained=not cfg.model.init_from, on_meta=on_meta)
+        load_pretrained = not (cfg.model.init_from or resumes)
+        model = build_model(cfg.model, load_pretrained=load_pretrained, on_meta=on_meta)
         model = model.double() if cfg.train.precision == "fp64" else model
         model = model if on_meta else model.to(device)
         if fine_tune and not on_meta:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
@@ -79,6 +79,26 @@ def test_a_resumed_run_keeps_its_own_weights_and_never_reads_init_from(demo_run,
     again = trainer(digits, out, 3, *overrides)
     assert again.step == 2 and again.resumed_from == out / "checkpoints" / "step_00000002"
     assert all(torch.equal(tensor, own[name]) for name, tensor in again.model.state_dict().items())
+
+
+def test_a_resumed_run_never_reads_the_image_towers_pretrained_weights(digits, tmp_path):
+    """The checkpoint holds every weight: a requeued run whose ``model.image.pretrained`` file is gone
+    resumes rather than failing on it (nor spends its start-up loading it)."""
+    first = trainer(digits, tmp_path / "run", 2)
+    pretrained = tmp_path / "vit.safetensors"
+    save_file(first.model.visual.trunk.state_dict(), pretrained)
+    first.loader.close()
+    started = trainer(digits, tmp_path / "run", 2, f"model.image.pretrained={pretrained}")
+    trunk = first.model.visual.trunk.state_dict()
+    assert all(torch.equal(t, trunk[k]) for k, t in started.model.visual.trunk.state_dict().items())
+    started.run()
+    own = {name: tensor.clone() for name, tensor in started.model.state_dict().items()}
+    pretrained.unlink()
+    again = trainer(
+        digits, tmp_path / "run", 3, f"model.image.pretrained={pretrained}", "checkpoint.resume=auto"
+    )
+    assert again.step == 2 and all(torch.equal(t, own[k]) for k, t in again.model.state_dict().items())
+    again.loader.close()
 
 
 def test_a_run_directory_named_as_the_start_is_pinned_to_the_checkpoint_it_held(demo_run, digits, tmp_path):

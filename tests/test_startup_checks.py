@@ -117,6 +117,20 @@ def test_what_exists_or_cannot_be_checked_passes(digits, tmp_path, demo_run):
     check_paths(run_config(digits, out, "data.train=pipe:cat /no/such/{0..9}.tar"))
 
 
+def test_a_run_that_may_resume_is_not_refused_for_what_only_a_fresh_start_reads(digits, tmp_path, demo_run):
+    """init_from and the pretrained weights are read only by a run that starts afresh: a requeued run
+    on a fresh disk whose checkpoint.remote holds its checkpoint (auto finds it there), or one beside
+    its checkpoints, passes without them; the same run starting afresh is refused."""
+    gone = ["model.init_from=/no/such/run", "model.image.pretrained=/no/such/vit.safetensors"]
+    remote = ["checkpoint.resume=auto", f"checkpoint.remote=file://{tmp_path / 'bucket'}"]
+    check_paths(run_config(digits, tmp_path / "fresh-disk", *remote, *gone))
+    beside = tmp_path / "requeued"
+    shutil.copytree(demo_run / "checkpoints", beside / "checkpoints")
+    check_paths(run_config(digits, beside, "checkpoint.resume=auto", gone[1]))
+    with pytest.raises(UserError, match=r"^model\.image\.pretrained='/no/such/vit\.safetensors': no such"):
+        check_paths(run_config(digits, tmp_path / "afresh", "checkpoint.resume=auto", gone[1]))
+
+
 def test_the_issue_example_fails_before_the_first_step(digits, tmp_path):
     """The demo config run from a directory without data/digits/zeroshot.json."""
     overrides = [
