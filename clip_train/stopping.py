@@ -13,7 +13,8 @@ a rank blocked in a collective only trips a flag that its Python code never gets
   the main thread is blocked), a main thread that has not moved for ``STALLED_AFTER_SIGNAL_S`` ends
   the run that way with exit code 75, unless it is writing a checkpoint: it is blocked in a
   collective that a stalled or dead rank never joins. Checkpoints are published atomically, so the
-  newest complete one is intact;
+  newest complete one is intact. A main thread waiting for its own loader (``waiting_for_data``:
+  slow storage, in no collective) has ``DATA_AFTER_SIGNAL_S`` to finish the step in progress;
 * a main thread waiting for its own work (rank 0's checkpoint upload, ``waiting_for_own_work``) is
   left to finish it: the launcher's shutdown timeout bounds that wait.
 """
@@ -68,12 +69,14 @@ POLL_S = 1.0  # how often the watch looks at the store and the main thread
 FOLLOW_S = 3.0  # how long a rank may take to reach an ending another rank recorded by itself
 EXIT_WAIT_S = 5.0  # how long an interrupted main thread may take to end before the watch ends it
 STALLED_AFTER_SIGNAL_S = 10.0  # a main thread this still after a signal is blocked in a collective
+DATA_AFTER_SIGNAL_S = 60.0  # a main thread this long in its own loader after a signal waits on dead storage
 EXIT_INTERRUPTED = 130
 
 T = TypeVar("T")
 
 _writing_checkpoint = [0]
 _own_work = [0]
+_waiting_for_data = [0]
 _evaluations = itertools.count()
 _evaluating: list[StoppableEvaluation | None] = [None]
 
@@ -91,6 +94,13 @@ def _counted(counter: list[int]) -> Iterator[None]:
 def writing_checkpoint() -> contextlib.AbstractContextManager[None]:
     """A checkpoint save: a long write after a signal is the point of the signal, not a stall."""
     return _counted(_writing_checkpoint)
+
+
+def waiting_for_data() -> contextlib.AbstractContextManager[None]:
+    """The main thread waits for its own loader (storage that lags, for every rank alike), in no
+    collective: after a signal it has ``DATA_AFTER_SIGNAL_S``, not ``STALLED_AFTER_SIGNAL_S``, to
+    reach the end of the step in progress, which is then saved."""
+    return _counted(_waiting_for_data)
 
 
 def waiting_for_own_work() -> contextlib.AbstractContextManager[None]:
@@ -278,11 +288,12 @@ class StopWatch:
             if signalled is None or _writing_checkpoint[0]:
                 still = None
                 continue
-            doing = (self._main_position(), store_polls())
+            in_data = bool(_waiting_for_data[0])
+            doing = (self._main_position(), store_polls(), in_data)
             if still is None or still[0] != doing:
                 still = (doing, time.monotonic())
-            elif time.monotonic() - still[1] >= STALLED_AFTER_SIGNAL_S:
-                return self._stop(self._record(self._stalled(signalled[0])))
+            elif time.monotonic() - still[1] >= (DATA_AFTER_SIGNAL_S if in_data else STALLED_AFTER_SIGNAL_S):
+                return self._stop(self._record(self._stalled(signalled[0], in_data)))
 
     def _follow(self, evaluation: StoppableEvaluation, signalled: bool) -> None:
         """Flag the evaluation stopped on a signal here (the handler may wait for a collective to
@@ -317,11 +328,15 @@ class StopWatch:
         shown = [*own[-1:], *(stack[-1:] if stack[-1:] != own[-1:] else [])]
         return " > ".join(f"{Path(entry.filename).name}:{entry.lineno} ({entry.name})" for entry in shown)
 
-    def _stalled(self, signame: str) -> Ending:
+    def _stalled(self, signame: str, in_data: bool) -> Ending:
         resume = latest_checkpoint(self.run_dir) or "the start"
+        waited = (
+            f"waited for its data for {DATA_AFTER_SIGNAL_S:.0f} s (storage stalled)"
+            if in_data
+            else f"waited for the other ranks for {STALLED_AFTER_SIGNAL_S:.0f} s (a rank stalled or gone)"
+        )
         message = (
-            f"{signame} received while rank {self.env.rank} waited for the other ranks for "
-            f"{STALLED_AFTER_SIGNAL_S:.0f} s (a rank stalled or gone): checkpoint.resume=auto continues "
+            f"{signame} received while rank {self.env.rank} {waited}: checkpoint.resume=auto continues "
             f"from {resume}"
         )
         return Ending(EXIT_PREEMPTED, "preempted", message, self.env.rank)

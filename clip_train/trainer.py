@@ -63,7 +63,7 @@ from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
 from clip_train.skipped_steps import TrainingAborted
 from clip_train.startup_time import StartupClock
-from clip_train.stopping import StoppableEvaluation, exit_code, writing_checkpoint
+from clip_train.stopping import StoppableEvaluation, exit_code, waiting_for_data, writing_checkpoint
 from clip_train.teacher import load_teacher
 
 
@@ -383,7 +383,8 @@ class Trainer:
                         wait_for_device(env.device)
                     with self.profiler.around(self.step + 1):
                         started = time.perf_counter()
-                        with failing_together(), phase("data"):  # a rank's data error stops all at once
+                        # a rank's data error stops all at once; a signal gives slow storage time
+                        with failing_together(), phase("data"), waiting_for_data():
                             batch = next(self.loader)
                         data_s = time.perf_counter() - started
                         result = self.train_step(batch, logged)

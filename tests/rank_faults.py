@@ -11,10 +11,13 @@ import textwrap
 from pathlib import Path
 
 
-def patched_in_rank(rank: int, code: str, folder: Path) -> dict[str, str]:
-    """The environment for a run in which rank ``rank`` first runs ``code``."""
+def patched_in_rank(rank: int | tuple[int, ...], code: str, folder: Path) -> dict[str, str]:
+    """The environment for a run in which rank ``rank`` (or each of several) first runs ``code``."""
     folder.mkdir(parents=True, exist_ok=True)
     body = textwrap.indent(textwrap.dedent(code).strip(), "    ")
-    (folder / "sitecustomize.py").write_text(f"import os\n\nif os.environ.get('RANK') == '{rank}':\n{body}\n")
+    ranks = {str(r) for r in ((rank,) if isinstance(rank, int) else rank)}
+    (folder / "sitecustomize.py").write_text(
+        f"import os\n\nif os.environ.get('RANK') in {ranks!r}:\n{body}\n"
+    )
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}

@@ -27,6 +27,7 @@ from small_runs import DEMO_CONFIG, free_port, run_overrides
 
 from clip_train.checkpoint import checkpoint_problem, checkpoint_step, complete_checkpoints
 from clip_train.preemption import EXIT_PREEMPTED
+from clip_train.stopping import STALLED_AFTER_SIGNAL_S
 
 EXIT_AFTER_CAUSE_S = 60  # the issue asks for 30 s; a hang is forever, an exit takes seconds
 STEPS = 4
@@ -341,6 +342,38 @@ def pause(reached, until):
     while not pathlib.Path(until).exists():
         time.sleep(0.05)
 """
+
+
+def test_sigterm_while_every_ranks_loader_waits_on_slow_storage_saves_the_step_in_progress(digits, tmp_path):
+    """Both ranks wait for their data in step 3 (storage that lags, for all alike) when SIGTERM comes,
+    for longer than a rank blocked in a collective is given: no rank is in a collective, so when the
+    data comes step 3 ends and is saved, and both exit 75 as for any preemption."""
+    waiting, sent = tmp_path / "waiting", tmp_path / "sent"
+    slow = f"""{PAUSE}
+from clip_train.data import train_loader
+
+real_next = train_loader.TrainLoader.__next__
+
+def slow_next(self):
+    if self._step == 2:
+        pause({str(waiting)!r} + os.environ["RANK"], {str(sent)!r})
+    return real_next(self)
+
+train_loader.TrainLoader.__next__ = slow_next
+"""
+    out = tmp_path / "run"
+    run = torchrun(overrides(digits, out), patched_in_rank((0, 1), slow, tmp_path / "fault"))
+    reached = [Path(f"{waiting}{rank}") for rank in (0, 1)]
+    run.wait_for(lambda: all(path.exists() for path in reached), "both ranks waiting for data in step 3")
+    signal_ranks(run, signal.SIGTERM)
+    time.sleep(STALLED_AFTER_SIGNAL_S + 3)  # past the limit for a rank blocked in a collective
+    sent.touch()
+    output = run.wait().stdout
+    saved = complete_checkpoints(out)[-1]
+    line = f"preempted: SIGTERM received: stopped after step 3; checkpoint.resume=auto continues from {saved}"
+    assert cause_lines(output, "stopped after step") == [line, line], output[-4000:]
+    assert "waited for" not in output
+    assert_last_checkpoint_intact(out, 3)
 
 
 def test_torchruns_sigterm_to_a_rank_still_ending_waits_for_its_line(digits, tmp_path):
