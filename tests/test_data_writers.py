@@ -109,6 +109,32 @@ def test_rerun_is_idempotent_and_a_changed_source_rewrites(image_folder, tmp_pat
     assert len(samples) == 7 and not (tmp_path / "out.partial").exists()
 
 
+def test_out_may_be_a_link_to_a_folder_on_another_disk_or_the_current_folder(
+    image_folder, tmp_path, monkeypatch
+):
+    """Written beside the link's target and swapped in there (the link stays): a rerun after a change
+    rewrites it, and nothing is left beside the link."""
+    (tmp_path / "big" / "shards").mkdir(parents=True)
+    (tmp_path / "shards").symlink_to(tmp_path / "big" / "shards")
+    run_cli("folder", image_folder, tmp_path / "shards", "--per-shard", 4)
+    (image_folder / "img.0.txt").write_text("an edited caption")
+    run_cli("folder", image_folder, tmp_path / "shards", "--per-shard", 4)
+    assert (tmp_path / "shards").is_symlink() and not (tmp_path / "shards.partial").exists()
+    _, samples = read_back(tmp_path / "big" / "shards")
+    assert samples[str(image_folder / "img.0.JPG")][0] == "an edited caption" and len(samples) == 7
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    run_cli("folder", image_folder, ".", "--per-shard", 4)
+    assert len(read_back(tmp_path / "here")[1]) == 7
+
+
+@pytest.mark.parametrize("option", ["--train-shards", "--val-shards"])
+def test_a_shard_count_below_one_is_refused_naming_its_option(tmp_path, capsys, option):
+    with pytest.raises(SystemExit):
+        run_cli("digits", tmp_path / "digits", option, "0")
+    assert f"argument {option}: '0' is not a whole number >= 1" in capsys.readouterr().err
+
+
 def test_csv_round_trip_and_bad_csv_errors(image_folder, tmp_path):
     rows = ["path,caption", "img.0.JPG,first one", "sub/img.1.png,second one", "nothere.png,missing file"]
     (image_folder / "list.csv").write_text("\n".join(rows) + "\n")

@@ -46,13 +46,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--caption-key", "--csv-caption-key", default="", help="caption column (default: title or caption)"
     )
     for sub in (folder, table):
-        sub.add_argument("--per-shard", type=int, default=10000, help="samples per shard (default 10000)")
+        sub.add_argument(
+            "--per-shard", type=_positive, default=10000, help="samples per shard (default 10000)"
+        )
     digits = sources.add_parser("digits", help="the demo set: OUT/train, OUT/val, OUT/zeroshot.json")
     digits.add_argument("out", type=Path, help="output directory")
     digits.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
     digits.add_argument("--seed", type=int, default=0, help="train/val split and caption seed")
-    digits.add_argument("--train-shards", type=int, default=8)
-    digits.add_argument("--val-shards", type=int, default=2)
+    for split, default in (("train", 8), ("val", 2)):
+        digits.add_argument(
+            f"--{split}-shards",
+            type=_positive,
+            default=default,
+            help=f"at most this many {split} shards, all of one size but the last (default {default})",
+        )
+
+
+def _positive(text: str) -> int:
+    """A count of at least 1, refused by argparse in one line that names the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         what = "the table's rows"
     if left_out:
         get_logger().warning(_left_out_line(left_out, what))
-    wrote = writers.write_pairs(pairs, args.out, per_shard=args.per_shard, desc=args.out.name)
+    wrote = writers.write_pairs(pairs, args.out, per_shard=args.per_shard, desc=args.out.resolve().name)
     print(f"{len(pairs)} samples {'written to' if wrote else 'already up to date in'} {args.out}")
     return 0
 

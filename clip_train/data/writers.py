@@ -41,6 +41,7 @@ def write_shards(
 ) -> bool:
     """Write ``records`` (``total`` of them) as shards of ``per_shard`` samples into ``out_dir``.
     Return False, writing nothing, if it holds shards of the same ``source`` and ``per_shard``."""
+    out_dir = out_dir.resolve()  # a link's target, swapped in place (the link left as it is); "." named
     if per_shard <= 0:
         raise DataError(f"--per-shard={per_shard} must be > 0")
     if total <= 0:
