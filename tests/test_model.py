@@ -224,6 +224,38 @@ def test_freeze_norms_keeps_the_unlocked_blocks_norms_frozen_and_in_eval():
         tiny("model.text.freeze_norms=true")
 
 
+PRE_LAYERNORM = [  # transformers runs a LayerNorm after the layers' stack
+    "model.text.hf_config={model_type: xlm-roberta-xl, hidden_size: 32, num_hidden_layers: 2, "
+    "num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 40, vocab_size: 49408}",
+    "model.text.hf_config={model_type: roberta-prelayernorm, hidden_size: 32, num_hidden_layers: 2, "
+    "num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 40, vocab_size: 49408}",
+]
+
+
+@pytest.mark.parametrize("encoder", PRE_LAYERNORM, ids=["xlm-roberta-xl", "roberta-prelayernorm"])
+def test_a_split_that_would_skip_a_pre_layernorm_encoders_final_norm_is_refused(encoder):
+    """Locked whole, the tower is transformers' own forward; split at a layer it would drop the final
+    LayerNorm (cosine 0.88 to the encoder's output), so that is refused naming the weight."""
+    tiny(encoder, "model.text.lock=true")
+    with pytest.raises(ConfigError, match=r"unlocked_layers=1: \w+ has weights outside .*LayerNorm"):
+        tiny(encoder, "model.text.lock=true", "model.text.unlocked_layers=1")
+
+
+def test_a_context_past_robertas_shifted_positions_is_refused_at_start_up():
+    """RoBERTa numbers positions from 2: 40 position rows hold 38 tokens, and 39 failed at the first
+    forward with an index error."""
+    roberta = (
+        "model.text.hf_config={model_type: roberta, hidden_size: 32, num_hidden_layers: 1, "
+        "num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 40, vocab_size: 49408}"
+    )
+    model = tiny(roberta, "model.text.context_length=38")
+    assert model.encode_text(**model.tokenizer(["a seven " * 30])).isfinite().all()  # a full context
+    with pytest.raises(
+        ConfigError, match=r"context_length=39 exceeds .*=40 less the 2 its positions start at"
+    ):
+        tiny(roberta, "model.text.context_length=39")
+
+
 def test_bad_lock_settings_are_config_errors():
     with pytest.raises(ConfigError, match="unlocked_layers=5 exceeds the trunk's 4 blocks"):
         tiny("model.image.lock=true", "model.image.unlocked_layers=5")

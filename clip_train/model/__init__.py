@@ -107,10 +107,14 @@ def _build_model(model_cfg: ModelConfig, *, load_pretrained: bool) -> CLIP:
             f"tokens; set model.text.hf_config.vocab_size={tokenizer.vocab_size} or pick a matching tokenizer"
         )
     max_positions = getattr(text.encoder.config, "max_position_embeddings", None)
-    if max_positions is not None and text_cfg.context_length > max_positions:
+    # RoBERTa's family numbers positions from its padding id + 1 (2), not 0
+    padding = getattr(getattr(text.encoder, "embeddings", None), "padding_idx", None)
+    first = 0 if padding is None else padding + 1
+    if max_positions is not None and text_cfg.context_length > max_positions - first:
+        offset = f" less the {first} its positions start at (RoBERTa's padding offset)" if first else ""
         raise ConfigError(
             f"model.text.context_length={text_cfg.context_length} exceeds the encoder's "
-            f"max_position_embeddings={max_positions}"
+            f"max_position_embeddings={max_positions}{offset}"
         )
     visual = build_image_tower(model_cfg.image, model_cfg.embed_dim, load_pretrained=load_pretrained)
     return CLIP(visual, text, tokenizer, model_cfg.init_logit_scale, model_cfg.init_logit_bias)

@@ -64,12 +64,25 @@ class TextTower(LockableTower):
                 f"(embeddings + encoder.layer) or CLIP's text transformer, got "
                 f"{type(self.encoder).__name__}; use unlocked_layers=0"
             )
+        if not self.causal and (elsewhere := self._weights_the_split_skips()):
+            raise ConfigError(
+                f"model.text.unlocked_layers={self.unlocked_layers}: {type(self.encoder).__name__} has "
+                f"weights outside its embeddings and layers ({elsewhere[0]}: a final LayerNorm, as "
+                "pre-LayerNorm encoders have), which the split at a layer would skip; lock the tower "
+                "whole (unlocked_layers=0) or leave it unlocked"
+            )
         depth = len(self.layers)
         if self.unlocked_layers > depth:
             raise ConfigError(
                 f"model.text.unlocked_layers={self.unlocked_layers} exceeds the encoder's {depth} layers"
             )
         return [*self.layers[depth - self.unlocked_layers :], *self._after_layers()]
+
+    def _weights_the_split_skips(self) -> list[str]:
+        """A BERT-style encoder's weights that the split (embeddings, ELECTRA's projection, layers) does
+        not run; the pooler's output is never used."""
+        split = ("embeddings.", "embeddings_project.", "encoder.layer.", "pooler.")
+        return [name for name, _ in self.encoder.named_parameters() if not name.startswith(split)]
 
     def pool(
         self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
