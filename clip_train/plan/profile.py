@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig
 
 from clip_train.config import ModelConfig, OptimConfig
+from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache, TrainableHead
 from clip_train.errors import UserError
 from clip_train.memory import format_bytes, peak_bytes, tensor_bytes, used_bytes
@@ -258,7 +259,8 @@ def _describe_device(device: torch.device) -> str:
 
 
 def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, steps: int = 2) -> int:
-    """Peak RSS growth (bytes) of ``steps`` Gradient Cache + optimizer steps over the model's baseline.
+    """Peak RSS growth (bytes) of ``steps`` Gradient Cache + optimizer (+ EMA) steps over the model's
+    baseline.
 
     Run it in a fresh process: ru_maxrss is a process-wide high-water mark. The baseline follows a
     graph-less 1-sample forward, so lazily loaded kernels are not counted. glibc's mmap threshold is
@@ -285,10 +287,13 @@ def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, s
     )
     cpu = torch.device("cpu")
     baseline = used_bytes(cpu)
+    ema = WeightsEMA(model, decay=0.999) if setting.ema else None  # its averages count, as planned
     images = _random_inputs(model, "image", setting.batch, length)
     text = _random_inputs(model, "text", setting.batch, length)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         opt.zero_grad(set_to_none=True)
         engine.step(*images, *text)
         opt.step()
+        if ema is not None:
+            ema.update(step, torch.ones((), dtype=torch.bool))
     return peak_bytes(cpu) - baseline
