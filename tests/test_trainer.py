@@ -388,15 +388,13 @@ def test_non_finite_step_is_skipped_and_leaves_weights_unchanged(digits, tmp_pat
     assert int(state["step"]) == 2  # the skipped step is not counted in AdamW's bias correction
 
 
-@GUARDS
-def test_a_skipped_step_leaves_batch_norms_running_statistics_as_they_were(digits, tmp_path, fused):
+def test_a_skipped_step_leaves_batch_norms_running_statistics_as_they_were(digits, tmp_path):
     """A ResNet image tower whose second step's forward overflows: the skip keeps its batch norms'
     running statistics too (that forward folded inf into them, which every evaluation, checkpoint
-    and export would carry), and a good step moves them."""
-    resnet = ("model.image.timm=resnet10t", "model.image.timm_kwargs={}")
-    trainer = in_process_trainer(
-        digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=3", fused, *resnet
-    )
+    and export would carry), and a good step moves them. Both guards set ``Update.stepped``, which
+    decides the restore: the fused one (no host read) is the one run here."""
+    resnet = ("model.image.timm=resnet10t", "model.image.timm_kwargs={}", "optim.fused=true")
+    trainer = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.every_steps=3", *resnet)
     first_conv = next(m for m in trainer.model.visual.modules() if isinstance(m, torch.nn.Conv2d))
     real_step, seen = trainer.engine.step, []  # seen[i]: the model's state as step i + 1 starts
 
