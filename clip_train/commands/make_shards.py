@@ -26,7 +26,7 @@ from clip_train.logs import get_logger
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sources = parser.add_subparsers(dest="source", metavar="SOURCE", required=True)
     folder = sources.add_parser(
-        "folder", help="images (jpg/png/webp, searched recursively) with same-name .txt"
+        "folder", help="images (jpg, png, webp, bmp, gif, tiff; searched recursively) with same-name .txt"
     )
     folder.add_argument("src", type=Path, help="folder of images and captions")
     folder.add_argument("out", type=Path, help="output shard directory")
