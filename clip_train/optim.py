@@ -15,13 +15,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from transformers.pytorch_utils import Conv1D
 
-from clip_train.config import Config, ConfigError, OptimConfig
+from clip_train.config import MAX_LOGIT_SCALE, Config, ConfigError, OptimConfig
 from clip_train.distributed import and_over_ranks, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
 from clip_train.skipped_steps import SkippedSteps
-
-MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
 
 # Only the weight matrices of these layers decay (transformers' ``Conv1D`` is GPT-2's linear layer).
 # Norms, biases, embeddings, position and class tokens and the logit scale do not, as timm's ViTs

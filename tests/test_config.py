@@ -301,6 +301,35 @@ def test_malformed_override_and_missing_file(tmp_path):
             1,
             r"^distill\.teacher=open_clip:ViT-L-14/openai needs its architecture: set distill\.teacher_model",
         ),
+        # accepted before, then clamped by the first update or failed later
+        (
+            ["model.init_logit_scale=100"],
+            1,
+            r"^model\.init_logit_scale=100\.0 must lie in \[0, ln 100 = 4\.605\]",
+        ),
+        (["model.init_logit_scale=-1"], 1, r"^model\.init_logit_scale=-1\.0 must lie in \[0, ln 100"),
+        (
+            ["train.dist_timeout_s=10000000000"],
+            1,
+            r"^train\.dist_timeout_s=10000000000 must be at most 10000000",
+        ),
+        (["train.io_timeout_s=100000000"], 1, r"^train\.io_timeout_s=100000000 must be at most"),
+        (
+            ["train.max_steps=20", "log.profile_steps=5", "log.profile_after=16"],
+            1,
+            r"^log\.profile_after=16 \+ log\.profile_steps=5 pass train\.max_steps=20: the trace would never",
+        ),
+        (
+            ["checkpoint.remote=file:///bucket", "checkpoint.every_steps=0"],
+            1,
+            r"^checkpoint\.remote=file:///bucket mirrors checkpoints, and checkpoint\.every_steps=0 saves",
+        ),
+        (["eval.every_steps=100"], 1, r"^eval\.every_steps=100 has nothing to evaluate: set eval\.zeroshot"),
+        (
+            ["optim.schedule=const", "optim.min_lr=1e-5"],
+            1,
+            r"^optim\.min_lr=1e-05 has no effect with optim\.schedule=const; drop it$",
+        ),
     ],
 )
 def test_cross_field_validation(overrides, world, message):

@@ -467,6 +467,12 @@ def test_a_stream_with_no_usable_sample_stops_even_when_every_skip_is_allowed(tm
     for _ in range(100):
         evaluation.add_bad(BadSample("missing_caption"), {})
     assert evaluation.total == {"missing_caption": 100}
+    # under the usual limit, the same stream is stopped naming the key, not the shards or the limit
+    strict = dataclasses.replace(cfg, max_skip_fraction=0.1)
+    with pytest.raises(
+        DataError, match=r"reasons: \{'missing_caption': \d+\}\. Check data\.caption_key: every"
+    ):
+        take(loader_for(strict, global_batch=2), 1)
 
 
 # --------------------------------------------------------------------------------------------

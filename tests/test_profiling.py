@@ -11,6 +11,7 @@ import pytest
 from test_trainer import in_process_trainer
 
 import clip_train.profiling
+from clip_train.config import ConfigError
 from clip_train.profiling import PHASES, PREFIX, SHARES, TRACED, category, summarise
 
 
@@ -118,12 +119,14 @@ def test_a_run_traces_the_steps_it_was_asked_for(digits, tmp_path):
     assert [m["step"] for m in metrics if "train/loss" in m] == [5]  # the run went on after the trace
 
 
-def test_a_run_that_ends_inside_the_window_writes_no_trace(digits, tmp_path):
-    in_process_trainer(
-        digits, tmp_path, "log.profile_after=2", "log.profile_steps=5", "train.max_steps=4"
-    ).run()
-    assert not (tmp_path / "profile").exists()
-    assert (tmp_path / "metrics.jsonl").read_text()
+def test_a_window_past_the_runs_end_is_refused_at_start_up(digits, tmp_path):
+    """Such a run traced steps 3-4 and then wrote nothing, saying nothing."""
+    with pytest.raises(
+        ConfigError, match=r"^log\.profile_after=2 \+ log\.profile_steps=5 pass train\.max_steps=4"
+    ):
+        in_process_trainer(
+            digits, tmp_path, "log.profile_after=2", "log.profile_steps=5", "train.max_steps=4"
+        )
 
 
 def test_no_profile_steps_starts_no_profiler(digits, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from clip_train.config.schema import (
     JSON_PREFIX,
     LOSS_IMPLS,
     LOSS_KINDS,
+    MAX_LOGIT_SCALE,
     PRECISIONS,
     RESOLVED_LOSS_IMPLS,
     SOURCE_SEPARATOR,
@@ -40,6 +41,7 @@ from clip_train.config.schema import (
     WandbConfig,
     check_evaluation,
     check_lock,
+    evaluates_anything,
     one_chunk_for_cuda_graphs,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "JSON_PREFIX",
     "LOSS_IMPLS",
     "LOSS_KINDS",
+    "MAX_LOGIT_SCALE",
     "PRECISIONS",
     "RESOLVED_LOSS_IMPLS",
     "SOURCE_SEPARATOR",
@@ -76,6 +79,7 @@ __all__ = [
     "check_lock",
     "config_keys",
     "config_yaml",
+    "evaluates_anything",
     "load_config",
     "load_model_config",
     "model_config_yaml",

@@ -30,6 +30,8 @@ Parallel = Literal["ddp", "fsdp"]
 Schedule = Literal["cosine", "const", "const-cooldown"]
 FsdpDtype = Literal["auto", "fp32", "bf16"]
 CompileMode = Literal["default", "reduce-overhead"]
+MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: logits at most 100 x the cosine similarity
+MAX_TIMEOUT_S = 10**7  # 116 days: past it torch's timeouts overflow (a hang at 9e9 s, an error at 1e10)
 SOURCE_SEPARATOR = "::"  # joins the sources of data.train (webdataset's, which ``expand_urls`` splits on too)
 JSON_PREFIX = "json:"  # a data.caption_key naming a field of the sample's json
 
@@ -281,6 +283,31 @@ class Config:
         ):
             if (value := operator.attrgetter(key)(self)) < 0:
                 raise ConfigError(f"{key}={value} must be >= 0")
+        for key in ("train.dist_timeout_s", "train.io_timeout_s"):
+            if (value := operator.attrgetter(key)(self)) > MAX_TIMEOUT_S:
+                raise ConfigError(f"{key}={value} must be at most {MAX_TIMEOUT_S} (116 days)")
+        scale = self.model.init_logit_scale
+        if scale is not None and not 0.0 <= scale <= MAX_LOGIT_SCALE:  # the update clamps it there
+            raise ConfigError(
+                f"model.init_logit_scale={scale} must lie in [0, ln 100 = {MAX_LOGIT_SCALE:.3f}]: it is the "
+                "log of the logits' scale (CLIP's ln(1/0.07) = 2.659)"
+            )
+        profiled = self.log.profile_after + self.log.profile_steps
+        if self.log.profile_steps and profiled > self.train.max_steps:
+            raise ConfigError(
+                f"log.profile_after={self.log.profile_after} + log.profile_steps={self.log.profile_steps} "
+                f"pass train.max_steps={self.train.max_steps}: the trace would never be written"
+            )
+        if self.checkpoint.remote and not self.checkpoint.every_steps:
+            raise ConfigError(
+                f"checkpoint.remote={self.checkpoint.remote} mirrors checkpoints, and "
+                "checkpoint.every_steps=0 saves none"
+            )
+        if self.eval.every_steps and not evaluates_anything(self.eval, self.data):
+            raise ConfigError(
+                f"eval.every_steps={self.eval.every_steps} has nothing to evaluate: set eval.zeroshot "
+                "and/or data.val (with eval.retrieval)"
+            )
         if not 0 <= self.train.seed < 2**32:  # numpy's range; a rank's streams add to it
             raise ConfigError(f"train.seed={self.train.seed} must lie in [0, 2**32)")
         if not self.train.out_dir.strip():
@@ -436,6 +463,11 @@ def _check_color_jitter(strengths: list[float]) -> None:
         )
 
 
+def evaluates_anything(eval_cfg: EvalConfig, data_cfg: DataConfig) -> bool:
+    """Whether evaluation has a metric to compute: zero-shot, or retrieval on ``data.val``."""
+    return bool(eval_cfg.zeroshot) or (eval_cfg.retrieval and bool(data_cfg.val))
+
+
 def check_evaluation(eval_cfg: EvalConfig, data: DataConfig) -> None:
     """What evaluation reads, checked alike by ``clip-train train`` and ``clip-train eval`` (which
     takes a training run's config, but not its batch layout's checks)."""
@@ -484,6 +516,8 @@ def _check_schedule(optim: OptimConfig, max_steps: int) -> None:
             f"optim.cooldown_steps={optim.cooldown_steps}: optim.schedule=const-cooldown needs 1 to {room} "
             f"cooldown steps (train.max_steps={max_steps} minus optim.warmup_steps={optim.warmup_steps})"
         )
+    if optim.schedule == "const" and optim.min_lr:
+        raise ConfigError(f"optim.min_lr={optim.min_lr} has no effect with optim.schedule=const; drop it")
     if optim.schedule != "const-cooldown" and optim.cooldown_steps:
         raise ConfigError(
             f"optim.cooldown_steps={optim.cooldown_steps} has no effect with "

@@ -211,10 +211,14 @@ class SkipTally:
         seen = skipped + good
         if seen >= self.min_seen and skipped > self.max_fraction * seen:
             share = " (its share of the batches falls below its weight as much)" if where else ""
+            fix = (
+                "Check data.caption_key: every skipped sample lacked a caption under it"
+                if set(self.total) == {"missing_caption"}
+                else "Fix or drop the bad shards (the log names them), or raise data.max_skip_fraction"
+            )
             raise DataError(
                 f"{where}{skipped} of {seen} samples ({skipped / seen:.1%}) were skipped, more than "
-                f"data.max_skip_fraction={self.max_fraction}{share}; reasons: {dict(self.total)}. "
-                "Fix or drop the bad shards (the log names them), or raise data.max_skip_fraction"
+                f"data.max_skip_fraction={self.max_fraction}{share}; reasons: {dict(self.total)}. {fix}"
             )
         if seen >= max(self.min_seen, self.NONE_USABLE_AFTER) and not good:
             raise DataError(

@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from clip_train.checkpoint import checkpoint_model_config, run_config_file
-from clip_train.config import Config, DataConfig, EvalConfig, check_evaluation, load_config
+from clip_train.config import (
+    Config,
+    DataConfig,
+    EvalConfig,
+    check_evaluation,
+    evaluates_anything,
+    load_config,
+)
 from clip_train.data.eval_sources import (
     EvalError,
     FolderClasses,
@@ -126,11 +133,6 @@ def _labelled_batches(
     either = [*data_cfg.caption_keys, "txt"]
     labelled = dataclasses.replace(data_cfg, caption_key=either)
     return shard_batches(source, model, data_cfg=labelled, what=key, **share)
-
-
-def evaluates_anything(eval_cfg: EvalConfig, data_cfg: DataConfig) -> bool:
-    """Whether ``evaluate`` has a metric to compute: zero-shot, or retrieval on ``data.val``."""
-    return bool(eval_cfg.zeroshot) or (eval_cfg.retrieval and bool(data_cfg.val))
 
 
 def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Config:
