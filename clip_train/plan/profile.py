@@ -43,7 +43,8 @@ from clip_train.plan.peak import NewStoragePeak
 from clip_train.plan.progress import Step, quiet
 from clip_train.precision import autocast
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+# glibc's mallopt parameter numbers, and the values each measurement pins (whatever GLIBC_TUNABLES says)
+_MALLOPT = {-1: 128 * 1024, -2: 128 * 1024, -3: 64 * 1024}  # trim threshold, top pad, mmap threshold
 
 
 def build_planning_model(model_cfg: ModelConfig) -> tuple[nn.Module, list[str]]:
@@ -265,9 +266,11 @@ def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, s
     Run it in a fresh process: ru_maxrss is a process-wide high-water mark. The baseline follows a
     graph-less 1-sample forward, so lazily loaded kernels are not counted. glibc's mmap threshold is
     pinned at 64 KiB: by default it rises after each large free, and freed tensors then stay in the
-    heap, counted by RSS (measured: ~1.6x the live peak).
+    heap, counted by RSS (measured: ~1.6x the live peak). Its trim threshold and top pad are pinned
+    at their defaults, which a GLIBC_TUNABLES may have raised (``make test``'s: 1.37x).
     """
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    for parameter, value in _MALLOPT.items():
+        ctypes.CDLL(None).mallopt(parameter, value)
     torch.manual_seed(0)
     model, _ = build_planning_model(model_cfg)
     model.train()
