@@ -22,6 +22,20 @@ def used_bytes(device: torch.device) -> int:
 def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    return _resident_peak()
+
+
+def _resident_peak() -> int:
+    """The resident set's peak since this program started. On Linux that is VmHWM: ru_maxrss also
+    holds the resident set of the process that forked this one, kept across exec, so a fresh process
+    started by a large one (a test worker, a benchmark's parent) would report the parent's."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:  # no procfs (macOS)
+        pass
     kib_or_bytes = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib_or_bytes
 

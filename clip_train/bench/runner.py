@@ -1,5 +1,5 @@
-"""Run one measurement in a fresh Python process, so that its memory peak is its own (``ru_maxrss``
-is process-wide) and nothing it loads or leaks reaches the next one.
+"""Run one measurement in a fresh Python process, so that its memory peak is its own (the resident
+set's peak is process-wide: ``memory.peak_bytes``) and nothing it loads or leaks reaches the next one.
 
 The function is named by module and name, its spec and result travel as JSON: the child starts
 from a clean interpreter, not a copy of the parent (fork) or an unpickled one (spawn).

@@ -263,7 +263,7 @@ def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, s
     """Peak RSS growth (bytes) of ``steps`` Gradient Cache + optimizer (+ EMA) steps over the model's
     baseline.
 
-    Run it in a fresh process: ru_maxrss is a process-wide high-water mark. The baseline follows a
+    Run it in a fresh process: the resident peak is a process-wide high-water mark. The baseline follows a
     graph-less 1-sample forward, so lazily loaded kernels are not counted. glibc's mmap threshold is
     pinned at 64 KiB: by default it rises after each large free, and freed tensors then stay in the
     heap, counted by RSS (measured: ~1.6x the live peak). Its trim threshold and top pad are pinned

@@ -64,7 +64,7 @@ def cpu_check_report(cfg: Config, check: dict[str, float]) -> str:
         f"\ncheck-cpu: inf loss, no offload, batch {cfg.batch.global_size}, 2 Gradient Cache + "
         f"{cfg.optim.name} steps in a fresh process\n  predicted {format_bytes(check['predicted'])} (peak "
         f"without weights, which precede the baseline)\n  measured  {format_bytes(check['measured'])} "
-        f"(ru_maxrss growth)\n  ratio measured/predicted {check['ratio']:.3f}"
+        f"(resident peak growth)\n  ratio measured/predicted {check['ratio']:.3f}"
     )
 
 
