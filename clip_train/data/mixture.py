@@ -33,6 +33,11 @@ def source_name(index: int, spec: str) -> str:
     return f"{index}-{re.sub(r'[^A-Za-z0-9._-]+', '_', base)[:40]}"
 
 
+def source_index(name: str) -> int:
+    """The index a ``source_name`` begins with: which source of ``data.train`` it names."""
+    return int(name.split("-", 1)[0])
+
+
 def mixture_sources(
     spec: str, weights: list[float], expand: Callable[[str, str], list[str]]
 ) -> tuple[Source, ...]:

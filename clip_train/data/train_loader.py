@@ -44,7 +44,7 @@ from clip_train.data.batches import (
     source_urls,
     usable,
 )
-from clip_train.data.mixture import Source, interleave, mixture_sources
+from clip_train.data.mixture import Source, interleave, mixture_sources, source_index
 from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, decode_sample
 from clip_train.data.sources import dataset_size
 from clip_train.data.tables import is_piece
@@ -356,7 +356,7 @@ def _fingerprint(spec: _TrainSpec) -> dict[str, Any]:
 def _renamed_sources(counts: dict[str, int], mixture: tuple[Source, ...]) -> dict[str, int]:
     """Saved per-source counts under this run's source names: a name is the source's index and its
     folder's name (``mixture.source_name``), and a source may have moved to another folder."""
-    return {mixture[int(name.split("-", 1)[0])].name: count for name, count in counts.items()}
+    return {mixture[source_index(name)].name: count for name, count in counts.items()}
 
 
 def _shard_names_digest(urls: Iterable[str]) -> str:
