@@ -19,17 +19,16 @@ from test_fsdp_gradcache import LIT_UNLOCKED, LR, STEPS, Case, full, rank_batch,
 from test_gradcache import (
     DROPOUT,
     SEED,
-    TINY,
     assert_grads_close,
     gc_grads,
     grads,
     make_batch,
     make_model,
     reference_grads,
+    tiny_config,
 )
 from torch._dynamo.utils import counters
 
-from clip_train.config import load_config
 from clip_train.engine import GradCache
 from clip_train.model import build_model
 from clip_train.model.compiling import compile_towers, compiled_modules
@@ -71,7 +70,7 @@ def test_each_block_is_compiled_or_a_backbone_without_blocks_whole():
     model = make_model(*DROPOUT)
     for tower in (model.visual, model.text):
         assert compiled_modules(tower) == tower_blocks(tower) and len(tower_blocks(tower)) == 2
-    resnet = build_model(load_config(TINY, ["model.image.timm=resnet18", "model.image.timm_kwargs={}"]).model)
+    resnet = build_model(tiny_config("model.image.timm=resnet18", "model.image.timm_kwargs={}").model)
     assert tower_blocks(resnet.visual) == [] and compiled_modules(resnet.visual) == [resnet.visual.trunk]
 
 

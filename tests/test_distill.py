@@ -19,7 +19,7 @@ import yaml
 from dist_utils import run_distributed
 from open_clip.loss import DistillClipLoss
 from small_runs import DEMO_CONFIG, TINY_MODEL, run_overrides
-from test_gradcache import NO_DROPOUT, ROWS, TINY, assert_grads_close, grads, make_batch, make_model
+from test_gradcache import NO_DROPOUT, ROWS, assert_grads_close, grads, make_batch, make_model, tiny_config
 from test_init_from import source_weights, trainer
 from test_init_from_open_clip import perturbed
 
@@ -38,7 +38,7 @@ def make_teacher() -> torch.nn.Module:
     """Another tiny CLIP, of another width and embedding size, reading the same inputs."""
     torch.manual_seed(1)
     overrides = [*NO_DROPOUT, "model.embed_dim=24", "model.image.timm_kwargs.embed_dim=64"]
-    teacher = build_model(load_config(TINY, overrides).model).double().eval().requires_grad_(False)
+    teacher = build_model(tiny_config(*overrides).model).double().eval().requires_grad_(False)
     with torch.no_grad():
         teacher.logit_scale.fill_(3.0)
     return teacher

@@ -18,17 +18,16 @@ from dist_utils import run_distributed
 from test_gradcache import (
     DROPOUT,
     SEED,
-    TINY,
     assert_close_overall,
     assert_grads_close,
     grads,
     make_batch,
     make_model,
+    tiny_config,
 )
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
-from clip_train import load_config
 from clip_train.config import FsdpConfig
 from clip_train.engine import GradCache
 from clip_train.engine.offload import chunk_bounds
@@ -291,7 +290,7 @@ def sharded_from_meta(rank: int, world: int) -> dict:
     on_meta = builds_on_meta(FsdpConfig())
     offloaded_on_meta = builds_on_meta(FsdpConfig(cpu_offload=True))  # host shards: never
     if on_meta:
-        model = build_model(load_config(TINY, list(DROPOUT)).model, on_meta=True).double()
+        model = build_model(tiny_config(*DROPOUT).model, on_meta=True).double()
     else:
         model = make_model(*DROPOUT)
     built_on_meta = all(p.is_meta for p in model.parameters())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clip_train.config import load_config
+from clip_train.config import Config, load_config
 from clip_train.engine import GradCache
 from clip_train.engine.offload import ChunkStream, chunk_bounds, to_host
 from clip_train.engine.rng import ProcessRng, saved_cuda_state
@@ -37,6 +37,16 @@ NO_DROPOUT = (
     "model.text.hf_config.attention_probs_dropout_prob=0.0",
 )
 ROWS, SEED = 10, 1234
+# A 1,024-token WordPiece vocabulary instead of open_clip's 49,408 BPE tokens: the token embedding is
+# then 1/48 of its size, and with it the gradients, weights and shards that each fp64 comparison
+# gathers, saves and loads (a test worker held 5 GB of them for the FSDP cases). What these tests
+# check does not depend on the tokenizer: their token ids are random draws below VOCAB.
+WORDPIECE_1K, VOCAB = Path(__file__).with_name("wordpiece-1k"), 1024
+
+
+def tiny_config(*overrides: str) -> Config:
+    """The tiny recipe's model on the small vocabulary, with ``overrides``."""
+    return load_config(TINY, (f"model.text.tokenizer={WORDPIECE_1K}", *overrides))
 
 
 def make_model(*overrides: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -46,7 +56,7 @@ def make_model(*overrides: str, dtype: torch.dtype = torch.float64) -> torch.nn.
 @functools.cache
 def _built_model(overrides: tuple[str, ...], dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build_model(load_config(TINY, overrides).model).to(dtype).train()
+    model = build_model(tiny_config(*overrides).model).to(dtype).train()
     with torch.no_grad():  # a non-default scale so its gradient is not a special case
         model.logit_scale.fill_(2.0)
     return model
@@ -55,7 +65,7 @@ def _built_model(overrides: tuple[str, ...], dtype: torch.dtype) -> torch.nn.Mod
 def make_batch(rows: int = ROWS, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (rows, 3, 32, 32), dtype=torch.uint8, generator=gen)
-    input_ids = torch.randint(1, 49408, (rows, 16), generator=gen)
+    input_ids = torch.randint(1, VOCAB, (rows, 16), generator=gen)
     lengths = torch.randint(3, 17, (rows,), generator=gen)
     attention_mask = (torch.arange(16) < lengths[:, None]).long()
     return images, input_ids, attention_mask
