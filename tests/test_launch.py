@@ -296,10 +296,13 @@ def start_requeued_now(job: str, progress: FilesGrowing) -> None:
         time.sleep(0.2)
     assert job_state(job) == "PENDING", f"job {job} was not requeued: {job_state(job)}"
     # The node revokes the last run's credential when it has cleaned up, and refuses credentials
-    # issued in the same second ("Job credential revoked"): start after that, a little later.
+    # issued in the same second ("Job credential revoked"): start after that, in a later second.
+    # A start time of now, not now+2: the update runs the scheduler, which starts the job at once,
+    # where a start time still ahead left it to the backfill pass, up to 30 s later.
     while node_state() != "idle" and not progress.stalled():
         time.sleep(0.2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], check=True)
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
 
 def node_state() -> str:
