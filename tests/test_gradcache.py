@@ -40,8 +40,9 @@ ROWS, SEED = 10, 1234
 # A 1,024-token WordPiece vocabulary instead of open_clip's 49,408 BPE tokens: the token embedding is
 # then 1/48 of its size, and with it the gradients, weights and shards that each fp64 comparison
 # gathers, saves and loads (a test worker held 5 GB of them for the FSDP cases). What these tests
-# check does not depend on the tokenizer: their token ids are random draws below VOCAB.
-WORDPIECE_1K, VOCAB = Path(__file__).with_name("wordpiece-1k"), 1024
+# check does not depend on the tokenizer: their token ids are random draws below VOCAB, its size.
+WORDPIECE_1K = Path(__file__).with_name("wordpiece-1k")
+VOCAB = len((WORDPIECE_1K / "vocab.txt").read_text().splitlines())
 
 
 def tiny_config(*overrides: str) -> Config:

@@ -269,8 +269,9 @@ def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, s
     heap, counted by RSS (measured: ~1.6x the live peak). Its trim threshold and top pad are pinned
     at their defaults, which a GLIBC_TUNABLES may have raised (``make test``'s: 1.37x).
     """
+    libc = ctypes.CDLL(None)
     for parameter, value in _MALLOPT.items():
-        ctypes.CDLL(None).mallopt(parameter, value)
+        libc.mallopt(parameter, value)
     torch.manual_seed(0)
     model, _ = build_planning_model(model_cfg)
     model.train()
