@@ -2,9 +2,10 @@ import dataclasses
 
 import pytest
 import yaml
-from small_runs import TINY_MODEL_CONFIG
+from small_runs import DEMO_CONFIG, TINY_MODEL_CONFIG
 
 from clip_train import load_config
+from clip_train.cli import main as cli_main
 from clip_train.config import (
     Config,
     ConfigError,
@@ -13,6 +14,7 @@ from clip_train.config import (
     model_config_yaml,
     save_config,
 )
+from clip_train.config.unused import unused_settings
 
 BERT = "model.text.hf=bert-base-uncased"  # the defaults name no text encoder
 
@@ -459,3 +461,77 @@ def test_the_config_reference_page_is_current():
     assert section == markdown_table(), stale
     assert all(row.split("|")[4].strip() for row in section.splitlines()[2:]), "a key has no description"
     assert len(section.splitlines()) - 2 == len(config_keys())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "enabling", "line"),
+    [
+        (
+            ["fsdp.cpu_offload=true"],
+            "train.parallel=fsdp",
+            "fsdp.cpu_offload=true has no effect without train.parallel=fsdp",
+        ),
+        (
+            ["optim.name=adafactor", "optim.betas=[0.9, 0.95]", "optim.eps=1e-6"],
+            "optim.name=adamw",
+            "optim.betas=[0.9, 0.95] has no effect without optim.name=adamw",
+        ),
+        (
+            ["loss.impl=vanilla", "loss.tile_size=512"],
+            "loss.impl=inf",
+            "loss.tile_size=512 has no effect without loss.impl=inf (or auto)",
+        ),
+        (
+            ["loss.impl=local", "batch.keep_last_graph=false"],
+            "loss.impl=auto",
+            "batch.keep_last_graph=false has no effect without loss.impl=inf (or auto)",
+        ),
+        (
+            ["batch.image_chunk=0", "batch.text_chunk=8", "batch.memory_budget=8"],
+            "batch.text_chunk=auto",
+            "batch.memory_budget=8.0 has no effect without a chunk of auto",
+        ),
+        (
+            ["optim.cooldown_power=2"],
+            "optim.schedule=const-cooldown",
+            "optim.cooldown_power=2.0 has no effect without optim.schedule=const-cooldown",
+        ),
+        (
+            ["distill.weight=0.5"],
+            "distill.teacher=runs/teacher",
+            "distill.weight=0.5 has no effect without distill.teacher",
+        ),
+        (
+            ["data.color_jitter_prob=0.8"],
+            "data.color_jitter=[0.4, 0.4, 0.4, 0.1]",
+            "data.color_jitter_prob=0.8 has no effect without data.color_jitter",
+        ),
+        (
+            ["log.profile_after=3"],
+            "log.profile_steps=2",
+            "log.profile_after=3 has no effect without log.profile_steps",
+        ),
+        (
+            ["optim.warmup_steps=40", "train.max_steps=10"],
+            "train.max_steps=41",
+            "optim.warmup_steps=40 >= train.max_steps=10: the rate rises to 25% of its peak at the last "
+            "step, and optim.schedule=cosine never starts",
+        ),
+    ],
+)
+def test_a_key_that_other_settings_leave_without_effect_is_named_until_they_use_it(overrides, enabling, line):
+    """One line for the key set away from its default (a key left at it, as optim.eps here, is no
+    news), and none once the setting that reads it is chosen."""
+    assert unused_settings(load_config(None, [BERT, *overrides])) == [line]
+    assert unused_settings(load_config(None, [BERT, *overrides, enabling])) == []
+
+
+def test_clip_train_config_warns_on_stderr_and_prints_the_yaml_on_stdout(capsys):
+    assert cli_main(["config", str(DEMO_CONFIG), "optim.warmup_steps=600", "data.color_jitter_prob=0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["optim"]["warmup_steps"] == 600
+    assert err.splitlines() == [
+        "clip-train: data.color_jitter_prob=0.5 has no effect without data.color_jitter",
+        "clip-train: optim.warmup_steps=600 >= train.max_steps=300: the rate rises to 50% of its peak at the "
+        "last step, and optim.schedule=cosine never starts",
+    ]

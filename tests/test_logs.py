@@ -63,11 +63,16 @@ def test_progress_off_a_terminal_is_plain_periodic_lines(capsys):
 
 
 def test_a_training_run_in_a_file_logs_a_line_per_log_step(digits, tmp_path):
-    """What a Slurm .out file holds: the start-up lines and one plain line per log step, no bar."""
+    """What a Slurm .out file holds: the start-up lines and one plain line per log step, no bar. The
+    demo's 20-step warmup spans these 20 steps, which start-up names."""
     overrides = run_overrides(digits, tmp_path / "run", 20, "log.every_steps=5")
     result = run_to_end([sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "\r" not in result.stderr
     steps = re.findall(r"^clip-train: step: (\d+)/20, loss ", result.stderr, re.MULTILINE)
     assert steps == ["5", "10", "15", "20"]
+    assert result.stderr.startswith(
+        "clip-train: optim.warmup_steps=20 >= train.max_steps=20: the rate rises to 100% of its peak at the "
+        "last step, and optim.schedule=cosine never starts\n"
+    ), result.stderr[:3000]
     assert all(line.startswith("clip-train: ") for line in result.stderr.splitlines()), result.stderr

@@ -1,8 +1,8 @@
 """Show a config: ``clip-train config CONFIG [key=value ...]`` prints the resolved YAML that
-``clip-train train`` would run with (includes and overrides applied, cross-field checks passed);
-``clip-train config --keys`` lists every key with its type, default and meaning (with a CONFIG, its
-value there instead of the default), and ``--reference docs/config.md`` rewrites the config
-reference page from the same rows.
+``clip-train train`` would run with (includes and overrides applied, cross-field checks passed, the
+keys that other settings leave without effect warned about on stderr); ``clip-train config --keys``
+lists every key with its type, default and meaning (with a CONFIG, its value there instead of the
+default), and ``--reference docs/config.md`` rewrites the config reference page from the same rows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import typing
 from pathlib import Path
 
 from clip_train.config import Config, ConfigKey, config_keys, config_yaml, load_config
+from clip_train.config.unused import unused_settings
 from clip_train.errors import UserError
+from clip_train.logs import get_logger
 
 REFERENCE_BEGIN, REFERENCE_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 MAX_COLUMN = 40  # a longer cell (a config's dict value) overflows its column rather than widen every row
@@ -50,8 +52,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resolved(args: argparse.Namespace) -> Config:
-    """The config ``clip-train train`` would run with: includes and overrides applied, checks passed."""
-    return load_config(args.config, args.overrides).validate()
+    """The config ``clip-train train`` would run with: includes and overrides applied, checks passed;
+    the keys it would warn about, on stderr."""
+    cfg = load_config(args.config, args.overrides).validate()
+    for line in unused_settings(cfg):
+        get_logger().warning(line)
+    return cfg
 
 
 def key_table(config: Config | None = None) -> str:
