@@ -73,17 +73,34 @@ def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = Fals
     os.replace(rewritten, metrics)
 
 
+def evaluated_at(metrics: Path, step: int) -> bool:
+    """Whether ``metrics`` holds the record of an evaluation of ``step``."""
+    lines = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
+    return any(record is not None and _is_evaluation(record, step) for record in map(_record, lines))
+
+
 def _kept(line: str, step: int, evaluations_too: bool) -> bool:
-    """Whether a record stays: one of an earlier step, or of ``step`` unless it is an evaluation's (no
-    training loss) to drop; never a line that is not a whole record (cut short by a crash)."""
-    if not line.endswith("\n"):
+    """Whether a record stays: one of an earlier step, or of ``step`` unless it is an evaluation's to
+    drop; never a line that is not a whole record (cut short by a crash)."""
+    if (record := _record(line)) is None:
         return False
+    return record["step"] < step or (
+        record["step"] == step and not (evaluations_too and _is_evaluation(record, step))
+    )
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A whole line's record, or None for a line cut short by a crash or not a record."""
     try:
-        record = json.loads(line)
-        logged = record["step"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    return logged < step or (logged == step and not (evaluations_too and "train/loss" not in record))
+        record = json.loads(line) if line.endswith("\n") else None
+        return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+    except ValueError:
+        return None
+
+
+def _is_evaluation(record: dict[str, Any], step: int) -> bool:
+    """An evaluation's record of ``step``: its metrics, without a training loss."""
+    return record["step"] == step and "train/loss" not in record
 
 
 def _start_wandb(cfg: Config, run_dir: Path):

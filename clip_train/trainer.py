@@ -51,7 +51,7 @@ from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import CLIP, build_model
 from clip_train.model.compiling import compile_towers
-from clip_train.monitor import RunMonitor
+from clip_train.monitor import METRICS_FILE, RunMonitor, evaluated_at
 from clip_train.optim import Update
 from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
 from clip_train.parallel.checkpoint import OptimizerApart, ShardedCheckpointer
@@ -374,6 +374,7 @@ class Trainer:
         try:
             with contextlib.nullcontext(signals) if signals is not None else preemption_signals() as signals:
                 self.signals = signals
+                self._evaluate_if_owed(monitor)
                 window = LogWindow(time.perf_counter())
                 while all_ranks_true([signals.received is None])[0]:
                     if self.step >= cfg.train.max_steps:
@@ -441,6 +442,20 @@ class Trainer:
             self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s))
         if not at_log:  # the window goes on after them (at a log step the next one starts then)
             window.leave_out(time.perf_counter() - aside)
+
+    def _evaluate_if_owed(self, monitor: RunMonitor | None) -> None:
+        """The resumed step's periodic evaluation, when metrics.jsonl holds no record of it: the run
+        stopped during it (its step was saved first)."""
+        every, step = self.cfg.eval.every_steps, self.step
+        if self.resumed_from is None or not every or step % every or step >= self.cfg.train.max_steps:
+            return
+        if decided_by_main(lambda: evaluated_at(self.run_dir / METRICS_FILE, step)):
+            return
+        if monitor is not None:
+            monitor.message(f"step {step}: its evaluation did not end before the run stopped")
+        self._evaluate(monitor, StoppableEvaluation(self.signals, self.cfg.train.dist_timeout_s))
+        if self.startup is not None:
+            self.startup.lap("evaluation")
 
     def _logs_at(self, step: int) -> bool:
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 from pathlib import Path
@@ -41,6 +42,14 @@ def run_overrides(digits: Path, out_dir: Path, steps: int, *extra: str) -> list[
         "log.wandb.mode=disabled",
         *extra,
     ]
+
+
+def slow_zeroshot(digits: Path, folder: Path) -> list[str]:
+    """Zero-shot on digits with 3000 templates a class: an evaluation that takes a while."""
+    classes = json.loads((digits / "zeroshot.json").read_text())
+    slow = {**classes, "templates": [f"digit {{}} number {i}" for i in range(3000)]}
+    (folder / "slow-zeroshot.json").write_text(json.dumps(slow))
+    return [f"eval.zeroshot={folder / 'slow-zeroshot.json'}", f"eval.zeroshot_data={digits}/val"]
 
 
 def free_port() -> int:

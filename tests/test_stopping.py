@@ -23,7 +23,7 @@ import psutil
 import pytest
 from processes import IDLE_LIMIT_S, Watched
 from rank_faults import patched_in_rank
-from small_runs import DEMO_CONFIG, free_port, run_overrides
+from small_runs import DEMO_CONFIG, free_port, run_overrides, slow_zeroshot
 
 from clip_train.checkpoint import checkpoint_problem, checkpoint_step, complete_checkpoints
 from clip_train.preemption import EXIT_PREEMPTED
@@ -463,14 +463,6 @@ def test_preempted_on_one_rank_in_the_final_evaluation_ends_both(digits, tmp_pat
     assert len(lines[0]) == 1 and lines[0] == lines[1], lines
     assert lines[0][0].startswith("preempted: SIGTERM received during the final evaluation: nothing new")
     assert_last_checkpoint_intact(out, STEPS)
-
-
-def slow_zeroshot(digits: Path, folder: Path) -> list[str]:
-    """Zero-shot on digits with 3000 templates a class: an evaluation that takes a while."""
-    classes = json.loads((digits / "zeroshot.json").read_text())
-    slow = {**classes, "templates": [f"digit {{}} number {i}" for i in range(3000)]}
-    (folder / "slow-zeroshot.json").write_text(json.dumps(slow))
-    return [f"eval.zeroshot={folder / 'slow-zeroshot.json'}", f"eval.zeroshot_data={digits}/val"]
 
 
 def test_a_signal_during_a_periodic_evaluation_saves_its_step_and_stops_every_rank(digits, tmp_path):

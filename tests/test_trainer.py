@@ -28,7 +28,7 @@ import pytest
 import torch
 from processes import Watched, run_to_end
 from safetensors.torch import load_file
-from small_runs import DEMO_CONFIG, run_overrides
+from small_runs import DEMO_CONFIG, run_overrides, slow_zeroshot
 from test_loss_tiles import _CountOps, _host_read
 
 import clip_train.loss
@@ -289,40 +289,63 @@ def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys, every):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the trainer's handler is gone again
 
 
-def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digits, tmp_path, capsys):
-    """The last step is saved before the evaluation: the signal, sent once the evaluation has said
-    it started, stops it at once, with a line."""
-    classes = json.loads((digits / "zeroshot.json").read_text())
-    many_templates = {**classes, "templates": [f"digit {{}} number {i}" for i in range(3000)]}
-    (tmp_path / "slow-zeroshot.json").write_text(json.dumps(many_templates))
-    out = tmp_path / "run"
-    args = [
-        "train",
-        str(DEMO_CONFIG),
-        *overrides(digits, out, "data.workers=0", "train.precision=fp32", "train.max_steps=4"),
-        f"eval.zeroshot={tmp_path / 'slow-zeroshot.json'}",
-        f"eval.zeroshot_data={digits}/val",
-    ]
+def cli_signalled_in_evaluation(args: list[str], step: int, sig: signal.Signals) -> int:
+    """``clip-train ARGS`` in this process, sent ``sig`` once step ``step``'s evaluation has said it
+    started: the exit code."""
     evaluation_started = threading.Event()
 
     def watch(record: logging.LogRecord) -> bool:  # a filter: train's logging setup keeps it
-        if record.getMessage() == "step 4: evaluating ...":
+        if record.getMessage() == f"step {step}: evaluating ...":
             evaluation_started.set()
         return True
 
     get_logger().addFilter(watch)
     try:
-        code = cli_in_thread_signalled(args, evaluation_started.is_set, signal.SIGTERM)
+        return cli_in_thread_signalled(args, evaluation_started.is_set, sig)
     finally:
         get_logger().removeFilter(watch)
-    assert code == EXIT_PREEMPTED
+
+
+def evaluated_steps(out_dir: Path) -> list[int]:
+    return [record["step"] for record in logged(out_dir) if "zeroshot/top1" in record]
+
+
+def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digits, tmp_path, capsys):
+    """The last step is saved before the evaluation: the signal, sent once the evaluation has said
+    it started, stops it at once, with a line."""
+    out = tmp_path / "run"
+    args = [
+        "train",
+        str(DEMO_CONFIG),
+        *overrides(digits, out, "data.workers=0", "train.precision=fp32", "train.max_steps=4"),
+        *slow_zeroshot(digits, tmp_path),
+    ]
+    assert cli_signalled_in_evaluation(args, 4, signal.SIGTERM) == EXIT_PREEMPTED
     assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [4]
-    assert not any("zeroshot/top1" in record for record in logged(out))  # the evaluation did not finish
+    assert evaluated_steps(out) == []  # the evaluation did not finish
     errors = capsys.readouterr().err.splitlines()
     assert (
         "clip-train: preempted: SIGTERM received during the final evaluation: nothing new saved; the last "
         f"step's checkpoint {complete_checkpoints(out)[0]} is complete (clip-train eval evaluates it)"
     ) in errors
+
+
+def test_a_periodic_evaluation_stopped_by_a_signal_runs_first_when_the_run_resumes(digits, tmp_path, capsys):
+    """SIGUSR1 in step 2's evaluation: step 2 is saved, with no evaluation on record. The resumed run
+    evaluates step 2 before step 3; resumed from step 2 once more, it finds that record and goes on."""
+    out = tmp_path / "run"
+    schedule = ["data.workers=0", "train.precision=fp32", "train.max_steps=4", "eval.every_steps=2"]
+    args = ["train", str(DEMO_CONFIG), *overrides(digits, out, *schedule), *slow_zeroshot(digits, tmp_path)]
+    assert cli_signalled_in_evaluation(args, 2, signal.SIGUSR1) == EXIT_PREEMPTED
+    (step_2,) = complete_checkpoints(out)
+    assert checkpoint_step(step_2) == 2 and evaluated_steps(out) == []
+    zeroshot = [f"eval.zeroshot={digits}/zeroshot.json", f"eval.zeroshot_data={digits}/val"]
+    in_process_trainer(digits, out, *schedule, *zeroshot, "checkpoint.resume=auto").run()
+    assert logged_steps(out) == [1, 2, 2, 3, 4, 4] and evaluated_steps(out) == [2, 4]
+    assert "step 2: its evaluation did not end before the run stopped" in capsys.readouterr().err
+    in_process_trainer(digits, out, *schedule, *zeroshot, f"checkpoint.resume={step_2}").run()
+    assert logged_steps(out) == [1, 2, 2, 3, 4, 4] and evaluated_steps(out) == [2, 4]
+    assert "its evaluation did not end" not in capsys.readouterr().err
 
 
 def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
