@@ -199,6 +199,18 @@ class StepProfiler:
             self._tracing.close()
             self._profile, self._ended = None, self._profile
 
+    def missed_by(self, resumed_step: int) -> str | None:
+        """Why a run resumed at ``resumed_step`` traces nothing, when it does not: the window began at
+        or before that step, and no trace of it was written (a run stopped within it writes none)."""
+        written = (self.out_dir / "profile" / f"summary-rank{self.rank}.json").is_file()
+        if self.last < self.first or resumed_step < self.first or written:
+            return None
+        return (
+            f"nothing is traced: log.profile_after={self.first - 1} starts the trace at step {self.first}, "
+            f"and this run resumed at step {resumed_step}; log.profile_after={resumed_step} or more traces "
+            "the steps it runs"
+        )
+
     def write_finished(self) -> None:
         """Write a trace that has ended: outside the steps' time, since exporting takes a while."""
         if self._ended is not None:

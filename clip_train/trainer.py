@@ -368,6 +368,8 @@ class Trainer:
                 )
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
+                if untraced := self.profiler.missed_by(self.step):
+                    get_logger().warning(untraced)
         if self.startup is not None:
             self.startup.lap("monitor")  # the run folder, metrics.jsonl and wandb's start
         ending: BaseException | None = None  # what ended the run, for wandb
