@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from clip_train.checkpoint import resolve_resume
 from clip_train.config import Config, ModelConfig, load_model_config
-from clip_train.data import check_caption_options, check_readable, expand_urls, source_urls
+from clip_train.data import check_readable, check_source_options, expand_urls, source_urls
 from clip_train.data.eval_sources import class_map, zeroshot_sources
 from clip_train.errors import naming_key
 from clip_train.eval import synsets_of, zeroshot_metadata
@@ -24,7 +24,7 @@ def check_paths(cfg: Config) -> None:
     if cfg.data.val:  # a table's header is checked as it is split (tiny next to a training table)
         val = source_urls(cfg.data.val, cfg.data, what="data.val")
         check_readable(val, what="data.val")
-    check_caption_options(cfg.data, train + val)
+    check_source_options(cfg.data, train + val)
     if cfg.eval.zeroshot:  # the zero-shot sets are read only then
         classnames, _ = zeroshot_metadata(cfg.eval.zeroshot)
         synsets = synsets_of(cfg.eval.zeroshot)

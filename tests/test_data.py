@@ -29,8 +29,8 @@ from clip_train.data import (
     DataError,
     build_eval_loader,
     build_train_loader,
-    check_caption_options,
     check_readable,
+    check_source_options,
     dataset_size,
     expand_urls,
     sources,
@@ -1079,10 +1079,21 @@ def test_caption_key_and_csv_caption_key_are_not_mixed_up(table, caption_shards)
         DataError,
         match=r"data\.caption_key='json:caption' picks a member of tar shards.*data\.csv_caption_key",
     ):
-        check_caption_options(DataConfig(caption_key="json:caption"), tsv)
+        check_source_options(DataConfig(caption_key="json:caption"), tsv)
     with pytest.raises(DataError, match=r"data\.csv_caption_key='caption' names a column.*data\.caption_key"):
-        check_caption_options(DataConfig(csv_caption_key="caption"), shards)
-    check_caption_options(DataConfig(caption_key="json:caption", csv_caption_key="title"), shards + tsv)
+        check_source_options(DataConfig(csv_caption_key="caption"), shards)
+    check_source_options(DataConfig(caption_key="json:caption", csv_caption_key="title"), shards + tsv)
+
+
+@pytest.mark.parametrize("key", ["csv_separator", "csv_image_key", "csv_shard_rows"])
+def test_a_table_key_over_tar_shards_alone_is_a_mix_up(table, caption_shards, key):
+    shards, tsv = expand_urls(f"{caption_shards}/both"), expand_urls(str(table.path))
+    value = {"csv_separator": ";", "csv_image_key": "image", "csv_shard_rows": 50}[key]
+    with pytest.raises(
+        DataError, match=rf"^data\.{key}={value!r} reads CSV/TSV tables, but .* tar shards: drop"
+    ):
+        check_source_options(DataConfig(**{key: value}), shards)
+    check_source_options(DataConfig(**{key: value}), shards + tsv)  # data.val's table reads it
 
 
 def test_a_mixture_with_a_table_and_caption_picks_resumes_exactly(resume_shards, caption_shards, table):

@@ -84,9 +84,9 @@ def keys_for(raw: RawSample, keys: tuple[str, ...]) -> tuple[str, ...]:
     return DEFAULT_CAPTION_KEYS if is_piece(raw["__url__"]) else keys
 
 
-def check_caption_options(data_cfg: DataConfig, urls: list[str]) -> None:
-    """``data.caption_key`` picks a tar member, ``data.csv_caption_key`` a table column: set where
-    ``urls`` (data.train's and data.val's) hold no data of its kind, it is a mix-up of the two."""
+def check_source_options(data_cfg: DataConfig, urls: list[str]) -> None:
+    """``data.caption_key`` picks a tar member, the ``data.csv_*`` keys read a table: set where
+    ``urls`` (data.train's and data.val's) hold no data of their kind, they are a mix-up of the two."""
     tables = sum(is_table(url) or is_piece(url) for url in urls)
     if data_cfg.caption_keys != DEFAULT_CAPTION_KEYS and tables == len(urls):
         raise DataError(
@@ -99,6 +99,13 @@ def check_caption_options(data_cfg: DataConfig, urls: list[str]) -> None:
             "data.train and data.val are tar shards: pick their caption member with data.caption_key "
             "(txt, caption, json:FIELD, or a list of them)"
         )
+    defaults = DataConfig()
+    for key in ("csv_separator", "csv_image_key", "csv_shard_rows"):
+        if not tables and (value := getattr(data_cfg, key)) != getattr(defaults, key):
+            raise DataError(
+                f"data.{key}={value!r} reads CSV/TSV tables, but data.train and data.val are tar shards: "
+                "drop it"
+            )
 
 
 def usable(
