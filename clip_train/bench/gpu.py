@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     summary = _write(report, out)  # rewritten after every section: a session cut short keeps what it measured
     with tempfile.TemporaryDirectory() as tmp, (out / "gpu-bench.log").open("w") as log:
         budget_s = args.budget_s or float("inf")
-        bench = _Bench(sizes, "cuda" if cuda else "cpu", out, Path(tmp), log, args.set, budget_s)
+        bench = _Bench(sizes, "cuda" if cuda else "cpu", out, Path(tmp), log, args.set, started, budget_s)
         for name in sections:
             report[name] = bench.section(name, getattr(bench, name))
             report["wall_s"] = time.perf_counter() - started
@@ -220,12 +220,22 @@ class _Bench:
     trainer's runs)."""
 
     def __init__(
-        self, sizes: Sizes, device: str, out: Path, work: Path, log, overrides: list[str], budget_s: float
+        self,
+        sizes: Sizes,
+        device: str,
+        out: Path,
+        work: Path,
+        log,
+        overrides: list[str],
+        started: float,
+        budget_s: float,
     ) -> None:
+        """``budget_s`` counts from ``started`` (``time.perf_counter``), the clock of the report's
+        ``wall_s``."""
         self.sizes, self.device, self.out, self.work, self.log = sizes, device, out, work, log
         self.overrides = overrides
         self.matmul_tflops: float | None = None
-        self.started, self.budget_s = time.perf_counter(), budget_s
+        self.started, self.budget_s = started, budget_s
 
     def _left_s(self) -> float:
         """What is left of the budget: each process's timeout."""
