@@ -199,17 +199,33 @@ class StepProfiler:
             self._tracing.close()
             self._profile, self._ended = None, self._profile
 
-    def missed_by(self, resumed_step: int) -> str | None:
-        """Why a run resumed at ``resumed_step`` traces nothing, when it does not: the window began at
-        or before that step, and no trace of it was written (a run stopped within it writes none)."""
-        written = (self.out_dir / "profile" / f"summary-rank{self.rank}.json").is_file()
-        if self.last < self.first or resumed_step < self.first or written:
+    def missed_by(self, resumed_step: int, max_steps: int) -> str | None:
+        """Why a run resumed at ``resumed_step`` (of ``max_steps``) traces nothing, when it does not:
+        the window began at or before that step, and its trace was not written (a run stopped
+        within it writes none)."""
+        if self.last < self.first or not self.first <= resumed_step < max_steps or self._written():
             return None
+        latest = max_steps - (self.last - self.first + 1)  # the last profile_after whose window fits
+        if resumed_step < latest:
+            fix = f"log.profile_after={resumed_step} to {latest}"
+        elif resumed_step == latest:
+            fix = f"log.profile_after={resumed_step}"
+        else:
+            fix = (
+                f"log.profile_after={resumed_step} with log.profile_steps={max_steps - resumed_step} or fewer"
+            )
         return (
-            f"nothing is traced: log.profile_after={self.first - 1} starts the trace at step {self.first}, "
-            f"and this run resumed at step {resumed_step}; log.profile_after={resumed_step} or more traces "
-            "the steps it runs"
+            f"warning: nothing is traced: log.profile_after={self.first - 1} starts the trace at step "
+            f"{self.first}, and this run resumed at step {resumed_step}; {fix} traces the steps it runs"
         )
+
+    def _written(self) -> bool:
+        """Whether this window's trace is in the run folder: the run wrote it before it stopped."""
+        summary = self.out_dir / "profile" / f"summary-rank{self.rank}.json"
+        try:
+            return json.loads(summary.read_text())["steps_traced"] == [self.first, self.last]
+        except (OSError, ValueError, KeyError):
+            return False
 
     def write_finished(self) -> None:
         """Write a trace that has ended: outside the steps' time, since exporting takes a while."""

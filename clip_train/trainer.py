@@ -368,7 +368,7 @@ class Trainer:
                 )
             if self.resumed_from is not None:
                 monitor.message(f"resumed from {self.resumed_from} at step {self.step}")
-                if untraced := self.profiler.missed_by(self.step):
+                if untraced := self.profiler.missed_by(self.step, cfg.train.max_steps):
                     get_logger().warning(untraced)
         if self.startup is not None:
             self.startup.lap("monitor")  # the run folder, metrics.jsonl and wandb's start
@@ -447,14 +447,15 @@ class Trainer:
 
     def _evaluate_if_owed(self, monitor: RunMonitor | None) -> None:
         """The resumed step's periodic evaluation, when metrics.jsonl holds no record of it: the run
-        stopped during it (its step was saved first)."""
+        stopped during it (its step is saved first), or the file was lost (a fresh disk whose
+        mirrored copy went up before the evaluation ended), when it runs again."""
         every, step = self.cfg.eval.every_steps, self.step
         if self.resumed_from is None or not every or step % every or step >= self.cfg.train.max_steps:
             return
         if decided_by_main(lambda: evaluated_at(self.run_dir / METRICS_FILE, step)):
             return
         if monitor is not None:
-            monitor.message(f"step {step}: its evaluation did not end before the run stopped")
+            monitor.message(f"step {step}: {METRICS_FILE} holds no evaluation of it; evaluating it now")
         self._evaluate(monitor, StoppableEvaluation(self.signals, self.cfg.train.dist_timeout_s))
         if self.startup is not None:
             self.startup.lap("evaluation")

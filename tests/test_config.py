@@ -489,7 +489,7 @@ def test_the_config_reference_page_is_current():
         (
             ["batch.image_chunk=0", "batch.text_chunk=8", "batch.memory_budget=8"],
             "batch.text_chunk=auto",
-            "batch.memory_budget=8.0 has no effect without a chunk of auto",
+            "batch.memory_budget=8.0 has no effect without batch.image_chunk=auto or batch.text_chunk=auto",
         ),
         (
             ["optim.cooldown_power=2"],
@@ -512,9 +512,9 @@ def test_the_config_reference_page_is_current():
             "log.profile_after=3 has no effect without log.profile_steps",
         ),
         (
-            ["optim.warmup_steps=40", "train.max_steps=10"],
-            "train.max_steps=41",
-            "optim.warmup_steps=40 >= train.max_steps=10: the rate rises to 25% of its peak at the last "
+            ["optim.warmup_steps=1000", "train.max_steps=999"],
+            "train.max_steps=1001",
+            "optim.warmup_steps=1000 >= train.max_steps=999: the rate rises to 99% of its peak at the last "
             "step, and optim.schedule=cosine never starts",
         ),
     ],
@@ -531,7 +531,7 @@ def test_clip_train_config_warns_on_stderr_and_prints_the_yaml_on_stdout(capsys)
     out, err = capsys.readouterr()
     assert yaml.safe_load(out)["optim"]["warmup_steps"] == 600
     assert err.splitlines() == [
-        "clip-train: data.color_jitter_prob=0.5 has no effect without data.color_jitter",
-        "clip-train: optim.warmup_steps=600 >= train.max_steps=300: the rate rises to 50% of its peak at the "
-        "last step, and optim.schedule=cosine never starts",
+        "clip-train: warning: data.color_jitter_prob=0.5 has no effect without data.color_jitter",
+        "clip-train: warning: optim.warmup_steps=600 >= train.max_steps=300: the rate rises to 50% of its "
+        "peak at the last step, and optim.schedule=cosine never starts",
     ]

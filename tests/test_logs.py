@@ -72,7 +72,7 @@ def test_a_training_run_in_a_file_logs_a_line_per_log_step(digits, tmp_path):
     steps = re.findall(r"^clip-train: step: (\d+)/20, loss ", result.stderr, re.MULTILINE)
     assert steps == ["5", "10", "15", "20"]
     assert result.stderr.startswith(
-        "clip-train: optim.warmup_steps=20 >= train.max_steps=20: the rate rises to 100% of its peak at the "
-        "last step, and optim.schedule=cosine never starts\n"
+        "clip-train: warning: optim.warmup_steps=20 >= train.max_steps=20: the rate rises to 100% of its "
+        "peak at the last step, and optim.schedule=cosine never starts\n"
     ), result.stderr[:3000]
     assert all(line.startswith("clip-train: ") for line in result.stderr.splitlines()), result.stderr

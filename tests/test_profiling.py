@@ -8,12 +8,13 @@ import gzip
 import json
 
 import pytest
+import torch
 from test_trainer import in_process_trainer
 
 import clip_train.profiling
 from clip_train.checkpoint import checkpoint_step, complete_checkpoints
 from clip_train.config import ConfigError
-from clip_train.profiling import PHASES, PREFIX, SHARES, TRACED, category, summarise
+from clip_train.profiling import PHASES, PREFIX, SHARES, TRACED, StepProfiler, category, summarise
 
 
 def _event(name, start, end, device="cuda", annotation=False, self_us=0.0):
@@ -146,8 +147,8 @@ def test_a_run_resumed_past_the_traces_start_says_it_traces_nothing_and_how_to(d
     in_process_trainer(digits, tmp_path, *schedule, "log.profile_steps=0", "train.max_steps=2").run()
     in_process_trainer(digits, tmp_path, *schedule, "log.profile_after=1", "checkpoint.resume=auto").run()
     warning = (
-        "nothing is traced: log.profile_after=1 starts the trace at step 2, and this run resumed at step "
-        "2; log.profile_after=2 or more traces the steps it runs"
+        "warning: nothing is traced: log.profile_after=1 starts the trace at step 2, and this run resumed "
+        "at step 2; log.profile_after=2 traces the steps it runs"
     )
     assert warning in capsys.readouterr().err and not (tmp_path / "profile").exists()
     (saved,) = [c for c in complete_checkpoints(tmp_path) if checkpoint_step(c) == 2]
@@ -155,3 +156,29 @@ def test_a_run_resumed_past_the_traces_start_says_it_traces_nothing_and_how_to(d
     assert "nothing is traced" not in capsys.readouterr().err
     summary = json.loads((tmp_path / "profile" / "summary-rank0.json").read_text())
     assert summary["steps_traced"] == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("resumed", "written", "advice"),
+    [
+        (10, None, None),  # before step 11: traced
+        (11, None, "log.profile_after=11 to 95"),
+        (95, None, "log.profile_after=95"),
+        (97, None, "log.profile_after=97 with log.profile_steps=3 or fewer"),
+        (100, None, None),  # a finished run started again only evaluates
+        (50, [11, 15], None),  # the run traced its window before it stopped
+        (50, [21, 25], "log.profile_after=50 to 95"),  # another window's trace
+    ],
+)
+def test_a_resumed_run_is_told_which_profile_after_traces_it(tmp_path, resumed, written, advice):
+    """Steps 11-15 of 100 (log.profile_after=10, log.profile_steps=5)."""
+    profiler = StepProfiler(11, 5, tmp_path, torch.device("cpu"), rank=0)
+    if written is not None:
+        (tmp_path / "profile").mkdir()
+        (tmp_path / "profile" / "summary-rank0.json").write_text(json.dumps({"steps_traced": written}))
+    said = profiler.missed_by(resumed, max_steps=100)
+    assert said == (
+        advice
+        and "warning: nothing is traced: log.profile_after=10 starts the trace at step 11, and this run "
+        f"resumed at step {resumed}; {advice} traces the steps it runs"
+    )

@@ -467,7 +467,8 @@ def test_preempted_on_one_rank_in_the_final_evaluation_ends_both(digits, tmp_pat
 
 def test_a_signal_during_a_periodic_evaluation_saves_its_step_and_stops_every_rank(digits, tmp_path):
     """SIGUSR1 to rank 1 alone in the step-2 evaluation (no checkpoint due before step 1000): both
-    ranks leave the evaluation, save step 2 and exit 75."""
+    ranks leave the evaluation, save step 2 and exit 75. (Its tagged lines also show that rank 0
+    alone warns about the config at start-up.)"""
     out = tmp_path / "run"
     extra = ("log.all_ranks=true", "eval.every_steps=2", "checkpoint.every_steps=1000")
     runs = start_ranks([*overrides(digits, out, *extra), *slow_zeroshot(digits, tmp_path)], plain_env())
@@ -476,8 +477,11 @@ def test_a_signal_during_a_periodic_evaluation_saves_its_step_and_stops_every_ra
     codes = ended_within_bound(runs, wait_for_text(runs, "stopped after step 2"))
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], [r.stdout.text[-3000:] for r in runs]
     (saved,) = complete_checkpoints(out)
-    warmup = "] optim.warmup_steps=20 >= train.max_steps=4: the rate rises to 20% of its peak"
-    assert [warmup in run.stdout.text for run in runs] == [True, False]  # the config's warnings: rank 0's
+    warmup = "] warning: optim.warmup_steps=20 >= train.max_steps=4: the rate rises to 20% of its peak"
+    assert [warmup in run.stdout.text for run in runs] == [
+        True,
+        False,
+    ]  # start-up's config warnings: rank 0's
     for rank, cause in enumerate(("another rank was signalled", "SIGUSR1 received")):
         output = runs[rank].stdout.text
         assert f"[rank {rank}] step 2: evaluation stopped by a signal" in output, output[-3000:]

@@ -14,9 +14,8 @@ import typing
 from pathlib import Path
 
 from clip_train.config import Config, ConfigKey, config_keys, config_yaml, load_config
-from clip_train.config.unused import unused_settings
+from clip_train.config.unused import warn_unused_settings
 from clip_train.errors import UserError
-from clip_train.logs import get_logger
 
 REFERENCE_BEGIN, REFERENCE_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 MAX_COLUMN = 40  # a longer cell (a config's dict value) overflows its column rather than widen every row
@@ -55,8 +54,7 @@ def _resolved(args: argparse.Namespace) -> Config:
     """The config ``clip-train train`` would run with: includes and overrides applied, checks passed;
     the keys it would warn about, on stderr."""
     cfg = load_config(args.config, args.overrides).validate()
-    for line in unused_settings(cfg):
-        get_logger().warning(line)
+    warn_unused_settings(cfg)
     return cfg
 
 

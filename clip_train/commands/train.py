@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from clip_train.config import load_config
-from clip_train.config.unused import unused_settings
-from clip_train.logs import get_logger, setup_logging
+from clip_train.config.unused import warn_unused_settings
+from clip_train.logs import setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     set_main_only_timeout(cfg.train.io_timeout_s)
     setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
     if env.is_main:
-        for line in unused_settings(cfg):
-            get_logger().warning(line)
+        warn_unused_settings(cfg)
     watch = StopWatch(env, Path(cfg.train.out_dir))
     # Held from here to the exit: a signal during start-up stops the run before its first step, and
     # one during the ending (torchrun stops the other ranks once one has ended) cannot kill this rank

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from clip_train.config.schema import Config, FsdpConfig
+from clip_train.logs import get_logger
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,11 @@ _NEEDS = (
         lambda cfg: cfg.loss.impl in ("auto", "inf"),
         "loss.impl=inf (or auto)",
     ),
-    _Needs(("batch.memory_budget",), lambda cfg: bool(cfg.batch.auto_towers), "a chunk of auto"),
+    _Needs(
+        ("batch.memory_budget",),
+        lambda cfg: bool(cfg.batch.auto_towers),
+        "batch.image_chunk=auto or batch.text_chunk=auto",
+    ),
     _Needs(
         ("optim.cooldown_power",),
         lambda cfg: cfg.optim.schedule == "const-cooldown",
@@ -63,10 +69,17 @@ def unused_settings(cfg: Config) -> list[str]:
     warmup, steps = cfg.optim.warmup_steps, cfg.train.max_steps
     if warmup >= steps:
         lines.append(
-            f"optim.warmup_steps={warmup} >= train.max_steps={steps}: the rate rises to {steps / warmup:.0%} "
-            f"of its peak at the last step, and optim.schedule={cfg.optim.schedule} never starts"
+            f"optim.warmup_steps={warmup} >= train.max_steps={steps}: the rate rises to "
+            f"{math.floor(100 * steps / warmup)}% of its peak at the last step, and "
+            f"optim.schedule={cfg.optim.schedule} never starts"
         )
     return lines
+
+
+def warn_unused_settings(cfg: Config) -> None:
+    """Each of ``unused_settings`` as a warning line, marked to stand out among the start-up's."""
+    for line in unused_settings(cfg):
+        get_logger().warning(f"warning: {line}")
 
 
 def _shown(value: Any) -> str:
