@@ -76,7 +76,8 @@ def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = Fals
 def evaluated_at(metrics: Path, step: int) -> bool:
     """Whether ``metrics`` holds the record of an evaluation of ``step``."""
     lines = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
-    return any(record is not None and _is_evaluation(record, step) for record in map(_record, lines))
+    records = (record for record in map(_record, lines) if record is not None)
+    return any(record["step"] == step and _is_evaluation(record) for record in records)
 
 
 def _kept(line: str, step: int, evaluations_too: bool) -> bool:
@@ -85,7 +86,7 @@ def _kept(line: str, step: int, evaluations_too: bool) -> bool:
     if (record := _record(line)) is None:
         return False
     return record["step"] < step or (
-        record["step"] == step and not (evaluations_too and _is_evaluation(record, step))
+        record["step"] == step and not (evaluations_too and _is_evaluation(record))
     )
 
 
@@ -98,9 +99,10 @@ def _record(line: str) -> dict[str, Any] | None:
         return None
 
 
-def _is_evaluation(record: dict[str, Any], step: int) -> bool:
-    """An evaluation's record of ``step``: its metrics, without a training loss."""
-    return record["step"] == step and "train/loss" not in record
+def _is_evaluation(record: dict[str, Any]) -> bool:
+    """An evaluation's record: its metrics, without a training loss (as is the record of a run that
+    bad steps aborted, logged after its last saved step, so never one that a resume looks for)."""
+    return "train/loss" not in record
 
 
 def _start_wandb(cfg: Config, run_dir: Path):
