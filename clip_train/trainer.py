@@ -447,8 +447,8 @@ class Trainer:
 
     def _evaluate_if_owed(self, monitor: RunMonitor | None) -> None:
         """The resumed step's periodic evaluation, when metrics.jsonl holds no record of it: the run
-        stopped during it (its step is saved first), or the file was lost (a fresh disk whose
-        mirrored copy went up before the evaluation ended), when it runs again."""
+        stopped during it (its step is saved first), or the file lacks it (a fresh disk's copy,
+        mirrored before the evaluation ended), and it runs again."""
         every, step = self.cfg.eval.every_steps, self.step
         if self.resumed_from is None or not every or step % every or step >= self.cfg.train.max_steps:
             return
