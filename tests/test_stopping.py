@@ -477,11 +477,9 @@ def test_a_signal_during_a_periodic_evaluation_saves_its_step_and_stops_every_ra
     codes = ended_within_bound(runs, wait_for_text(runs, "stopped after step 2"))
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], [r.stdout.text[-3000:] for r in runs]
     (saved,) = complete_checkpoints(out)
+    # start-up's config warnings are rank 0's
     warmup = "] warning: optim.warmup_steps=20 >= train.max_steps=4: the rate rises to 20% of its peak"
-    assert [warmup in run.stdout.text for run in runs] == [
-        True,
-        False,
-    ]  # start-up's config warnings: rank 0's
+    assert [warmup in run.stdout.text for run in runs] == [True, False]
     for rank, cause in enumerate(("another rank was signalled", "SIGUSR1 received")):
         output = runs[rank].stdout.text
         assert f"[rank {rank}] step 2: evaluation stopped by a signal" in output, output[-3000:]
