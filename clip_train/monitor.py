@@ -27,7 +27,10 @@ class RunMonitor:
     def __init__(self, cfg: Config, run_dir: Path, start_step: int) -> None:
         metrics = run_dir / METRICS_FILE
         # A finished run started again only evaluates its last step again: that evaluation goes too.
-        drop_records_after(metrics, start_step, evaluations_too=start_step == cfg.train.max_steps)
+        kept = drop_records_after(metrics, start_step, evaluations_too=start_step == cfg.train.max_steps)
+        self.evaluated_steps = {
+            record["step"] for record in kept if _is_evaluation(record)
+        }  # as of the start
         self.metrics_file = metrics.open("a")
         self.progress = Progress("step", cfg.train.max_steps, initial=start_step, every_s=None)
         self.wandb_run = _start_wandb(cfg, run_dir) if cfg.log.wandb.mode != "disabled" else None
@@ -58,33 +61,26 @@ class RunMonitor:
             self.wandb_run.finish(exit_code=exit_code)
 
 
-def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = False) -> None:
+def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = False) -> list[dict[str, Any]]:
     """Remove the records logged after ``step`` from ``metrics`` (and a last line cut short by a
     crash): a run resumed at ``step`` logs those steps again. With ``evaluations_too`` the
-    evaluation records of ``step`` itself go as well. Rewritten atomically, if at all."""
+    evaluation records of ``step`` itself go as well. Rewritten atomically, if at all. Returns the
+    records kept."""
     if not metrics.is_file():
-        return
+        return []
     lines = metrics.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _kept(line, step, evaluations_too)]
-    if len(kept) == len(lines):
-        return
-    rewritten = metrics.with_name(metrics.name + ".tmp")
-    rewritten.write_text("".join(kept))
-    os.replace(rewritten, metrics)
+    records = zip(lines, map(_record, lines), strict=True)
+    kept = [(line, record) for line, record in records if record and _kept(record, step, evaluations_too)]
+    if len(kept) < len(lines):
+        rewritten = metrics.with_name(metrics.name + ".tmp")
+        rewritten.write_text("".join(line for line, _ in kept))
+        os.replace(rewritten, metrics)
+    return [record for _, record in kept]
 
 
-def evaluated_at(metrics: Path, step: int) -> bool:
-    """Whether ``metrics`` holds the record of an evaluation of ``step``."""
-    lines = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
-    records = (record for record in map(_record, lines) if record is not None)
-    return any(record["step"] == step and _is_evaluation(record) for record in records)
-
-
-def _kept(line: str, step: int, evaluations_too: bool) -> bool:
+def _kept(record: dict[str, Any], step: int, evaluations_too: bool) -> bool:
     """Whether a record stays: one of an earlier step, or of ``step`` unless it is an evaluation's to
-    drop; never a line that is not a whole record (cut short by a crash)."""
-    if (record := _record(line)) is None:
-        return False
+    drop."""
     return record["step"] < step or (
         record["step"] == step and not (evaluations_too and _is_evaluation(record))
     )

@@ -51,7 +51,7 @@ from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import CLIP, build_model
 from clip_train.model.compiling import compile_towers
-from clip_train.monitor import METRICS_FILE, RunMonitor, evaluated_at
+from clip_train.monitor import METRICS_FILE, RunMonitor
 from clip_train.optim import Update
 from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
 from clip_train.parallel.checkpoint import OptimizerApart, ShardedCheckpointer
@@ -439,7 +439,7 @@ class Trainer:
         self.profiler.write_finished()
         if at_checkpoint and (last or not self.update.skipped_steps.in_a_row):
             self._save()
-        if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
+        if self._evaluates_at(self.step):
             # a signal on any rank stops it on every rank
             self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s))
         if not at_log:  # the window goes on after them (at a log step the next one starts then)
@@ -449,16 +449,20 @@ class Trainer:
         """The resumed step's periodic evaluation, when metrics.jsonl holds no record of it: the run
         stopped during it (its step is saved first), or the file lacks it (a fresh disk's copy,
         mirrored before the evaluation ended), and it runs again."""
-        every, step = self.cfg.eval.every_steps, self.step
-        if self.resumed_from is None or not every or step % every or step >= self.cfg.train.max_steps:
+        if self.resumed_from is None or not self._evaluates_at(self.step):
             return
-        if decided_by_main(lambda: evaluated_at(self.run_dir / METRICS_FILE, step)):
+        if decided_by_main(lambda: self.step in monitor.evaluated_steps):  # rank 0, which holds the monitor
             return
         if monitor is not None:
-            monitor.message(f"step {step}: {METRICS_FILE} holds no evaluation of it; evaluating it now")
+            monitor.message(f"step {self.step}: {METRICS_FILE} holds no evaluation of it; evaluating it now")
         self._evaluate(monitor, StoppableEvaluation(self.signals, self.cfg.train.dist_timeout_s))
         if self.startup is not None:
             self.startup.lap("evaluation")
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether ``step`` has a periodic evaluation (the last step's is the final evaluation)."""
+        every = self.cfg.eval.every_steps
+        return bool(every) and step % every == 0 and step < self.cfg.train.max_steps
 
     def _logs_at(self, step: int) -> bool:
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
