@@ -7,11 +7,12 @@ A checkpoint goes up in the background after it is saved, its manifest last (a s
 loses its old manifest first): as on the local disk, a remote checkpoint without a manifest is
 incomplete and is never pulled, and a pulled one is verified against its manifest like any other.
 The run's config (with the weights it pinned), its metrics and its wandb run id go up with each
-checkpoint, and a fresh disk's resume pulls them first. After each upload the remote is pruned by
-the run's own rule (``checkpoint.keep`` and ``keep_every``) over what it holds up to that step, so
-milestones a fresh disk never pulled stay; a save never prunes the checkpoint whose upload is in
-flight. A failed upload is a warning and is retried with the next checkpoint (a resumed run's
-checkpoint the remote lacks goes up at start-up): a week-long run does not stop for a storage hiccup.
+checkpoint and again after each evaluation, and a fresh disk's resume pulls them first. After each
+upload the remote is pruned by the run's own rule (``checkpoint.keep`` and ``keep_every``) over
+what it holds up to that step, so milestones a fresh disk never pulled stay; a save never prunes the
+checkpoint whose upload is in flight. A failed upload is a warning and is retried with the next
+checkpoint (a resumed run's checkpoint the remote lacks goes up at start-up): a week-long run does
+not stop for a storage hiccup.
 """
 
 from __future__ import annotations
@@ -86,12 +87,29 @@ class RemoteMirror:
                 self._upload.join()
             self._upload = None
 
+    def push_run_files(self) -> None:
+        """Upload the run's files again once the upload in flight (if any) is done: an evaluation
+        logged after its checkpoint went up, whose record a fresh disk's resume would otherwise lack
+        and run again."""
+        previous = self._upload
+        self._upload = threading.Thread(target=self._push_run_files, args=(previous,), daemon=True)
+        self._upload.start()
+
+    def _push_run_files(self, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()
+        try:
+            self._put_run_files()
+        except Exception as err:  # any storage error: warn, and retry with the next save
+            get_logger().warning(
+                f"warning: checkpoint.remote={self.url}: uploading the run's files failed "
+                f"({type(err).__name__}: {err}); the next checkpoint tries again"
+            )
+
     def _push(self, checkpoint: Path) -> None:
         try:
             self._upload_checkpoint(checkpoint)
-            for name in RUN_FILES:
-                if (self.run_dir / name).is_file():
-                    self._put(self.run_dir / name, f"{self.root}/{name}")
+            self._put_run_files()
             self._prune(checkpoint_step(checkpoint))
             get_logger().info(f"checkpoint {checkpoint.name} mirrored to {self.url}")
         except Exception as err:  # any storage error: warn, and retry with the next save
@@ -99,6 +117,11 @@ class RemoteMirror:
                 f"warning: checkpoint.remote={self.url}: uploading {checkpoint.name} failed "
                 f"({type(err).__name__}: {err}); the next checkpoint tries again"
             )
+
+    def _put_run_files(self) -> None:
+        for name in RUN_FILES:
+            if (self.run_dir / name).is_file():
+                self._put(self.run_dir / name, f"{self.root}/{name}")
 
     def _upload_checkpoint(self, checkpoint: Path) -> None:
         target = f"{self._checkpoints()}/{checkpoint.name}"

@@ -447,8 +447,8 @@ class Trainer:
 
     def _evaluate_if_owed(self, monitor: RunMonitor | None) -> None:
         """The resumed step's periodic evaluation, when metrics.jsonl holds no record of it: the run
-        stopped during it (its step is saved first), or the file lacks it (a fresh disk's copy,
-        mirrored before the evaluation ended), and it runs again."""
+        stopped during it (its step is saved first), or the file lacks it (a fresh disk's copy, whose
+        upload after the evaluation did not complete), and it runs again."""
         if self.resumed_from is None or not self._evaluates_at(self.step):
             return
         if decided_by_main(lambda: self.step in monitor.evaluated_steps):  # rank 0, which holds the monitor
@@ -635,4 +635,6 @@ class Trainer:
         if monitor is not None:
             monitor.log(self.step, metrics)
             monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if self.remote is not None:  # its checkpoint went up before this record was written
+            self.remote.push_run_files()
         return metrics

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import shutil
 import signal
@@ -120,10 +121,12 @@ def test_a_failed_upload_warns_and_the_run_goes_on(run_copy, tmp_path, capsys):
     blocked.write_text("a file where the remote folder should be")
     mirror = RemoteMirror(f"file://{blocked}", run_copy)
     mirror.push(complete_checkpoints(run_copy)[-1])
+    mirror.push_run_files()  # after an evaluation
     mirror.wait()
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"clip-train: warning: checkpoint.remote=file://{blocked}: uploading step_")
-    assert line.endswith("the next checkpoint tries again")
+    checkpoint, run_files = capsys.readouterr().err.splitlines()
+    warning = f"clip-train: warning: checkpoint.remote=file://{blocked}: uploading"
+    assert checkpoint.startswith(f"{warning} step_") and run_files.startswith(f"{warning} the run's files")
+    assert checkpoint.endswith("the next checkpoint tries again") and run_files.endswith("tries again")
 
 
 def test_an_unknown_protocol_is_one_line_naming_the_key(tmp_path):
@@ -131,24 +134,37 @@ def test_an_unknown_protocol_is_one_line_naming_the_key(tmp_path):
         RemoteMirror("nosuch://bucket/run", tmp_path)
 
 
+def _evaluated_steps(run: Path) -> list[int]:
+    records = map(json.loads, (run / METRICS_FILE).read_text().splitlines())
+    return [record["step"] for record in records if "train/loss" not in record]
+
+
 @pytest.mark.slow
 def test_a_run_on_a_fresh_disk_resumes_from_the_remote(digits, tmp_path):
     """The spot-instance case: a run mirrors its checkpoints, its disk is lost, and the same command
-    with resume=auto on an empty disk continues from the newest remote checkpoint."""
+    with resume=auto on an empty disk continues from the newest remote checkpoint. Each evaluation's
+    record goes up after it, although its checkpoint went up first: the resumed run, whose step 4
+    has a periodic evaluation, finds it done."""
     remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    fs, root = fsspec.core.url_to_fs(remote)
 
     def train(out: Path, steps: int) -> str:
-        overrides = run_overrides(digits, out, steps, "checkpoint.every_steps=2", "checkpoint.resume=auto")
+        overrides = run_overrides(
+            digits, out, steps, "checkpoint.every_steps=2", "checkpoint.resume=auto", "eval.every_steps=2"
+        )
         command = [sys.executable, "-m", "clip_train", "train", str(DEMO_CONFIG), *overrides]
-        result = run_to_end([*command, f"checkpoint.remote={remote}"])
+        result = run_to_end([*command, f"data.val={digits}/val", f"checkpoint.remote={remote}"])
         assert result.returncode == 0, result.stderr[-3000:]
+        assert fs.cat_file(f"{root}/{METRICS_FILE}") == (out / METRICS_FILE).read_bytes()
         return result.stderr
 
     first = train(tmp_path / "disk1", 4)
     assert "clip-train: checkpoint step_00000004 mirrored to" in first
+    assert _evaluated_steps(tmp_path / "disk1") == [2, 4]
     resumed = train(tmp_path / "disk2", 6)
     assert f"resumed from {tmp_path / 'disk2' / 'checkpoints' / 'step_00000004'} at step 4" in resumed
-    fs, root = fsspec.core.url_to_fs(remote)
+    assert "holds no evaluation" not in resumed
+    assert _evaluated_steps(tmp_path / "disk2") == [2, 4, 6]
     # the remote keeps what the run keeps: the new disk holds the pulled step 4 and its own step 6
     assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {
         "step_00000004",
