@@ -11,8 +11,11 @@ resumes at any world size with its weights and optimizer states exact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +91,8 @@ class ShardedCheckpointer(Checkpointer):
             shards = {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
             if self.ema is not None:
                 shards[EMA_KEY] = self.ema.state_dict()
-            dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
+            with _quiet_in_one_process():
+                dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
         (written,) = all_ranks_true([not failure])
@@ -143,7 +147,8 @@ class ShardedCheckpointer(Checkpointer):
         if with_ema:  # loaded in place, each rank its shards
             state[EMA_KEY] = self.ema.state_dict()
         try:
-            dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
+            with _quiet_in_one_process():
+                dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
         except dcp.api.CheckpointException as err:  # a BaseException: past the CLI's one-line ending
             failure = next(iter(err.failures.values()))[0]
             reason = " ".join(str(failure).split())
@@ -181,3 +186,12 @@ def _saved_optimizer_params(saved: dict[str, Any]) -> set[str]:
 def _one_process() -> bool:
     """No process group: one rank writes, or reads, every shard."""
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_in_one_process() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever there is no group, even when ``no_dist`` asks
+    for that: a one-process FSDP run would print it at each save and resume."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
