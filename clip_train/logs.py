@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -152,3 +154,13 @@ def timed(what: str) -> Iterator[None]:
 
 
 setup_logging(rank=int(os.environ.get("RANK", "0")))  # what every command starts with; train refines it
+
+
+@contextmanager
+def without_warning(starting: str) -> Iterator[None]:
+    """Silences a library's warning that starts with ``starting`` (its text as printed), for one
+    call whose case the warning misreads. Only around that call: changing the filters clears
+    Python's record of the warnings already shown once."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", re.escape(starting), UserWarning)
+        yield

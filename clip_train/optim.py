@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 from clip_train.config import MAX_LOGIT_SCALE, Config, ConfigError, OptimConfig
 from clip_train.distributed import and_over_ranks, rank_and_world
 from clip_train.errors import UserError
-from clip_train.logs import get_logger
+from clip_train.logs import get_logger, without_warning
 from clip_train.skipped_steps import SkippedSteps
 
 # Only the weight matrices of these layers decay (transformers' ``Conv1D`` is GPT-2's linear layer).
@@ -32,6 +32,8 @@ AS_SAVED = (
     "set optim.image_lr, optim.text_lr, optim.layer_decay and the towers' locking (model.image.lock, "
     "unlocked_layers, lock_head, freeze_norms) as the run that saved it did"
 )
+# Torch's warning when a schedule moves on before any optimizer step: a skipped first step does.
+_SCHEDULE_BEFORE_STEP = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 # A transformer block's parameter: timm ViTs' ``blocks.N.``, BERT's ``encoder.layer.N.``, CLIP's
 # text transformer's ``encoder.layers.N.``; not a stage of blocks (EfficientNet's ``blocks.S.B.``).
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|encoder\.layers?)\.(\d+)\.(?!\d)")
@@ -216,7 +218,9 @@ class Update:
         else:
             self._step_unless_read_bad(finite, loss, grad_norm, step)
         self.scaler.update()
-        self.scheduler.step()
+        # A skipped first step moves the schedule on as every step does; torch takes it for a misuse.
+        with without_warning(_SCHEDULE_BEFORE_STEP) if step == 1 else contextlib.nullcontext():
+            self.scheduler.step()
         return grad_norm
 
     def _step_unless_read_bad(

@@ -11,11 +11,8 @@ resumes at any world size with its weights and optimizer states exact.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +43,7 @@ from clip_train.checkpoint import (
 )
 from clip_train.distributed import all_ranks_true, decided_by_main, rank_and_world
 from clip_train.errors import UserError
+from clip_train.logs import without_warning
 from clip_train.memory import tensor_bytes
 from clip_train.model.state_dicts import listed, misfit
 from clip_train.optim import AS_SAVED
@@ -91,7 +89,7 @@ class ShardedCheckpointer(Checkpointer):
             shards = {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
             if self.ema is not None:
                 shards[EMA_KEY] = self.ema.state_dict()
-            with _quiet_in_one_process():
+            with without_warning(ASSUMED_ONE_PROCESS):
                 dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
@@ -147,7 +145,7 @@ class ShardedCheckpointer(Checkpointer):
         if with_ema:  # loaded in place, each rank its shards
             state[EMA_KEY] = self.ema.state_dict()
         try:
-            with _quiet_in_one_process():
+            with without_warning(ASSUMED_ONE_PROCESS):
                 dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
         except dcp.api.CheckpointException as err:  # a BaseException: past the CLI's one-line ending
             failure = next(iter(err.failures.values()))[0]
@@ -188,10 +186,6 @@ def _one_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-@contextlib.contextmanager
-def _quiet_in_one_process() -> Iterator[None]:
-    """DCP warns that it assumes one process whenever there is no group, even when ``no_dist`` asks
-    for that: a one-process FSDP run would print it at each save and resume."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
+# DCP warns that it assumes one process whenever there is no group, even when ``no_dist`` asks for
+# that: a one-process FSDP run would print it at each save and resume.
+ASSUMED_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
