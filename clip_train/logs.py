@@ -153,9 +153,6 @@ def timed(what: str) -> Iterator[None]:
     log.info(f"{what}: {time.perf_counter() - start:.1f} s")
 
 
-setup_logging(rank=int(os.environ.get("RANK", "0")))  # what every command starts with; train refines it
-
-
 @contextmanager
 def without_warning(starting: str) -> Iterator[None]:
     """Silences a library's warning that starts with ``starting`` (its text as printed), for one
@@ -164,3 +161,6 @@ def without_warning(starting: str) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", re.escape(starting), UserWarning)
         yield
+
+
+setup_logging(rank=int(os.environ.get("RANK", "0")))  # what every command starts with; train refines it

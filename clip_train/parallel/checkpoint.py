@@ -51,6 +51,9 @@ from clip_train.optim import AS_SAVED
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 EMA_KEY = "ema"
+# DCP warns that it assumes one process whenever there is no group, even when ``no_dist`` asks for
+# that: a one-process FSDP run would print it at each save and resume.
+_ASSUMED_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 class OptimizerApart:
@@ -89,7 +92,7 @@ class ShardedCheckpointer(Checkpointer):
             shards = {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
             if self.ema is not None:
                 shards[EMA_KEY] = self.ema.state_dict()
-            with without_warning(ASSUMED_ONE_PROCESS):
+            with without_warning(_ASSUMED_ONE_PROCESS):
                 dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
@@ -145,7 +148,7 @@ class ShardedCheckpointer(Checkpointer):
         if with_ema:  # loaded in place, each rank its shards
             state[EMA_KEY] = self.ema.state_dict()
         try:
-            with without_warning(ASSUMED_ONE_PROCESS):
+            with without_warning(_ASSUMED_ONE_PROCESS):
                 dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
         except dcp.api.CheckpointException as err:  # a BaseException: past the CLI's one-line ending
             failure = next(iter(err.failures.values()))[0]
@@ -184,8 +187,3 @@ def _saved_optimizer_params(saved: dict[str, Any]) -> set[str]:
 def _one_process() -> bool:
     """No process group: one rank writes, or reads, every shard."""
     return not (dist.is_available() and dist.is_initialized())
-
-
-# DCP warns that it assumes one process whenever there is no group, even when ``no_dist`` asks for
-# that: a one-process FSDP run would print it at each save and resume.
-ASSUMED_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
