@@ -24,8 +24,13 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: a temporary failure, run it again
 
 
-class Preempted(Exception):
-    """The run saved a checkpoint and stopped on a signal; ``checkpoint.resume=auto`` continues it."""
+class Preempted(BaseException):
+    """The run saved a checkpoint and stopped on a signal; ``checkpoint.resume=auto`` continues it.
+
+    Not an ``Exception``, as ``KeyboardInterrupt`` is not: in an evaluation the handler raises it
+    wherever the main thread is, and library code's ``except Exception`` would take it for its own
+    failure (transformers' tokenizers turn it into a ValueError about padding, and a sample's
+    decoding into a bad image), failing the run or carrying on instead of stopping it."""
 
 
 @dataclass

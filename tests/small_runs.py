@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs/demo-digits.yaml"
 TINY_MODEL_CONFIG = ROOT / "configs/model/tiny.yaml"  # TINY_MODEL overrides apply to it too
 
+# A WordPiece vocabulary of the digits captions' and templates' words, with single characters for
+# any other text (139 tokens).
+DIGITS_VOCAB = Path(__file__).with_name("digits-vocab")
+
 TINY_MODEL = [
     "model.embed_dim=16",
     "model.image.timm_kwargs={img_size: 16, patch_size: 8, depth: 2, embed_dim: 32, num_heads: 2, "

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from processes import IDLE_LIMIT_S, Watched
 from rank_faults import patched_in_rank
-from small_runs import DEMO_CONFIG, free_port, run_overrides, slow_zeroshot
+from small_runs import DEMO_CONFIG, DIGITS_VOCAB, free_port, run_overrides, slow_zeroshot
 
 from clip_train.checkpoint import checkpoint_problem, checkpoint_step, complete_checkpoints
-from clip_train.preemption import EXIT_PREEMPTED
+from clip_train.model.tokenizer import HFTokenizer
+from clip_train.preemption import EXIT_PREEMPTED, Preempted, preemption_signals
 from clip_train.stopping import STALLED_AFTER_SIGNAL_S
 
 EXIT_AFTER_CAUSE_S = 60  # the issue asks for 30 s; a hang is forever, an exit takes seconds
@@ -490,3 +492,24 @@ def test_a_signal_during_a_periodic_evaluation_saves_its_step_and_stops_every_ra
     assert_last_checkpoint_intact(out, 2)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and not any("zeroshot/top1" in r for r in records)
+
+
+def test_a_signal_in_library_code_that_catches_exceptions_still_stops_the_evaluation(monkeypatch):
+    """In an evaluation the handler raises ``Preempted`` wherever the main thread is. Here the signal
+    lands in transformers' conversion of a tokenized batch to tensors, inside its ``except
+    Exception`` that re-raises any failure as a ValueError about padding: a rank whose signal came
+    there failed (exit 1, no requeue) instead of stopping, as one did in the periodic-evaluation
+    test above once its tiny model took a WordPiece vocabulary."""
+    tokenizer = HFTokenizer(str(DIGITS_VOCAB), context_length=12)
+    real_tensor = torch.tensor
+
+    def signalled_tensor(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before the next line of Python
+        return real_tensor(*args, **kwargs)
+
+    with preemption_signals() as signals:
+        signals.interrupting = True  # as StoppableEvaluation sets it
+        monkeypatch.setattr(torch, "tensor", signalled_tensor)
+        with pytest.raises(Preempted, match="SIGUSR1 received"):
+            tokenizer(["a handwritten seven", "the digit 7"])
+    assert signals.received == signal.SIGUSR1

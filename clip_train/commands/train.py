@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported only now: torch, timm and transformers take seconds to load.
     from clip_train.distributed import init_distributed, set_main_only_timeout, shutdown_distributed
-    from clip_train.preemption import preemption_signals
+    from clip_train.preemption import Preempted, preemption_signals
     from clip_train.run_lock import hold_out_dir
     from clip_train.startup_checks import check_paths
     from clip_train.stopping import StopWatch
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, before the model is built
                 Trainer(cfg, env, startup_ended=ended).run(signals)
-        except (Exception, KeyboardInterrupt) as err:  # every way out is one line, the same on every rank
+        except (Exception, KeyboardInterrupt, Preempted) as err:  # every way out: one line, on every rank
             return watch.ended_by(err)
         finally:
             watch.close()
