@@ -296,9 +296,10 @@ def test_a_train_state_that_would_run_code_is_refused_in_one_line(run_copy, digi
 
 
 def _limit_file_size() -> None:
-    """In the child: files stop growing at 1 MiB with EFBIG, as on a full quota (SIGXFSZ ignored)."""
+    """In the child: files stop growing at 64 KiB with EFBIG, as on a full quota (SIGXFSZ ignored):
+    under the run's logs, over its weights (186 KB)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, resource.RLIM_INFINITY))
 
 
 def test_a_save_that_cannot_be_written_fails_in_one_line_and_keeps_the_older_checkpoints(run_copy, digits):
@@ -350,13 +351,13 @@ out = Path(sys.argv[1])
 cfg = load_config(TINY_MODEL_CONFIG, TINY_MODEL).model
 model = build_model(cfg)
 first = save_checkpoint(out, 1, model, cfg, {"step": 1}, keep=1)
-with open(out / "filler", "wb", buffering=0) as filler:  # fill the disk, then free 256 KiB
+with open(out / "filler", "wb", buffering=0) as filler:  # fill the disk, then free 64 KiB: not the weights
     try:
         while True:
             filler.write(bytes(2**16))
     except OSError:
         pass
-    filler.truncate(max(0, filler.tell() - 2**18))
+    filler.truncate(max(0, filler.tell() - 2**16))
 errors = []
 for check_space in (True, False):
     try:

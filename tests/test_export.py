@@ -108,7 +108,7 @@ def exported_demo(demo_run, tmp_path_factory) -> Path:
     assert checked and max(float(checked[1]), float(checked[2])) <= TOLERANCE, result.stderr
     steps = [line for line in result.stderr.splitlines() if line.startswith("clip-train: export: ")]
     assert len(steps) == 4 and steps[-1].endswith(" s")  # two steps, each announced and timed
-    assert "treats token id 0 as padding" in result.stderr  # as open_clip masks a BERT tower's input
+    assert "treats token id 0 as padding" not in result.stderr  # the bundled BPE's caveat only
     return out
 
 
@@ -124,6 +124,8 @@ def test_the_trained_demo_model_with_mean_pooling(exported_demo, demo_run, digit
         "config.json",
         "open_clip_config.json",
         "open_clip_model.safetensors",
+        "tokenizer.json",  # its WordPiece vocabulary, which open_clip loads from the folder
+        "tokenizer_config.json",
     ]
     assert (
         json.loads((exported_demo / "open_clip_config.json").read_text())["model_cfg"]["text_cfg"][
@@ -185,6 +187,16 @@ def test_cls_pooling_and_a_lit_locked_tower(tmp_path, digits, overrides, capsys)
     checkpoint = checkpoint_of(tmp_path, *overrides)
     assert cli_main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
     assert_same_embeddings(checkpoint, f"local-dir:{tmp_path / 'out'}", sample_images(digits))
+
+
+def test_a_bundled_bpe_export_says_that_open_clip_masks_its_token_id_0(tmp_path, capsys):
+    """open_clip masks a BERT tower's input where the id is 0, which the bundled BPE also writes for
+    "!" before some punctuation: the export says so (a WordPiece vocabulary pads with its own id)."""
+    checkpoint = checkpoint_of(tmp_path, "model.text.tokenizer=open_clip")
+    assert cli_main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    assert 'note: open_clip treats token id 0 as padding, which the bundled BPE also uses for "!"' in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_sigmoid_loss_model_keeps_its_logit_bias(tmp_path, digits):

@@ -38,7 +38,7 @@ def _batch(model, rows: int = ROWS):
     gen = torch.Generator().manual_seed(0)
     size, context = model.image_size, model.tokenizer.context_length
     images = torch.randint(0, 256, (rows, 3, size, size), dtype=torch.uint8, generator=gen)
-    input_ids = torch.randint(1, 1000, (rows, context), generator=gen)
+    input_ids = torch.randint(1, model.tokenizer.vocab_size, (rows, context), generator=gen)
     return images, input_ids, torch.ones_like(input_ids)
 
 
