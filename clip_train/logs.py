@@ -156,8 +156,9 @@ def timed(what: str) -> Iterator[None]:
 @contextmanager
 def without_warning(starting: str) -> Iterator[None]:
     """Silences a library's warning that starts with ``starting`` (its text as printed), for one
-    call whose case the warning misreads. Only around that call: changing the filters clears
-    Python's record of the warnings already shown once."""
+    call whose case the warning misreads. Around that call only: meanwhile the process's filters
+    are swapped for a copy (another thread's change to them is lost), and Python forgets which
+    warnings it has shown once, so those may show once more."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", re.escape(starting), UserWarning)
         yield

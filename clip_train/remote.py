@@ -7,7 +7,7 @@ A checkpoint goes up in the background after it is saved, its manifest last (a s
 loses its old manifest first): as on the local disk, a remote checkpoint without a manifest is
 incomplete and is never pulled, and a pulled one is verified against its manifest like any other.
 The run's config (with the weights it pinned), its metrics and its wandb run id go up with each
-checkpoint and again after each evaluation, and a fresh disk's resume pulls them first. After each
+checkpoint (the metrics again after each evaluation), and a fresh disk's resume pulls them first. After each
 upload the remote is pruned by the run's own rule (``checkpoint.keep`` and ``keep_every``) over
 what it holds up to that step, so milestones a fresh disk never pulled stay; a save never prunes the
 checkpoint whose upload is in flight. A failed upload is a warning and is retried with the next
@@ -21,6 +21,7 @@ import os
 import posixpath
 import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import fsspec
@@ -87,22 +88,22 @@ class RemoteMirror:
                 self._upload.join()
             self._upload = None
 
-    def push_run_files(self) -> None:
-        """Upload the run's files again once the upload in flight (if any) is done: an evaluation
+    def push_metrics(self) -> None:
+        """Upload ``metrics.jsonl`` again once the upload in flight (if any) is done: an evaluation
         logged after its checkpoint went up, whose record a fresh disk's resume would otherwise lack
-        and run again."""
-        previous = self._upload
-        self._upload = threading.Thread(target=self._push_run_files, args=(previous,), daemon=True)
-        self._upload.start()
+        and run again. (The run's other files do not change after start-up.)"""
+        upload = threading.Thread(target=self._push_metrics, args=(self._upload,), daemon=True)
+        upload.start()
+        self._upload = upload  # once started: ``wait`` cannot join a thread that never started
 
-    def _push_run_files(self, previous: threading.Thread | None) -> None:
+    def _push_metrics(self, previous: threading.Thread | None) -> None:
         if previous is not None:
             previous.join()
         try:
-            self._put_run_files()
+            self._put_run_files([METRICS_FILE])
         except Exception as err:  # any storage error: warn, and retry with the next save
             get_logger().warning(
-                f"warning: checkpoint.remote={self.url}: uploading the run's files failed "
+                f"warning: checkpoint.remote={self.url}: uploading {METRICS_FILE} failed "
                 f"({type(err).__name__}: {err}); the next checkpoint tries again"
             )
 
@@ -118,8 +119,8 @@ class RemoteMirror:
                 f"({type(err).__name__}: {err}); the next checkpoint tries again"
             )
 
-    def _put_run_files(self) -> None:
-        for name in RUN_FILES:
+    def _put_run_files(self, names: Sequence[str] = RUN_FILES) -> None:
+        for name in names:
             if (self.run_dir / name).is_file():
                 self._put(self.run_dir / name, f"{self.root}/{name}")
 

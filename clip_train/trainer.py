@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,10 @@ from clip_train.skipped_steps import TrainingAborted
 from clip_train.startup_time import StartupClock
 from clip_train.stopping import StoppableEvaluation, exit_code, waiting_for_data, writing_checkpoint
 from clip_train.teacher import load_teacher
+
+Metrics = dict[str, float]
+# Runs an evaluation, given its process group: the metrics, or None when a signal stopped it.
+EvaluationRun = Callable[[Callable[[torch.distributed.ProcessGroup | None], Metrics]], Metrics | None]
 
 
 @dataclass
@@ -441,7 +445,7 @@ class Trainer:
             self._save()
         if self._evaluates_at(self.step):
             # a signal on any rank stops it on every rank
-            self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s))
+            self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s).run)
         if not at_log:  # the window goes on after them (at a log step the next one starts then)
             window.leave_out(time.perf_counter() - aside)
 
@@ -455,7 +459,7 @@ class Trainer:
             return
         if monitor is not None:
             monitor.message(f"step {self.step}: {METRICS_FILE} holds no evaluation of it; evaluating it now")
-        self._evaluate(monitor, StoppableEvaluation(self.signals, self.cfg.train.dist_timeout_s))
+        self._evaluate(monitor, StoppableEvaluation(self.signals, self.cfg.train.dist_timeout_s).run)
         if self.startup is not None:
             self.startup.lap("evaluation")
 
@@ -481,12 +485,21 @@ class Trainer:
             decided_by_main(lambda: self.remote.push(latest_checkpoint(self.run_dir)))
 
     def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
-        """The last step is saved (unless ``checkpoint.every_steps=0``), so a signal now stops the
-        process without saving anything. One after it (during the last upload) is only recorded: the
-        run has finished."""
-        signals.interrupting = True
+        """The last step is saved (unless ``checkpoint.every_steps=0``), so a signal during the
+        evaluation stops the process without saving anything. One after it (its record, the last
+        uploads) is only recorded: the run has finished."""
+
+        def stopped_by_signals(evaluate_on: Callable[[None], Metrics]) -> Metrics:
+            if signals.received is not None:
+                raise Preempted(signals.cause)
+            signals.interrupting = True
+            try:
+                return evaluate_on(None)
+            finally:
+                signals.interrupting = False
+
         try:
-            return self._evaluate(monitor)
+            return self._evaluate(monitor, stopped_by_signals)
         except Preempted as stop:
             saved = latest_checkpoint(self.run_dir)
             kept = f"the last step's checkpoint {saved} is complete (clip-train eval evaluates it)"
@@ -494,8 +507,6 @@ class Trainer:
                 f"{stop} during the final evaluation: nothing new saved; "
                 f"{kept if saved else 'checkpoint.every_steps=0 saves none'}"
             ) from None
-        finally:
-            signals.interrupting = False
 
     def _preempted(self, signals: SignalFlag) -> Preempted:
         return Preempted(
@@ -599,17 +610,16 @@ class Trainer:
         tflops = self.flops_per_sample * samples_per_s / self.env.world_size / 1e12
         return {"train/tflops": tflops, "train/mfu": tflops / self.peak_tflops}
 
-    def _evaluate(
-        self, monitor: RunMonitor | None, stoppable: StoppableEvaluation | None = None
-    ) -> dict[str, float]:
-        """The evaluation metrics; empty without eval data, or when ``stoppable`` was stopped."""
+    def _evaluate(self, monitor: RunMonitor | None, run: EvaluationRun | None = None) -> dict[str, float]:
+        """The evaluation metrics; empty without eval data, or when ``run`` (which calls the
+        evaluation with its process group, e.g. ``StoppableEvaluation.run``) returns None."""
         if not evaluates_anything(self.cfg.eval, self.cfg.data):
             return {}
         averaged = self.ema.swapped_in() if self.cfg.eval.use_ema else contextlib.nullcontext()
         whole = contextlib.nullcontext()
         if self.sharded:  # every rank gathers the full weights: eval's ranks see uneven batches
             whole = gathered_for_eval(self.model, self.cfg.fsdp.reshard_after_forward)
-        run = stoppable.run if stoppable is not None else lambda evaluate_on: evaluate_on(None)
+        run = run or (lambda evaluate_on: evaluate_on(None))
         # eval must not shift the training RNG streams; a line marks its start in a Slurm log
         # Under CUDA graphs, eager: a no_grad pass stops at its second graphed block
         # (``_check_compile_mode``), and each eval shape would be recorded and kept.
@@ -636,5 +646,5 @@ class Trainer:
             monitor.log(self.step, metrics)
             monitor.message(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if self.remote is not None:  # its checkpoint went up before this record was written
-            self.remote.push_run_files()
+            self.remote.push_metrics()
         return metrics

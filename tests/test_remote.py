@@ -121,12 +121,12 @@ def test_a_failed_upload_warns_and_the_run_goes_on(run_copy, tmp_path, capsys):
     blocked.write_text("a file where the remote folder should be")
     mirror = RemoteMirror(f"file://{blocked}", run_copy)
     mirror.push(complete_checkpoints(run_copy)[-1])
-    mirror.push_run_files()  # after an evaluation
+    mirror.push_metrics()  # after an evaluation
     mirror.wait()
-    checkpoint, run_files = capsys.readouterr().err.splitlines()
+    checkpoint, metrics = capsys.readouterr().err.splitlines()
     warning = f"clip-train: warning: checkpoint.remote=file://{blocked}: uploading"
-    assert checkpoint.startswith(f"{warning} step_") and run_files.startswith(f"{warning} the run's files")
-    assert checkpoint.endswith("the next checkpoint tries again") and run_files.endswith("tries again")
+    assert checkpoint.startswith(f"{warning} step_") and metrics.startswith(f"{warning} {METRICS_FILE} ")
+    assert checkpoint.endswith("the next checkpoint tries again") and metrics.endswith("tries again")
 
 
 def test_an_unknown_protocol_is_one_line_naming_the_key(tmp_path):
@@ -402,6 +402,25 @@ def test_a_signal_after_the_final_evaluation_leaves_the_last_upload_to_finish(di
     _hold_uploads(monkeypatch)  # the upload starts once the run waits for it, at its very end
     _train_in_process(digits, tmp_path / "run", 3, "auto", remote)  # one save, at the last step
     assert _complete_remote_checkpoints(remote) == ["step_00000003"]
+
+
+def test_a_signal_as_the_final_evaluations_record_goes_up_is_only_recorded(digits, tmp_path, monkeypatch):
+    """The final evaluation has ended when the signal comes, as its record starts up to the remote:
+    the run has finished, and the record and the last checkpoint go up. (The signal used to stop the
+    run there as if in the evaluation, exit 75, and the process's end cut the last uploads short.)"""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    push_metrics = RemoteMirror.push_metrics
+
+    def signalled_push_metrics(self: RemoteMirror) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before the next line of Python
+        push_metrics(self)
+
+    monkeypatch.setattr(RemoteMirror, "push_metrics", signalled_push_metrics)
+    _train_in_process(digits, tmp_path / "run", 3, "auto", remote, f"data.val={digits}/val")
+    assert _complete_remote_checkpoints(remote) == ["step_00000003"]
+    fs, root = fsspec.core.url_to_fs(remote)
+    assert fs.cat_file(f"{root}/{METRICS_FILE}") == (tmp_path / "run" / METRICS_FILE).read_bytes()
+    assert _evaluated_steps(tmp_path / "run") == [3]
 
 
 _put = RemoteMirror._put
