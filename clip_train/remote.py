@@ -7,12 +7,12 @@ A checkpoint goes up in the background after it is saved, its manifest last (a s
 loses its old manifest first): as on the local disk, a remote checkpoint without a manifest is
 incomplete and is never pulled, and a pulled one is verified against its manifest like any other.
 The run's config (with the weights it pinned), its metrics and its wandb run id go up with each
-checkpoint (the metrics again after each evaluation), and a fresh disk's resume pulls them first. After each
-upload the remote is pruned by the run's own rule (``checkpoint.keep`` and ``keep_every``) over
-what it holds up to that step, so milestones a fresh disk never pulled stay; a save never prunes the
-checkpoint whose upload is in flight. A failed upload is a warning and is retried with the next
-checkpoint (a resumed run's checkpoint the remote lacks goes up at start-up): a week-long run does
-not stop for a storage hiccup.
+checkpoint (the metrics again after each evaluation), and a fresh disk's resume pulls them first.
+After each upload the remote is pruned by the run's own rule (``checkpoint.keep`` and
+``keep_every``) over what it holds up to that step, so milestones a fresh disk never pulled stay; a
+save never prunes the checkpoint whose upload is in flight. A failed upload is a warning and is
+retried with the next checkpoint (a resumed run's checkpoint the remote lacks goes up at start-up):
+a week-long run does not stop for a storage hiccup.
 """
 
 from __future__ import annotations
