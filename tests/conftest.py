@@ -54,6 +54,12 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The warnings pyproject makes errors here are errors in the processes the tests start too: the
+    runs they launch would print them unnoticed."""
+    os.environ.setdefault("PYTHONWARNINGS", ",".join(config.getini("filterwarnings")))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
