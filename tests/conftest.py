@@ -56,7 +56,11 @@ LONGEST_FIRST = (
 
 def pytest_configure(config: pytest.Config) -> None:
     """The warnings pyproject makes errors here are errors in the processes the tests start too: the
-    runs they launch would print them unnoticed."""
+    runs they launch would print them unnoticed. Not from xdist's controller: its workers would read
+    them at start-up as -W options, with which pytest drops its own filters (DeprecationWarnings
+    would no longer show)."""
+    if config.getoption("numprocesses", default=None) and not hasattr(config, "workerinput"):
+        return
     os.environ.setdefault("PYTHONWARNINGS", ",".join(config.getini("filterwarnings")))
 
 
