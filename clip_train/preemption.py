@@ -49,6 +49,18 @@ class SignalFlag:
         if self.interrupting:
             raise Preempted(self.cause)
 
+    @contextmanager
+    def raising(self) -> Iterator[None]:
+        """While the block runs, a signal raises ``Preempted`` in it (one received before: at once)
+        instead of waiting for the step's end: around an evaluation, which nothing else would stop."""
+        if self.received is not None:
+            raise Preempted(self.cause)
+        self.interrupting = True
+        try:
+            yield
+        finally:
+            self.interrupting = False
+
     @property
     def cause(self) -> str:
         """Why the run stops: this rank's signal, or another rank's."""

@@ -128,16 +128,14 @@ class StoppableEvaluation:
         stopped, result = self.signals.received is not None, None
         if not stopped:
             _evaluating[0] = self
-            self.signals.interrupting = True
             try:
-                result = evaluate(self.group)
+                with self.signals.raising():
+                    result = evaluate(self.group)
             except (Preempted, RuntimeError) as err:  # a signal here, or a peer that broke the group
-                self.signals.interrupting = False
                 stopped = isinstance(err, Preempted) or store_flag(self.key)
                 if not stopped:
                     raise
             finally:
-                self.signals.interrupting = False
                 _evaluating[0] = None
         if stopped and self.group is not None:
             raise_store_flag(self.key)

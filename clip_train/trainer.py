@@ -490,13 +490,8 @@ class Trainer:
         uploads) is only recorded: the run has finished."""
 
         def stopped_by_signals(evaluate_on: Callable[[None], Metrics]) -> Metrics:
-            if signals.received is not None:
-                raise Preempted(signals.cause)
-            signals.interrupting = True
-            try:
+            with signals.raising():
                 return evaluate_on(None)
-            finally:
-                signals.interrupting = False
 
         try:
             return self._evaluate(monitor, stopped_by_signals)

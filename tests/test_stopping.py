@@ -508,8 +508,7 @@ def test_a_signal_in_library_code_that_catches_exceptions_still_stops_the_evalua
         return real_tensor(*args, **kwargs)
 
     with preemption_signals() as signals:
-        signals.interrupting = True  # as StoppableEvaluation sets it
         monkeypatch.setattr(torch, "tensor", signalled_tensor)
-        with pytest.raises(Preempted, match="SIGUSR1 received"):
+        with pytest.raises(Preempted, match="SIGUSR1 received"), signals.raising():  # as in an evaluation
             tokenizer(["a handwritten seven", "the digit 7"])
     assert signals.received == signal.SIGUSR1
