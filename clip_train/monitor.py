@@ -28,9 +28,7 @@ class RunMonitor:
         metrics = run_dir / METRICS_FILE
         # A finished run started again only evaluates its last step again: that evaluation goes too.
         kept = drop_records_after(metrics, start_step, evaluations_too=start_step == cfg.train.max_steps)
-        self.evaluated_steps = {
-            record["step"] for record in kept if _is_evaluation(record)
-        }  # as of the start
+        self.evaluated_steps = {record["step"] for record in kept if _is_evaluation(record)}  # at the start
         self.metrics_file = metrics.open("a")
         self.progress = Progress("step", cfg.train.max_steps, initial=start_step, every_s=None)
         self.wandb_run = _start_wandb(cfg, run_dir) if cfg.log.wandb.mode != "disabled" else None

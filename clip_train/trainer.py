@@ -348,7 +348,7 @@ class Trainer:
             wait_for_device(self.env.device)
         return StepResult(stats, grad_norm)
 
-    def run(self, signals: SignalFlag | None = None) -> dict[str, float]:
+    def run(self, signals: SignalFlag | None = None) -> Metrics:
         """Train to ``train.max_steps``; returns the final evaluation metrics (empty without eval).
 
         A SIGTERM or SIGUSR1 on any rank during a step checkpoints that step and raises ``Preempted``:
@@ -484,7 +484,7 @@ class Trainer:
         if mirrored:
             decided_by_main(lambda: self.remote.push(latest_checkpoint(self.run_dir)))
 
-    def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> dict[str, float]:
+    def _final_evaluation(self, signals: SignalFlag, monitor: RunMonitor | None) -> Metrics:
         """The last step is saved (unless ``checkpoint.every_steps=0``), so a signal during the
         evaluation stops the process without saving anything. One after it (its record, the last
         uploads) is only recorded: the run has finished."""
@@ -605,7 +605,7 @@ class Trainer:
         tflops = self.flops_per_sample * samples_per_s / self.env.world_size / 1e12
         return {"train/tflops": tflops, "train/mfu": tflops / self.peak_tflops}
 
-    def _evaluate(self, monitor: RunMonitor | None, run: EvaluationRun | None = None) -> dict[str, float]:
+    def _evaluate(self, monitor: RunMonitor | None, run: EvaluationRun | None = None) -> Metrics:
         """The evaluation metrics; empty without eval data, or when ``run`` (which calls the
         evaluation with its process group, e.g. ``StoppableEvaluation.run``) returns None."""
         if not evaluates_anything(self.cfg.eval, self.cfg.data):

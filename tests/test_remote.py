@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import filecmp
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from dist_utils import run_distributed
 from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
 from test_checkpoint_verify import flip_a_byte, truncate
+from test_trainer import evaluated_steps
 
 from clip_train import load_config, stopping
 from clip_train.checkpoint import (
@@ -134,11 +134,6 @@ def test_an_unknown_protocol_is_one_line_naming_the_key(tmp_path):
         RemoteMirror("nosuch://bucket/run", tmp_path)
 
 
-def _evaluated_steps(run: Path) -> list[int]:
-    records = map(json.loads, (run / METRICS_FILE).read_text().splitlines())
-    return [record["step"] for record in records if "train/loss" not in record]
-
-
 @pytest.mark.slow
 def test_a_run_on_a_fresh_disk_resumes_from_the_remote(digits, tmp_path):
     """The spot-instance case: a run mirrors its checkpoints, its disk is lost, and the same command
@@ -160,11 +155,11 @@ def test_a_run_on_a_fresh_disk_resumes_from_the_remote(digits, tmp_path):
 
     first = train(tmp_path / "disk1", 4)
     assert "clip-train: checkpoint step_00000004 mirrored to" in first
-    assert _evaluated_steps(tmp_path / "disk1") == [2, 4]
+    assert evaluated_steps(tmp_path / "disk1") == [2, 4]
     resumed = train(tmp_path / "disk2", 6)
     assert f"resumed from {tmp_path / 'disk2' / 'checkpoints' / 'step_00000004'} at step 4" in resumed
     assert "holds no evaluation" not in resumed
-    assert _evaluated_steps(tmp_path / "disk2") == [2, 4, 6]
+    assert evaluated_steps(tmp_path / "disk2") == [2, 4, 6]
     # the remote keeps what the run keeps: the new disk holds the pulled step 4 and its own step 6
     assert {Path(p).name for p in fs.ls(f"{root}/checkpoints", detail=False)} == {
         "step_00000004",
@@ -420,7 +415,7 @@ def test_a_signal_as_the_final_evaluations_record_goes_up_is_only_recorded(digit
     assert _complete_remote_checkpoints(remote) == ["step_00000003"]
     fs, root = fsspec.core.url_to_fs(remote)
     assert fs.cat_file(f"{root}/{METRICS_FILE}") == (tmp_path / "run" / METRICS_FILE).read_bytes()
-    assert _evaluated_steps(tmp_path / "run") == [3]
+    assert evaluated_steps(tmp_path / "run") == [3]
 
 
 _put = RemoteMirror._put
