@@ -28,7 +28,7 @@ from clip_train.model.state_dicts import misfit
 
 def ema_decay_at(step: int, decay: float, warmup_power: float = 0.0) -> float:
     """The decay of the update after optimizer step ``step`` (1 for the first): ``decay``, or with a
-    warmup ``min(decay, 1 - (1 + step) ** -warmup_power)`` (timm's EMA warmup), so that the first
+    warmup ``min(decay, 1 - (1 + step) ** -warmup_power)`` (timm's a step on), so that the first
     steps' weights, far from where training goes, fade out of the average quickly."""
     if not warmup_power:
         return decay

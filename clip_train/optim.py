@@ -27,10 +27,12 @@ from clip_train.skipped_steps import SkippedSteps
 _DECAYED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D)
 # The towers' parameter prefixes and their names in the config (model.image, optim.image_lr, ...).
 _TOWERS = {"visual.": "image", "text.": "text"}
-# What a resumed optimizer state needs of the run: the parameter groups of the run that saved it.
+# What a resumed optimizer state needs of the run: the parameter groups of the run that saved it
+# (``parameter_places``), which the rates' values do not change.
 AS_SAVED = (
-    "set optim.image_lr, optim.text_lr, optim.layer_decay and the towers' locking (model.image.lock, "
-    "unlocked_layers, lock_head, freeze_norms) as the run that saved it did"
+    "set or unset optim.image_lr and optim.text_lr, turn optim.layer_decay on or off (1), and lock the "
+    "towers (model.image.lock, unlocked_layers, lock_head, freeze_norms) as the run that saved it did; "
+    "the rates' values may change"
 )
 # Torch's warning when a schedule moves on before any optimizer step: a skipped first step does.
 _SCHEDULE_BEFORE_STEP = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
@@ -46,13 +48,19 @@ def block_index(name: str) -> tuple[str, int] | None:
     return (name[: found.start(1)], int(found.group(1))) if found else None
 
 
-def tower_rates(names: list[str], lr: float, decay: float, tower: str) -> dict[str, float]:
-    """Each parameter's peak rate in one tower (``names`` in the tower's registration order), with
-    layer-wise decay: block k of L (1-based) gets ``lr * decay ** (L - k)``, what comes before the
-    first block (patch, token and position embeddings, class token, pre-norm) ``lr * decay ** L``,
-    and what comes after the last (final norm, pooling head, projection) ``lr``."""
-    if decay == 1.0:
-        return dict.fromkeys(names, lr)
+# A parameter's place among the rates: the key that sets its rate (``lr``, or its tower's
+# ``image_lr`` / ``text_lr`` where set) and the power of ``optim.layer_decay`` that scales it. The
+# groups are keyed by places, never by the rates' values: a resume at other values (``optim.lr``
+# lowered after bad steps, another ``layer_decay``) keeps the groups the checkpoint has, where equal
+# or unequal values would merge or split them.
+Place = tuple[str, int]
+
+
+def decay_powers(names: list[str], decay: float, tower: str) -> dict[str, int]:
+    """Each parameter's power of the layer decay in one tower (``names`` in the tower's
+    registration order): block k of L (1-based) ``L - k``, what comes before the first block
+    (patch, token and position embeddings, class token, pre-norm) ``L``, and what comes after the
+    last (final norm, pooling head, projection) 0."""
     blocks = {name: found for name in names if (found := block_index(name))}
     lists = sorted({holder for holder, _ in blocks.values()})
     if len(lists) != 1:
@@ -63,43 +71,49 @@ def tower_rates(names: list[str], lr: float, decay: float, tower: str) -> dict[s
         )
     depth = 1 + max(index for _, index in blocks.values())
     first = next(i for i, name in enumerate(names) if name in blocks)
-    rates = {}
-    for position, name in enumerate(names):
-        if name in blocks:
-            rates[name] = lr * decay ** (depth - (blocks[name][1] + 1))
-        else:
-            rates[name] = lr * decay**depth if position < first else lr
-    return rates
+    return {
+        name: depth - (blocks[name][1] + 1) if name in blocks else depth if position < first else 0
+        for position, name in enumerate(names)
+    }
 
 
-def parameter_rates(model: nn.Module, cfg: OptimConfig) -> dict[str, float]:
-    """Every parameter's peak rate: ``optim.image_lr`` / ``text_lr`` (default ``optim.lr``) for the
-    towers, with ``optim.layer_decay``; ``optim.lr`` for the rest (the logit scale and bias). A
-    tower with nothing to train (a LiT image tower locked whole) keeps ``optim.lr``: it needs no
-    rates, so layer decay asks nothing of its layout."""
+def parameter_places(model: nn.Module, cfg: OptimConfig) -> dict[str, Place]:
+    """Every parameter's place: ``optim.image_lr`` / ``text_lr`` where set (else ``optim.lr``) for
+    the towers, with ``optim.layer_decay``; ``optim.lr`` for the rest (the logit scale and bias). A
+    tower with nothing to train (a LiT image tower locked whole) needs no rates, so layer decay asks
+    nothing of its layout."""
     parameters = dict(model.named_parameters())
-    rates = dict.fromkeys(parameters, cfg.lr)
+    places = dict.fromkeys(parameters, ("lr", 0))
     for prefix, tower in _TOWERS.items():
         in_tower = [name for name in parameters if name.startswith(prefix)]
-        lr = getattr(cfg, f"{tower}_lr") or cfg.lr
-        if any(parameters[name].requires_grad for name in in_tower):
-            rates |= tower_rates(in_tower, lr, cfg.layer_decay, tower)
-    return rates
+        key = f"{tower}_lr" if getattr(cfg, f"{tower}_lr") is not None else "lr"
+        if not any(parameters[name].requires_grad for name in in_tower):
+            continue
+        decays = cfg.layer_decay != 1.0
+        powers = decay_powers(in_tower, cfg.layer_decay, tower) if decays else dict.fromkeys(in_tower, 0)
+        places |= {name: (key, power) for name, power in powers.items()}
+    return places
+
+
+def peak_rate(place: Place, cfg: OptimConfig) -> float:
+    key, power = place
+    return getattr(cfg, key) * cfg.layer_decay**power
 
 
 def parameter_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """The trainable parameters grouped by weight decay and peak rate (``parameter_rates``), each
-    group's ``lr`` its own; frozen ones are left out. The decayed groups come first: with one rate
-    for all, the two groups of a run without per-tower rates or layer decay."""
+    """The trainable parameters grouped by weight decay and place (``parameter_places``), each
+    group's ``lr`` its peak rate; frozen ones are left out. The decayed groups come first: without
+    per-tower rates or layer decay, the two groups of one rate for all."""
     decayed = {id(m.weight) for m in model.modules() if isinstance(m, _DECAYED_LAYERS)}
-    rates = parameter_rates(model, cfg)
-    groups: dict[tuple[float, bool], dict] = {}  # keyed by whether they decay, not by how much:
+    places = parameter_places(model, cfg)
+    groups: dict[tuple[Place, bool], dict] = {}  # keyed by whether they decay, not by how much:
     for decays in (True, False):  # optim.weight_decay=0 must not merge groups a checkpoint has apart
         weight_decay = cfg.weight_decay if decays else 0.0
         for name, p in model.named_parameters():
             if p.requires_grad and (id(p) in decayed) == decays:
-                group = {"params": [], "lr": rates[name], "weight_decay": weight_decay}
-                groups.setdefault((rates[name], decays), group)["params"].append(p)
+                place = places[name]
+                group = {"params": [], "lr": peak_rate(place, cfg), "weight_decay": weight_decay}
+                groups.setdefault((place, decays), group)["params"].append(p)
     return list(groups.values())
 
 
@@ -115,6 +129,19 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's settings but its parameters and rates (which ``Update`` sets itself)."""
     return {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+
+
+def _first_moved(saved: list[list[str]], members: list[list[str]]) -> str:
+    """The first parameter whose group differs between a checkpoint's ``saved`` groups and this
+    run's, in words."""
+    there = {name: index for index, group in enumerate(saved) for name in group}
+    here = {name: index for index, group in enumerate(members) for name in group}
+    name = next((n for n in [*here, *there] if there.get(n) != here.get(n)), None)
+    if name is None:
+        return "the same groups, their parameters in another order"
+    if name not in there or name not in here:
+        return f"{name} is trained {'here' if name in here else 'there'} only"
+    return f"{name} is in group {there[name]} there, {here[name]} here"
 
 
 def _fused_kernels_take(params: Iterable[torch.Tensor]) -> bool:
@@ -176,6 +203,8 @@ class Update:
         self.base_lr = cfg.optim.lr
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]  # this config's
         self.settings = [_settings(group) for group in self.optimizer.param_groups]  # weight decay, betas...
+        names = {p: name for name, p in model.named_parameters()}
+        self.members = [[names[p] for p in group["params"]] for group in self.optimizer.param_groups]
 
     @property
     def lr(self) -> float:
@@ -245,6 +274,7 @@ class Update:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "members": self.members,  # torch checks only the groups' sizes on loading
             "bad_total": self.skipped_steps.total,
             "bad_in_a_row": self.skipped_steps.in_a_row,  # a last step or a preemption saves mid-run
         }
@@ -255,6 +285,11 @@ class Update:
         a changed ``optim.lr``, ``image_lr``, ``text_lr`` or ``layer_decay`` while ``train/lr``
         showed the new one. So do the groups' other settings (``optim.weight_decay``, ``betas``,
         ``eps``, ``fused``). A change is said in one line."""
+        if (saved := state.get("members", self.members)) != self.members:  # not in checkpoints before it
+            raise UserError(
+                f"the checkpoint's optimizer state groups the parameters otherwise than this run "
+                f"({_first_moved(saved, self.members)}): {AS_SAVED}"
+            )
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except ValueError as err:  # torch's: other groups, or groups of other sizes
@@ -263,7 +298,10 @@ class Update:
                 f"{AS_SAVED}"
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"] or not self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        elif rank_and_world()[0] == 0:  # the run that saved it had no loss scale: bf16 or fp32
+            get_logger().info("the checkpoint has no fp16 loss scale: the run starts at the initial scale")
         self.skipped_steps.total = state["bad_total"]
         self.skipped_steps.in_a_row = state.get("bad_in_a_row", 0)  # not in checkpoints before it
         if self.scheduler.base_lrs != self.peak_lrs and rank_and_world()[0] == 0:

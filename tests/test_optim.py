@@ -265,9 +265,17 @@ def test_the_schedule_scales_each_group_own_rate(schedule):
     assert [g["lr"] for g in optimizer.param_groups] == [p * (cfg.min_lr / LR) for p in peaks]
 
 
-def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
+@pytest.mark.parametrize(
+    ("lr", "image_lr", "decay"),
+    [
+        (LR / 2, IMAGE_LR / 3, DECAY),
+        (IMAGE_LR, IMAGE_LR, DECAY**2),  # the text tower's rates now the image tower's: no merged groups
+    ],
+)
+def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys, lr, image_lr, decay):
     """Three steps at one set of rates, resumed with others: the moments and the schedule's position
-    come back, the rates are the new config's (the saved ones won, while train/lr showed the new)."""
+    come back, the rates are the new config's (the saved ones won, while train/lr showed the new).
+    The groups are those the checkpoint has whatever the new values, equal ones included."""
     model = tiny_model()
     grads = {name: torch.randn_like(p) for name, p in model.named_parameters() if p.requires_grad}
 
@@ -283,13 +291,14 @@ def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
         first(torch.tensor(1.0), step)
     state = first.state_dict()
     saved = copy.deepcopy(state["optimizer"]["state"])  # load_state_dict may take the tensors as they are
-    resumed = update_for(f"optim.lr={LR / 2}", f"optim.image_lr={IMAGE_LR / 3}", f"optim.layer_decay={DECAY}")
+    resumed = update_for(f"optim.lr={lr}", f"optim.image_lr={image_lr}", f"optim.layer_decay={decay}")
     peaks = [group["initial_lr"] for group in resumed.optimizer.param_groups]  # this config's
+    assert resumed.members == first.members
     setup_logging()
     resumed.load_state_dict(state)
-    resumed_cfg = OptimConfig(lr=LR / 2, warmup_steps=2)
+    resumed_cfg = OptimConfig(lr=lr, warmup_steps=2)
     factor = lr_factor(3, resumed_cfg, max_steps=10)  # the next step's, the 4th
-    assert resumed.base_lr == LR / 2 and resumed.lr == LR / 2 * lr_factor(2, resumed_cfg, max_steps=10)
+    assert resumed.base_lr == lr and resumed.lr == lr * lr_factor(2, resumed_cfg, max_steps=10)
     assert [group["lr"] for group in resumed.optimizer.param_groups] == [peak * factor for peak in peaks]
     assert resumed.scheduler.last_epoch == 3
     loaded = resumed.optimizer.state_dict()["state"]
@@ -298,8 +307,35 @@ def test_a_resume_goes_on_at_the_configs_rates_and_logs_them(capsys):
         assert before.keys() == loaded[index].keys()
         assert all(torch.equal(before[k], loaded[index][k]) for k in before), index
     assert "the learning rates differ from the checkpoint's" in capsys.readouterr().err
+    regrouped = update_for(f"optim.lr={LR}")  # no layer decay, no image_lr: other groups
+    with pytest.raises(UserError, match=r"groups the parameters otherwise than this run \(visual\.trunk\."):
+        regrouped.load_state_dict(state)
+    del state["members"]  # a checkpoint from before they were saved: torch's check of the sizes
     with pytest.raises(UserError, match=r"optimizer state does not fit this run's parameter groups \(loaded"):
-        update_for(f"optim.lr={LR}").load_state_dict(state)  # no layer decay: other groups
+        regrouped.load_state_dict(state)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("bf16", "fp16"), ("fp16", "bf16"), ("fp32", "fp16")])
+def test_a_resume_may_turn_the_fp16_loss_scale_on_or_off(capsys, saved, resumed):
+    """A run saved without a loss scale (bf16, fp32) resumes in fp16 from the initial scale, where
+    torch's scaler refuses the saved empty state; one saved in fp16 resumes without it."""
+    model = tiny_model()
+
+    def update_for(precision: str) -> Update:
+        overrides = ["train.max_steps=10", "train.device=cpu", f"train.precision={precision}"]
+        return Update(model, load_config(TINY_MODEL_CONFIG, overrides), torch.device("cpu"))
+
+    state = update_for(saved).state_dict()
+    update = update_for(resumed)
+    fresh = update.scaler.state_dict()
+    setup_logging()
+    update.load_state_dict(state)
+    assert update.scaler.state_dict() == fresh and update.scaler.is_enabled() == (resumed == "fp16")
+    said = (
+        "the checkpoint has no fp16 loss scale: the run starts at the initial scale"
+        in capsys.readouterr().err
+    )
+    assert said == (resumed == "fp16")
 
 
 def test_a_resume_goes_on_at_the_configs_weight_decay_betas_and_eps(capsys):
