@@ -9,9 +9,11 @@ import gzip
 import io
 import itertools
 import json
+import re
 import shutil
 import sys
 import tarfile
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -36,7 +38,7 @@ from clip_train.data import (
     sources,
     train_loader,
 )
-from clip_train.data.batches import read_source, source_urls
+from clip_train.data.batches import BatchBuilder, read_source, source_urls
 from clip_train.data.samples import BadSample, SkipTally, decode_sample, sample_key
 from clip_train.data.sources import read_shard
 from clip_train.data.tables import TableFormat
@@ -285,7 +287,7 @@ def corrupt_spec(root: Path) -> str:
 
 def test_each_bad_kind_is_classified_and_counted_once(corrupt_shards):
     root, good_keys = corrupt_shards
-    tally = SkipTally(max_fraction=1.0, min_seen=1)
+    tally = SkipTally(max_fraction=1.0)
     arrived = []
     for url in expand_urls(corrupt_spec(root)):
         for raw in read_shard(url):
@@ -445,11 +447,32 @@ def test_skip_rate_above_the_limit_stops_with_a_clear_error(corrupt_shards):
     root, _ = corrupt_shards
     cfg = config(corrupt_spec(root), resampled=False, workers=1, num_samples=1000, max_skip_fraction=0.2)
     loader = loader_for(cfg, global_batch=2)
-    with pytest.raises(DataError, match=r"were skipped, more than data.max_skip_fraction=0.2"):
-        take(loader, 20)
-    # a pass skips 8 of 18; no prefix of any shard order skips more than 2 of 3 once 2 were seen
-    relaxed = dataclasses.replace(cfg, max_skip_fraction=0.75)
-    take(loader_for(relaxed, global_batch=2), 20)
+    take(loader, 20)  # a pass skips 8 of 18: judged from the first 1,000 samples on
+    with pytest.raises(DataError, match=r"were skipped, more than data.max_skip_fraction=0.2") as err:
+        take(loader, 500)
+    skipped, seen = map(int, re.search(r"(\d+) of (\d+) samples", str(err.value)).groups())
+    assert SkipTally.MIN_SEEN <= seen < SkipTally.MIN_SEEN + 18 and 0.4 < skipped / seen < 0.5
+
+
+def test_the_skip_rate_is_judged_from_1000_samples_on_and_per_source_by_its_own_reasons():
+    """From a rank's batch of 8 on, one bad sample in the first 8 stopped the run; a source's error
+    names its own skips, not the whole stream's."""
+    early = SkipTally(max_fraction=0.1, min_seen=8)
+    for _ in range(7):
+        early.add_good()
+    early.add_bad(BadSample("bad_image"), {})
+    tally = SkipTally(max_fraction=0.5, min_seen=8, sources=("0-a", "1-b"))
+    for _ in range(60):
+        tally.add_bad(BadSample("missing_caption"), {"__source__": 0})
+    for _ in range(2000):
+        tally.add_good(0)
+    for _ in range(400):
+        tally.add_good(1)
+    with pytest.raises(DataError) as err:  # the stream's 660 of 3060 are under its limit
+        for _ in range(600):
+            tally.add_bad(BadSample("bad_image"), {"__source__": 1})
+    assert str(err.value).startswith("source 1-b of data.train: 600 of 1000 samples (60.0%) were skipped")
+    assert "reasons: {'bad_image': 600}." in str(err.value)
 
 
 @pytest.mark.timeout(120)  # without the rule the loader cycles the shards forever
@@ -732,7 +755,16 @@ def test_written_shards_load_and_captions_are_truncated_to_the_context(tmp_path)
     batch = next(loader_for(cfg, global_batch=6))
     assert sorted(batch.keys) == [f"{i:03d}" for i in range(6)]
     assert batch.input_ids.shape == (6, 12) and batch.attention_mask.all()  # 12 = context length, full
-    assert sorted(batch.labels.tolist()) == list(range(6))
+    assert batch.labels is None  # the labels are in the json, which training reads for a caption only
+    evaluated = build_eval_loader(
+        str(tmp_path / "w"),
+        batch_size=6,
+        rank=0,
+        world_size=1,
+        image_size=IMAGE_SIZE,
+        tokenizer=ClipTokenizer(),
+    )
+    assert sorted(label for batch in evaluated for label in batch.labels.tolist()) == list(range(6))
 
 
 # --------------------------------------------------------------------------------------------
@@ -776,8 +808,8 @@ def test_a_weighted_mixture_draws_each_source_in_proportion(two_sources):
     [
         (
             0.5,
-            0.1,
-            r"source 1-dead of data.train: 8 of 8 samples \(100.0%\) were skipped, more than data.max",
+            0.3,
+            r"source 1-dead of data.train: 1000 of 1000 samples \(100.0%\) were skipped, more than data.max",
         ),
         (1.0, 0.5, r"source 1-dead of data.train: none of the first 1000 samples could be used"),
     ],
@@ -799,7 +831,7 @@ def test_a_mixture_source_with_no_usable_sample_stops_the_run_naming_it(
         max_skip_fraction=max_skip_fraction,
     )
     with pytest.raises(DataError, match=message):
-        take(loader_for(cfg, global_batch=8), 200)
+        take(loader_for(cfg, global_batch=8), 1000)
 
 
 def test_mixture_options_are_checked_at_start_up_naming_the_key():
@@ -893,6 +925,14 @@ def test_a_mixture_changed_since_the_saved_state_is_refused(two_sources):
         loader_for(dataclasses.replace(cfg, train_weights=[0.5, 0.5])).load_state_dict(state)
     with pytest.raises(DataError, match=r"saved with mixture_shares=.*this run has mixture_shares=None"):
         loader_for(dataclasses.replace(cfg, train_weights=[])).load_state_dict(state)
+    # The same mixture otherwise spelled: its shares differ in the last bit (0.875 and 0.8750000000000001)
+    tenths = dataclasses.replace(cfg, train_weights=[0.7, 0.1])
+    loader = loader_for(tenths)
+    take(loader, 2)
+    state, going_on = loader.state_dict(), take(loader, 2)
+    resumed = loader_for(dataclasses.replace(cfg, train_weights=[7, 1]))
+    resumed.load_state_dict(state)
+    assert [batch.keys for batch in take(resumed, 2)] == [batch.keys for batch in going_on]
 
 
 def test_a_mixture_whose_source_moved_to_another_folder_resumes_and_keeps_counting_it(two_sources, tmp_path):
@@ -1058,6 +1098,54 @@ def test_a_zero_byte_caption_is_a_blank_one_and_unread_members_do_not_count():
     for member in ("png", "json"):
         with pytest.raises(BadSample, match=f"empty_file: zero-byte {member}"):
             decode_sample(sample | {"txt": b"t", member: b""})
+
+
+def test_training_reads_the_json_only_for_a_caption_from_it(tmp_path):
+    """Beside a .txt caption, a zero-byte json, one that does not parse and one that is no object
+    cost training no sample, as in OpenCLIP; a caption from the json, and evaluation (the labels),
+    skip them."""
+    broken = {"e": b"", "f": b"{not json", "g": b"[1]"}
+    members = [m for key in "abc" for m in good(key)]
+    members += [m for key, meta in broken.items() for m in [*good(key)[1:], (f"{key}.json", meta)]]
+    write_tar(tmp_path / "shard-000.tar", members)
+    loader = loader_for(config(str(tmp_path), workers=0, num_samples=6, resampled=False), global_batch=6)
+    (batch,) = take(loader, 1)
+    assert sorted(batch.keys) == ["a", "b", "c", "e", "f", "g"] and loader.skip_counts() == {}
+    from_json = config(
+        str(tmp_path), workers=0, num_samples=6, caption_key="json:caption", max_skip_fraction=1.0
+    )
+    with pytest.raises(DataError, match=r"none of the first 1000 samples could be used") as err:
+        take(loader_for(from_json, global_batch=2), 1)
+    assert "'bad_json'" in str(err.value) and "'empty_file'" in str(err.value)
+    evaluated = build_eval_loader(
+        str(tmp_path), batch_size=4, rank=0, world_size=1, image_size=IMAGE_SIZE, tokenizer=ClipTokenizer()
+    )
+    assert [key for batch in evaluated for key in batch.keys] == ["a", "b", "c"]
+
+
+def test_a_batch_in_the_making_holds_each_crop_once_and_no_decoded_picture():
+    """Each crop goes into the batch's tensor as it comes and the decoded picture is let go: a
+    worker building a large rank batch holds one crop per sample. A short last batch (evaluation's)
+    takes its rows alone; labels only where every sample has one."""
+    transform = train_transform(IMAGE_SIZE, **CROP)
+    raws = [{"__key__": f"k{i}", "__url__": "u", "png": png(i), "txt": b"t"} for i in range(4)]
+    decoded = [decode_sample(raw) for raw in raws]
+    crops = [apply_seeded(transform, sample.image, seed) for seed, sample in enumerate(decoded)]
+    pictures = [weakref.ref(sample.image) for sample in decoded]
+    builder = BatchBuilder(3)
+    for sample, crop in zip(decoded[:3], crops[:3], strict=True):
+        builder.add(sample, crop)
+    assert builder.full() and builder.images.data_ptr() not in {crop.data_ptr() for crop in crops}
+    kept, waiting = builder.images, decoded[3]
+    del decoded, sample
+    assert [picture() is None for picture in pictures] == [True, True, True, False]  # the 4th not added
+    batch = builder.batch(ClipTokenizer())
+    assert batch.images is kept and torch.equal(batch.images, torch.stack(crops[:3]))
+    assert batch.keys == ["k0", "k1", "k2"] and batch.labels is None and len(builder) == 0
+    builder.add(dataclasses.replace(waiting, meta={"label": 4}), crops[3])
+    last = builder.batch(ClipTokenizer())
+    assert last.images.shape == (1, *crops[3].shape) and torch.equal(last.images[0], crops[3])
+    assert last.images.untyped_storage().nbytes() == crops[3].nbytes and last.labels.tolist() == [4]
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from clip_train.config import DataConfig
 from clip_train.data.batches import (
     Batch,
+    BatchBuilder,
     RawSample,
     Tokenizer,
-    collate,
     keys_for,
     read_source,
     source_urls,
@@ -41,7 +41,7 @@ class EvalStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         tally = SkipTally.counting_only()
-        batch: list[tuple[Decoded, torch.Tensor]] = []
+        batch = BatchBuilder(self.batch_size)
 
         def decode(raw: RawSample, _: int) -> Decoded:
             return decode_sample(raw, keys_for(raw, self.caption_keys))
@@ -51,13 +51,12 @@ class EvalStream(IterableDataset):
             for _, sample in usable(mine, tally, decode):
                 # A full batch goes once the next sample is usable: the last one then counts the
                 # samples skipped after it too.
-                if len(batch) == self.batch_size:
-                    yield collate(batch, self.tokenizer, skipped=tally.take_pending())
-                    batch = []
-                batch.append((sample, self.transform(sample.image)))
+                if batch.full():
+                    yield batch.batch(self.tokenizer, skipped=tally.take_pending())
+                batch.add(sample, self.transform(sample.image))
         skipped = tally.take_pending()
-        if batch:
-            yield collate(batch, self.tokenizer, skipped=skipped)
+        if len(batch):
+            yield batch.batch(self.tokenizer, skipped=skipped)
         elif skipped:  # a share without one usable sample: its skips must still be counted
             no_rows = torch.zeros(0, dtype=torch.long)
             yield Batch(no_rows.byte(), no_rows, no_rows, keys=[], skipped=skipped)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,10 +36,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from clip_train.config import DataConfig
 from clip_train.data.batches import (
     Batch,
+    BatchBuilder,
     Decode,
     RawSample,
     Tokenizer,
-    collate,
     keys_for,
     read_source,
     source_urls,
@@ -115,7 +116,7 @@ def _replay(items: Iterator[RawSample], good_wanted: int, decode: Decode) -> int
     """Consume items until ``good_wanted`` usable samples went by; return the items consumed. Items
     with none usable stop it as they stop training (``SkipTally``'s rule at ``max_fraction=1``: the
     earlier run counted these skips, and the rate was its to check), where it would spin forever."""
-    guard = SkipTally(max_fraction=1.0, min_seen=1)
+    guard = SkipTally(max_fraction=1.0)
     consumed = 0
     while guard.good < good_wanted:
         consumed += 1
@@ -183,7 +184,7 @@ class TrainStream(IterableDataset):
         def decode(raw: RawSample, taken: int) -> Decoded:
             keys = keys_for(raw, spec.caption_keys)
             pick = _seed("caption", spec.seed, epoch, spec.rank, role, taken) if len(keys) > 1 else 0
-            return decode_sample(raw, keys, pick)
+            return decode_sample(raw, keys, pick, meta_needed=False)
 
         return decode
 
@@ -205,17 +206,17 @@ class TrainStream(IterableDataset):
             collections.deque(itertools.islice(items, consumed), maxlen=0)
         else:
             consumed = _replay(items, done * spec.batch_size, decode)
-        batch: list[tuple[Decoded, torch.Tensor]] = []
+        batch = BatchBuilder(spec.batch_size)
         for taken, sample in usable(items, tally, decode, consumed):
             crop_seed = _seed("crop", spec.seed, epoch, spec.rank, role, taken)
-            batch.append((sample, apply_seeded(self.transform, sample.image, crop_seed)))
-            if len(batch) == spec.batch_size:
+            batch.add(sample, apply_seeded(self.transform, sample.image, crop_seed))
+            if batch.full():
                 done += 1
                 position = (role, epoch, done, taken)
-                sources = collections.Counter(spec.mixture[s.source].name for s, _ in batch if spec.mixture)
+                names = [spec.mixture[s.source].name for s in batch.samples] if spec.mixture else []
+                sources = collections.Counter(names)
                 extra = {"skipped": tally.take_pending(), "sources": dict(sources), "position": position}
-                yield collate(batch, self.tokenizer, **extra)
-                batch = []
+                yield batch.batch(self.tokenizer, **extra)
                 if done == wanted:
                     return
 
@@ -366,6 +367,16 @@ def _shard_names_digest(urls: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
+def _same(saved: Any, now: Any) -> bool:
+    """Equal, floats to rounding: a mixture's weights spelled ``[7, 2, 1]`` and ``[0.7, 0.2, 0.1]``
+    are one mixture, whose normalised shares differ in the last bit."""
+    if isinstance(saved, list) and isinstance(now, list):
+        return len(saved) == len(now) and all(map(_same, saved, now))
+    if isinstance(saved, float) and isinstance(now, float):
+        return math.isclose(saved, now, rel_tol=1e-12)
+    return saved == now
+
+
 def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[Position]:
     """The saved positions, once the state is checked to be this setting's. A key the state lacks
     (saved before it was recorded) is not checked."""
@@ -374,7 +385,7 @@ def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[P
     if state["step"] != start_step:
         raise DataError(f"the data loader state was saved at step {state['step']}, not at step {start_step}")
     for key, now in _fingerprint(spec).items():
-        if key in state and state[key] != now:
+        if key in state and not _same(state[key], now):
             raise DataError(
                 f"cannot restore the data position: it was saved with {key}={state[key]}, this run has "
                 f"{key}={now}; set {FINGERPRINT_KEYS[key]} as the run that saved it did to resume exactly"
