@@ -168,6 +168,19 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def require_host_collectives(group: dist.ProcessGroup | None = None) -> None:
+    """Refuse a group without a backend for host tensors (NCCL alone, made by code that calls the
+    library): the trainer and the evaluation agree on host values (stop votes, skip counts, a rank's
+    error) through it, which would fail at the first step or evaluation instead of here."""
+    if not dist.is_initialized() or "cpu:" in (backends := dist.get_backend_config(group)):
+        return
+    raise UserError(
+        f"the process group's backends ({backends}) take no host tensors, which clip_train exchanges "
+        "through it: add gloo for them, init_process_group('cuda:nccl,cpu:gloo') (or no backend: torch's "
+        "default makes both)"
+    )
+
+
 def host_values_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
     """Where ranks exchange host values (shapes, counts) about tensors on ``device``: the host when
     the group serves host tensors (a CUDA run's ``cuda:nccl,cpu:gloo``), since reading an NCCL

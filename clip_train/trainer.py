@@ -37,6 +37,7 @@ from clip_train.distributed import (
     decided_by_main,
     failing_together,
     main_done,
+    require_host_collectives,
     sum_counts_over_ranks,
     wait_for_device,
 )
@@ -117,6 +118,7 @@ class Trainer:
         """``startup_ended``: when the start-up's stages before the trainer ended (``clip-train
         train``'s imports and process group), the first laps of its start-up clock."""
         self.cfg, self.env = cfg, env
+        require_host_collectives()
         clock = StartupClock(settle=lambda: wait_for_device(env.device), ended=startup_ended)
         self.startup: StartupClock | None = clock  # None once this process's first step ended
         clock.lap("launch")  # since those stages (or the process's start): logging, the folder's lock

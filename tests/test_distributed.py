@@ -14,6 +14,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from torch.testing._internal.distributed.fake_pg import _create_fake_pg
 
+from clip_train.config import DataConfig, EvalConfig
 from clip_train.distributed import (
     DistEnv,
     PeerEnded,
@@ -27,11 +28,13 @@ from clip_train.distributed import (
     new_group_of_all,
     process_group_backend,
     rank_and_world,
+    require_host_collectives,
     resolve_device,
     set_main_only_timeout,
     sum_counts_over_ranks,
 )
 from clip_train.errors import UserError
+from clip_train.eval import evaluate
 from clip_train.loss.checks import check_inputs
 from clip_train.preemption import Preempted
 from clip_train.stopping import Ending, exit_code
@@ -116,6 +119,7 @@ def test_a_gpu_per_local_rank_or_one_line_naming_the_visible_devices(monkeypatch
         local_gpu(2, visible=2)
 
 
+CPU = torch.device("cpu")
 NCCL_STAND_IN = "nccl_stand_in"  # a backend for CUDA tensors only, as NCCL is; no GPU here to run NCCL
 
 
@@ -187,6 +191,40 @@ def test_the_losss_shape_check_runs_on_the_host_in_a_cuda_runs_group():
     )
     assert (
         run_distributed(loss_shape_agreement, 2, timeout_s=60) == [("meta", mismatch, ["cpu", "cuda:0"])] * 2
+    )
+
+
+def refusals_of_a_group_without_host_collectives(rank: int, world_size: int) -> list[str | None]:
+    """What the evaluation and the check say of an NCCL-only group, and the check of the default."""
+    _register_nccl_stand_in()
+    nccl_only = dist.new_group(backend=NCCL_STAND_IN)
+    said = []
+    for check in (
+        lambda: evaluate(
+            torch.nn.Identity(), EvalConfig(), DataConfig(), device=CPU, precision="fp32", group=nccl_only
+        ),
+        lambda: require_host_collectives(nccl_only),
+        require_host_collectives,
+    ):
+        try:
+            check()
+            said.append(None)
+        except UserError as err:
+            said.append(str(err))
+    return said
+
+
+def test_a_group_without_host_collectives_is_refused_before_any_of_them():
+    """A group made by code that calls the library with NCCL alone: the votes and counts the trainer
+    and the evaluation exchange on the host failed at the first step or evaluation, on every rank."""
+    refusal = (
+        "the process group's backends (cuda:nccl_stand_in) take no host tensors, which clip_train exchanges "
+        "through it: add gloo for them, init_process_group('cuda:nccl,cpu:gloo') (or no backend: torch's "
+        "default makes both)"
+    )
+    assert (
+        run_distributed(refusals_of_a_group_without_host_collectives, 2, timeout_s=60)
+        == [[refusal, refusal, None]] * 2
     )
 
 

@@ -31,7 +31,7 @@ from clip_train.data.eval_sources import (
     shard_batches,
     zeroshot_sources,
 )
-from clip_train.distributed import rank_and_world
+from clip_train.distributed import rank_and_world, require_host_collectives
 from clip_train.eval.encode import encode_split
 from clip_train.eval.metrics import hits_at_k, retrieval_recall, validation_loss, zeroshot_from_features
 from clip_train.eval.zeroshot import (
@@ -73,6 +73,7 @@ def evaluate(
     Call on every rank with the unwrapped model (not the DDP wrapper). When zero-shot reads
     ``data.val`` too, one pass over it serves both.
     """
+    require_host_collectives(group)
     rank, world = rank_and_world(group)
     retrieval = eval_cfg.retrieval and bool(data_cfg.val)
     encode = dict(device=device, precision=precision, group=group)
