@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import open_clip
 import torch
@@ -46,6 +48,7 @@ MARKER = ".clip_train_export"  # in every export: a folder that a later export m
 RENAMES = (("visual.proj.", "visual.head.proj."), ("text.encoder.", "text.transformer."))  # ours, open_clip's
 VERIFY_TOLERANCE = 1e-4  # largest |difference| of unit-norm embeddings the export may show
 PROBE_CAPTIONS = ["a photo of a dog", "A handwritten digit seven,  on paper!", "zero " * 40]
+T = TypeVar("T")
 
 
 class ExportError(UserError):
@@ -229,22 +232,27 @@ def check_target(out: Path) -> None:
         raise ExportError(f"cannot export to {out}: {blocking} is a file, not a folder")
 
 
-def write_export(model: CLIP, out: Path) -> None:
-    """Write the export into a temporary sibling of ``out`` and swap it into place: a failed write (a
-    full disk) is one line, leaves no temporary folder and leaves what was at ``out`` as it was."""
+def write_export(model: CLIP, out: Path, check: Callable[[Path], T]) -> T:
+    """Write the export into a temporary sibling of ``out``, ``check`` it there and swap it into
+    place: a failed write (a full disk) is one line, and neither it nor a failed check leaves a
+    temporary folder or touches what was at ``out``. Returns what ``check`` returns."""
     check_target(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     earlier = out.is_dir() and any(out.iterdir())
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_export_files(model, tmp, Location.folder(out))
+        write_export_files(model, tmp, Location.folder(tmp))
+        checked = check(tmp)
+        for name, content in location_files(model, Location.folder(out)).items():  # now naming ``out``
+            (tmp / name).write_bytes(content)
         replace_folder(tmp, out, aside=out.with_name(f".{out.name}.old-{os.getpid()}"))
     except WRITE_ERRORS as err:
         kept = "the earlier export there is unchanged" if earlier else "nothing was written there"
         raise ExportError(f"cannot export to {out}: {write_failure(err)}; {kept}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already once swapped into place
+    return checked
 
 
 def write_export_files(model: CLIP, folder: Path, at: Location) -> None:
@@ -310,16 +318,18 @@ def push_to_hub(model: CLIP, out: Path, repo: str, *, private: bool) -> RepoUrl:
 
 
 def export_open_clip(model: CLIP, out: Path) -> tuple[float, float]:
-    """Write ``out`` and check that open_clip reproduces the model: the largest |difference| of its
-    image and text embeddings. An export that does not match is deleted, with a one-line error."""
+    """Write ``out`` once open_clip reproduces the model from it: the largest |difference| of its
+    image and text embeddings. An export that does not match is not written, with a one-line error."""
     check_expressible(model)
-    write_export(model, out)
-    image, text = verify(model, Location.folder(out))
-    if max(image, text) > VERIFY_TOLERANCE:
-        shutil.rmtree(out)
-        tower = "model.image.timm" if image > VERIFY_TOLERANCE else "model.text.hf"
-        raise ExportError(
-            f"{tower}: open_clip's copy differs from the model by up to {max(image, text):.1e} "
-            f"(image {image:.1e}, text {text:.1e}); this tower cannot be exported exactly"
-        )
-    return image, text
+
+    def reproduced(staged: Path) -> tuple[float, float]:
+        image, text = verify(model, Location.folder(staged))
+        if max(image, text) > VERIFY_TOLERANCE:
+            tower = "model.image.timm" if image > VERIFY_TOLERANCE else "model.text.hf"
+            raise ExportError(
+                f"{tower}: open_clip's copy differs from the model by up to {max(image, text):.1e} "
+                f"(image {image:.1e}, text {text:.1e}); this tower cannot be exported exactly"
+            )
+        return image, text
+
+    return write_export(model, out, reproduced)

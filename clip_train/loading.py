@@ -70,8 +70,9 @@ def load(
     wise_ft: float | None = None,
     wise_ft_from: str = "",
 ) -> tuple[LoadedCLIP, ImageTransform, IdsTokenizer]:
-    """``(model, preprocess, tokenizer)`` from a checkpoint, a run directory (its newest complete
-    checkpoint) or a checkpoint's ``model.safetensors``; the model is in eval mode on ``device``.
+    """``(model, preprocess, tokenizer)`` from a checkpoint, a run directory (its newest checkpoint;
+    a damaged one is an error) or a checkpoint's ``model.safetensors``; the model is in eval mode on
+    ``device``.
     ``ema=True``: the checkpoint's moving average of the weights (``train.ema_decay``) instead.
     ``wise_ft=alpha``: those weights mixed with the ones the run started from (WiSE-FT), its
     ``model.init_from`` or ``wise_ft_from``: ``(1 - alpha) * start + alpha * fine_tuned``.

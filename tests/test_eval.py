@@ -674,6 +674,8 @@ def test_eval_cli_on_a_tiny_checkpoint(tmp_path, tiny_config, tiny_model):
     assert "zeroshot/top1" in result.stdout and reported["checkpoint"].endswith("model.safetensors")
     cfg = load_config(tiny_config)
     expected = evaluate(tiny_model, cfg.eval, cfg.data, device=CPU, precision="fp32")
+    assert reported.pop("ema") is False
+    assert result.stdout.startswith(f"evaluated: the weights in {checkpoint}/")
     assert {k: v for k, v in reported.items() if k != "checkpoint"} == expected  # the weights were loaded
     assert expected["zeroshot/n"] == expected["retrieval/n"] == NUM_SAMPLES
 
@@ -686,6 +688,7 @@ def test_eval_cli_without_a_config_uses_the_checkpoints_own(demo_run):
     assert result.returncode == 0, result.stderr
     reported = json.loads(result.stdout.strip().splitlines()[-1])
     assert reported.pop("checkpoint") == str(demo_run / "checkpoints" / "step_00000040" / "model.safetensors")
+    assert reported.pop("ema") is False  # the run's eval.use_ema
     logged = [json.loads(line) for line in (demo_run / "metrics.jsonl").read_text().splitlines()]
     final = [metrics for metrics in logged if "zeroshot/top1" in metrics][-1]
     keys = ("zeroshot/top1", "zeroshot/top5", "zeroshot/n", "zeroshot/skipped")

@@ -380,6 +380,22 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path, capsys
     assert files_under(tmp_path) == before
 
 
+def test_an_export_open_clip_does_not_reproduce_leaves_the_earlier_one(tmp_path, capsys, monkeypatch):
+    """It is checked where it was written, before it takes the earlier export's place. No tower here
+    differs (check_expressible refuses those that would): a tolerance below any difference stands in."""
+    checkpoint, out = checkpoint_of(tmp_path / "source"), tmp_path / "out"
+    assert cli_main(["export", str(checkpoint), str(out)]) == 0
+    capsys.readouterr()
+    before = files_under(tmp_path)
+    monkeypatch.setattr(clip_train.export, "VERIFY_TOLERANCE", -1.0)
+    assert cli_main(["export", str(checkpoint), str(out)]) == 2
+    (line,) = errors(capsys.readouterr().err)
+    assert re.fullmatch(
+        r"clip-train: error: model\.image\.timm: open_clip's copy differs from the model .*", line
+    )
+    assert files_under(tmp_path) == before
+
+
 HUB_EMBEDDINGS = """
 import json, sys, torch, open_clip
 from PIL import Image

@@ -218,8 +218,9 @@ def test_fsdp_ema_shards_like_the_weights_and_evaluation_uses_it(digits, tmp_pat
     command = json.loads(capsys.readouterr().out.splitlines()[-1])
     towers = {name for name in results[0]["placed"] if name.startswith(("visual.", "text."))}
     assert towers and all(result["placed"][name] for result in results for name in towers)
+    assert command["ema"] is True  # said, as export and load take the weights unless asked
     for got in (*(result["final"] for result in results), command):
-        assert got.keys() - {"checkpoint"} == alone.keys()
+        assert got.keys() - {"checkpoint", "ema"} == alone.keys()
         for name, value in alone.items():
             # identical captions encoded in other batches differ in the last bits (see test_fsdp_trainer)
             slack = 1 / alone["retrieval/n"] if name.startswith("retrieval/") else 1e-12

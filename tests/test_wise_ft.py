@@ -109,21 +109,22 @@ def test_eval_at_the_ends_gives_the_released_models_and_the_runs_metrics(
     assert [r.pop("wise_ft") for r in reported] == [
         {"alpha": alpha, "from": f"open_clip:local-dir:{released}"} for alpha in (0.0, 1.0)
     ]
-    assert printed[0].split() == ["alpha", "0", "1"]
+    file = fine_tuned / "checkpoints" / "step_00000003" / MODEL_FILE
+    assert printed[0] == f"evaluated: the weights in {file}"
+    assert printed[1].split() == ["alpha", "0", "1"]
     start = f"open_clip:local-dir:{released}"
     assert [line for line in captured.err.splitlines() if "WiSE-FT alpha" in line] == [
         f"clip-train: WiSE-FT alpha 0: 1 x {start} + 0 x the fine-tuned weights",
         f"clip-train: WiSE-FT alpha 1: 0 x {start} + 1 x the fine-tuned weights",
     ]
 
-    file = fine_tuned / "checkpoints" / "step_00000003" / MODEL_FILE
     cfg = eval_config(file, None, zeroshot)
     start_cfg = dataclasses.replace(cfg.model, init_from=f"open_clip:local-dir:{released}")
     start = build_model(start_cfg, load_pretrained=False)
     load_init_from(start_cfg, start)
     run, _, _ = clip_train.load(fine_tuned)
     for model, metrics in zip((start, run), reported, strict=True):
-        assert metrics.pop("checkpoint") == str(file)
+        assert metrics.pop("checkpoint") == str(file) and metrics.pop("ema") is False
         assert metrics == evaluate(model.eval(), cfg.eval, cfg.data, device=CPU, precision="fp32")
     assert reported[0]["zeroshot/n"] > 0
 

@@ -84,10 +84,14 @@ def run(args: argparse.Namespace) -> int:
             for alpha in alphas
         }
         if env.is_main:
+            weights = "the EMA (eval.use_ema) of" if cfg.eval.use_ema else "the weights in"
+            print(f"evaluated: {weights} {file}")
             print_metrics(results)
             for alpha, metrics in results.items():
                 wise_ft = {} if alpha is None else {"wise_ft": {"alpha": alpha, "from": source}}
-                print(json.dumps({"checkpoint": str(file), **wise_ft, **metrics}))
+                # which weights: eval.use_ema may come from the run's config, where export and load
+                # take the weights unless asked for the EMA
+                print(json.dumps({"checkpoint": str(file), "ema": cfg.eval.use_ema, **wise_ft, **metrics}))
     finally:
         shutdown_distributed()
     return 0

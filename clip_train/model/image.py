@@ -181,7 +181,7 @@ def load_local_weights(trunk: nn.Module, source: str) -> None:
     key = "model.image.pretrained"
     path = local_weights_file(source)
     try:
-        state_dict = timm.models.load_state_dict(str(path))
+        state_dict = timm.models.load_state_dict(str(path), weights_only=True)  # timm < 1.0.26: False
     except Exception as err:  # torch.load / safetensors raise many types for a bad file
         raise ModelLoadError(f"{key}={source!r}: not a readable state dict: {err}") from None
     filter_fn = getattr(sys.modules[type(trunk).__module__], "checkpoint_filter_fn", None)
