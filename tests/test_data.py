@@ -387,6 +387,20 @@ def test_a_pipe_that_fails_after_a_whole_tar_is_counted(tmp_path):
     assert records(f"pipe:bash {command}") == [("k0", None), ("", "truncated_tar")]
 
 
+def test_shards_that_cannot_be_opened_stop_the_run_before_a_batchs_worth_of_them(two_sources):
+    """A bucket's name mistyped, or no credentials: every shard fails to open. Each counts as one
+    skipped sample, so a rank's batch of them (32,768 at a large run's scale, a download each) went
+    by before the run stopped; now the first 20, of the stream or of a mixture's source."""
+    unreachable = "pipe:false {0..99}"
+    with pytest.raises(DataError, match=r"^20 shards drawn could not be opened, before any usable sample"):
+        take(loader_for(config(unreachable, workers=0, num_samples=4096), global_batch=2048), 1)
+    mixture = config(f"{two_sources}/a::{unreachable}", train_weights=[0.5, 0.5], workers=0, num_samples=4096)
+    with pytest.raises(
+        DataError, match=r"^source 1-pipe_false of data.train: 20 shards drawn could not be opened"
+    ):
+        take(loader_for(mixture, global_batch=2048), 1)
+
+
 def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):
     """One worker, no sample shuffle: passes repeat in the same order, so the counts between the
     end of pass 1 and the end of pass 2 are exactly one pass's skips, wherever they fall."""
@@ -421,11 +435,11 @@ print("exiting", flush=True)
 
 def test_a_replayed_resume_over_shards_that_hold_nothing_usable_stops(tmp_path):
     """A resume without a saved position (another world size) replays the epoch so far: over shards
-    gone unreadable it spun forever, where a fresh start stops with the none-usable error."""
+    gone unreadable it spun forever; it stops as a fresh start does, at the 20th that fails to open."""
     cfg = config(f"pipe:cat {tmp_path}/gone-{{0..3}}.tar", num_samples=24, workers=0, max_skip_fraction=1.0)
     loader = loader_for(cfg)
     loader.start_at(2)
-    with pytest.raises(DataError, match=r"^none of the first 1000 samples could be used"):
+    with pytest.raises(DataError, match=r"^20 shards drawn could not be opened, before any usable sample"):
         next(loader)
 
 
