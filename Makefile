@@ -33,12 +33,14 @@ comma := ,
 DEMO_CONFIG ?= configs/demo-digits.yaml
 DEMO_RUN ?= runs/$(basename $(notdir $(DEMO_CONFIG)))
 
-# The main job: build the digits shards, train a tiny CLIP on 2 CPU processes (on a GPU machine
-# too: DEMO_ARGS=train.device=auto uses its GPUs), report zero-shot.
+# The main job: build the digits shards, train a tiny CLIP on DEMO_PROCS CPU processes (on a GPU
+# machine too: DEMO_ARGS=train.device=auto uses a GPU each, DEMO_PROCS=1 where it has one), report
+# zero-shot.
+DEMO_PROCS ?= 2
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/clip-train make-shards digits $(DEMO_DATA)
 	rm -rf $(DEMO_RUN)
-	OMP_NUM_THREADS=1 NPROC_PER_NODE=2 PYTHON=$(PY) launch/train.sh $(DEMO_CONFIG) \
+	OMP_NUM_THREADS=1 NPROC_PER_NODE=$(DEMO_PROCS) PYTHON=$(PY) launch/train.sh $(DEMO_CONFIG) \
 		data.train=$(DEMO_DATA)/train data.val=$(DEMO_DATA)/val \
 		eval.zeroshot=$(DEMO_DATA)/zeroshot.json eval.zeroshot_data=$(DEMO_DATA)/val \
 		train.out_dir=$(DEMO_RUN) train.device=cpu $(DEMO_ARGS)

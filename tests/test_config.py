@@ -150,6 +150,25 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(tmp_path / "c.yaml")
 
 
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        ("optim:\n  lr: 2.0e-3\ntrain:\n  max_steps: 5\noptim:\n  eps: 1.0e-8\n", "optim", 5),
+        ("model:\n  image:\n    lock: true\n    lock: false\n", "lock", 4),
+    ],
+)
+def test_a_key_set_twice_in_one_mapping_is_an_error_naming_it(tmp_path, text, key, line):
+    """PyYAML keeps the last: the first optim section's rate and the first lock went without a word.
+    A YAML merge (<<) may still be overridden, as YAML means."""
+    (tmp_path / "c.yaml").write_text(text)
+    twice = rf"not valid YAML: '{key}' is set twice in one mapping\n.*line {line},"
+    with pytest.raises(ConfigError, match=twice):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "merged.yaml").write_text("optim:\n  <<: {lr: 2.0e-3, eps: 1.0e-8}\n  lr: 1.0e-3\n")
+    optim = load_config(tmp_path / "merged.yaml").optim
+    assert (optim.lr, optim.eps) == (1.0e-3, 1.0e-8)
+
+
 def test_a_retired_key_fails_in_one_line_unless_a_run_saved_it(tmp_path):
     """loss.kernel chose the Triton kernels, now gone: a config that sets it fails saying so, while
     the run configs earlier releases saved (all of which hold it) still load, without it."""
@@ -253,6 +272,7 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["train.seed=-1"], 1, r"^train\.seed=-1 must lie in \[0, 2\*\*32\)$"),
         (["train.seed=4294967296"], 1, r"^train\.seed=4294967296 must lie in"),
         (["train.out_dir= "], 1, r"^train\.out_dir is empty"),
+        (["train.out_dir=~/runs/a"], 1, r"^train\.out_dir=~/runs/a: ~ is not expanded here"),
         (["eval.zeroshot_data=/x", "eval.zeroshot="], 1, r"^eval\.zeroshot_data needs eval\.zeroshot"),
         (["optim.min_lr=1", "optim.lr=0.1"], 1, r"optim\.min_lr"),
         (["optim.betas=[0.9]"], 1, r"optim\.betas"),
@@ -264,6 +284,7 @@ def test_malformed_override_and_missing_file(tmp_path):
         (["optim.warmup_steps=-5"], 1, r"^optim\.warmup_steps=-5 must be >= 0$"),
         (["optim.weight_decay=-0.1"], 1, r"^optim\.weight_decay=-0\.1 must be >= 0$"),
         (["optim.grad_clip=-1"], 1, r"^optim\.grad_clip=-1\.0 must be >= 0$"),
+        (["optim.eps=0"], 1, r"^optim\.eps=0\.0 must be > 0$"),  # 0/0 where a gradient stays 0
         (["data.num_samples=-800"], 1, r"^data\.num_samples=-800 must be >= 0$"),
         (["data.workers=-1"], 1, r"^data\.workers=-1 must be >= 0$"),
         (["data.shuffle_buffer=-8"], 1, r"^data\.shuffle_buffer=-8 must be >= 0$"),

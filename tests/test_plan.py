@@ -336,6 +336,8 @@ def test_check_cpu_measures_the_ema_it_plans_for(tmp_path):
         (["--gpus", "0"], "--gpus 0: must be >= 1"),
         (["--gpu-mem", "-1"], "--gpu-mem -1.0: must be > 0"),
         (["--batch", "1000", "--gpus", "3"], "batch.global_size=1000 must be a positive multiple"),
+        (["--batch", "0"], "--batch 0: must be >= 1"),
+        (["batch.global_size=0"], "batch.global_size=0: must be >= 1"),
         (["--check-cpu", "--gpus", "2"], "--check-cpu runs one process"),
     ],
 )

@@ -77,7 +77,8 @@ def _validate_args(args: argparse.Namespace, batch: int) -> None:
     if not args.gpu_mem > 0:
         raise UserError(f"--gpu-mem {args.gpu_mem}: must be > 0 GiB")
     if batch <= 0:
-        raise UserError(f"--batch {batch}: must be >= 1")
+        named = f"--batch {batch}" if args.batch is not None else f"batch.global_size={batch}"
+        raise UserError(f"{named}: must be >= 1")
     if args.check_cpu and args.gpus != 1:
         raise UserError(f"--check-cpu runs one process on this machine: use --gpus 1, not {args.gpus}")
 

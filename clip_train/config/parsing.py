@@ -65,13 +65,27 @@ def load_config(
 class _YamlLoader(yaml.SafeLoader):
     """YAML as configs are written: ``1e-4`` is a float also where no type says so (in
     ``model.text.hf_config``, ``model.image.timm_kwargs``); PyYAML's YAML 1.1 wants ``1.0e-4``. And
-    ``010`` is ten, as YAML 1.2 reads it, not YAML 1.1's octal eight (``train.seed=010``)."""
+    ``010`` is ten, as YAML 1.2 reads it, not YAML 1.1's octal eight (``train.seed=010``). A key
+    written twice in one mapping is an error, where PyYAML kept the last: a second ``optim:``
+    section dropped the first one's settings without a word."""
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         text = str(self.construct_scalar(node)).replace("_", "")
         if re.fullmatch(r"[-+]?0[0-7]+", text):
             return int(text, 10)
         return super().construct_yaml_int(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key_node.value!r} is set twice in one mapping", key_node.start_mark
+                )
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_constructor("tag:yaml.org,2002:int", _YamlLoader.construct_yaml_int)

@@ -264,6 +264,7 @@ class Config:
             "checkpoint.keep",
             "log.every_steps",
             "optim.lr",
+            "optim.eps",  # 0: a parameter whose gradient stays 0 (an unseen token's row) turns NaN
             "data.csv_shard_rows",
         ):
             if (value := operator.attrgetter(key)(self)) <= 0:
@@ -272,7 +273,6 @@ class Config:
             "optim.warmup_steps",
             "optim.weight_decay",
             "optim.grad_clip",
-            "optim.eps",
             "data.num_samples",
             "data.workers",
             "data.shuffle_buffer",
@@ -312,6 +312,11 @@ class Config:
             raise ConfigError(f"train.seed={self.train.seed} must lie in [0, 2**32)")
         if not self.train.out_dir.strip():
             raise ConfigError("train.out_dir is empty: name the run's directory")
+        if self.train.out_dir.startswith("~"):  # it would be a folder named ~ in the working directory
+            raise ConfigError(
+                f"train.out_dir={self.train.out_dir}: ~ is not expanded here (nor by a shell, in key=value); "
+                "give the path from / or with $HOME"
+            )
         if self.log.peak_tflops < 0:
             raise ConfigError(f"log.peak_tflops={self.log.peak_tflops} must be >= 0 (0: the table)")
         if not 0.0 <= self.optim.min_lr <= self.optim.lr:
