@@ -97,17 +97,29 @@ class StepResult:
     grad_norm: torch.Tensor  # on the device, like ``stats.loss``: read on logged steps only
 
 
+def chunks_chosen_for(batch: BatchConfig) -> dict[str, Any]:
+    """The settings auto chunks are chosen for, besides the world size: saved beside the choice."""
+    return {
+        "asked": list(batch.chunks),
+        "global_size": batch.global_size,
+        "memory_budget": batch.memory_budget,
+    }
+
+
 def chunks_kept_from(
     saved: dict[str, Any] | None, batch: BatchConfig, world_size: int
 ) -> tuple[int, int] | None:
     """The chunks a checkpoint's run chose, when they were chosen for this run's setting: the same
-    world size, global batch and chunk settings (a tower's fixed chunk lowered at a resume must not
-    give way to the saved one). None: choose again. A checkpoint from before the settings were saved
-    counts as made with this run's."""
+    world size, global batch and chunk settings, and no other ``batch.memory_budget`` set (a tower's
+    fixed chunk or the budget lowered at a resume, after running out of memory, must not give way to
+    the saved choice; a budget left unset keeps it). None: choose again. A setting a checkpoint from
+    before it was saved lacks counts as this run's."""
     if saved is None or saved["world_size"] != world_size:
         return None
-    asked = (saved.get("asked", list(batch.chunks)), saved.get("global_size", batch.global_size))
-    if asked != (list(batch.chunks), batch.global_size):
+    now = chunks_chosen_for(batch)
+    if not batch.memory_budget:
+        del now["memory_budget"]
+    if any(saved.get(key, value) != value for key, value in now.items()):
         return None
     image, text = saved["chunks"]
     return image, text
@@ -317,9 +329,8 @@ class Trainer:
         return (choice.image, choice.text), choice.describe()
 
     def state_dict(self) -> dict[str, Any]:
-        batch = self.cfg.batch
         chunks = {"chunks": list(self.chunks), "world_size": self.env.world_size}
-        chunks |= {"asked": list(batch.chunks), "global_size": batch.global_size}  # what they were chosen for
+        chunks |= chunks_chosen_for(self.cfg.batch)  # what they were chosen for
         return {"step": self.step, "chunks": chunks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

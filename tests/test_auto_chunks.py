@@ -14,7 +14,7 @@ from small_runs import DEMO_CONFIG, TINY_MODEL_CONFIG
 from clip_train.config import BatchConfig, ConfigError, load_config
 from clip_train.model import build_model
 from clip_train.plan import breakdown, choose_chunks, largest_fitting_chunks, profile_model
-from clip_train.plan.auto_chunks import cgroup_room, run_setting
+from clip_train.plan.auto_chunks import cgroup_room, device_budget, run_setting
 from clip_train.plan.estimate import GIB, usable_bytes
 from clip_train.trainer import chunks_kept_from
 
@@ -107,6 +107,16 @@ def cgroup_tree(root, membership: str, files: dict[str, str]):
         (root / name).write_text(text + "\n")
     (root / "self_cgroup").write_text(membership + "\n")
     return root, root / "self_cgroup"
+
+
+def test_a_gpus_budget_is_its_free_memory_and_the_models_not_a_teachers(monkeypatch):
+    """Once the GPU's free memory plus all it held: a distillation teacher's weights, loaded first,
+    counted as room the chunks could fill. The device is faked (no GPU here); what torch reports
+    for it is the point."""
+    free, model, teacher = 40 * GIB, 3 * GIB, 10 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: model + teacher)
+    assert device_budget(torch.device("cuda", 0), 8, model) == free + model
 
 
 def test_the_cpu_budget_takes_the_room_of_the_process_own_cgroups_v2_and_v1(tmp_path):
@@ -217,13 +227,24 @@ def test_runs_log_the_choice_fit_a_small_budget_and_keep_it_on_resume(digits, tm
         ({"text_chunk": 32}, None),  # a fixed chunk lowered at the resume (to fit memory) wins
         ({"global_size": 1024}, None),  # another per-rank batch: choose again
         ({"world_size": 4}, None),
+        ({"memory_budget": 20.0}, None),  # a budget set after running out of memory: choose again
     ],
 )
 def test_a_resume_keeps_the_saved_chunks_only_for_the_setting_they_were_chosen_for(now, kept):
-    saved = {"chunks": [64, 256], "world_size": 2, "asked": ["auto", 256], "global_size": 512}
+    saved = {
+        "chunks": [64, 256],
+        "world_size": 2,
+        "asked": ["auto", 256],
+        "global_size": 512,
+        "memory_budget": 0.0,
+    }
     settings = {"global_size": 512, "image_chunk": "auto", "text_chunk": 256} | now
     world = settings.pop("world_size", 2)
     assert chunks_kept_from(saved, BatchConfig(**settings), world) == kept
+    budgeted = saved | {"memory_budget": 30.0}  # chosen under a budget that the resume leaves unset
+    assert chunks_kept_from(budgeted, BatchConfig(**settings), world) == (
+        kept if "memory_budget" not in now else None
+    )
     old_checkpoint = {"chunks": [64, 256], "world_size": 2}  # saved before the settings were
     assert chunks_kept_from(old_checkpoint, BatchConfig(**settings), world) == (
         None if world != 2 else (64, 256)

@@ -224,6 +224,20 @@ def test_freeze_norms_keeps_the_unlocked_blocks_norms_frozen_and_in_eval():
         tiny("model.text.freeze_norms=true")
 
 
+def test_freeze_norms_keeps_timms_rms_norms_frozen_too():
+    """timm's RmsNorm (a ViT with norm_layer=rmsnorm) subclasses no torch norm: it kept training."""
+    rms = (
+        "model.image.timm_kwargs.norm_layer=rmsnorm",
+        "model.image.lock=true",
+        "model.image.unlocked_layers=1",
+    )
+    tower = tiny(*rms, "model.image.freeze_norms=true").visual
+    norms = [m for m in tower.modules() if isinstance(m, timm.layers.RmsNorm)]
+    assert norms and not any(p.requires_grad for m in norms for p in m.parameters())
+    trained = [name for name, p in tower.named_parameters() if p.requires_grad]
+    assert trained and not any("norm" in name for name in trained)
+
+
 PRE_LAYERNORM = [  # transformers runs a LayerNorm after the layers' stack
     "model.text.hf_config={model_type: xlm-roberta-xl, hidden_size: 32, num_hidden_layers: 2, "
     "num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 40, vocab_size: 49408}",

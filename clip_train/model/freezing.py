@@ -9,12 +9,38 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from timm.layers import (
+    RmsNorm,
+    RmsNorm2d,
+    RmsNorm2dFp32,
+    RmsNormFp32,
+    SimpleNorm,
+    SimpleNorm2d,
+    SimpleNorm2dFp32,
+    SimpleNormFp32,
+)
 from torch import nn
 
 from clip_train.config import TowerConfig, check_lock
 
-# What freeze_norms keeps frozen in the unlocked blocks (locked ones are frozen whole, norms included).
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm)
+# What freeze_norms keeps frozen in the unlocked blocks (locked ones are frozen whole, norms included):
+# torch's norms and timm's RMS and simple norms (norm_layer=rmsnorm), which subclass none of them.
+_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.SyncBatchNorm,
+    nn.RMSNorm,
+    RmsNorm,
+    RmsNorm2d,
+    RmsNormFp32,
+    RmsNorm2dFp32,
+    SimpleNorm,
+    SimpleNorm2d,
+    SimpleNormFp32,
+    SimpleNorm2dFp32,
+)
 
 
 class LockableTower(nn.Module):

@@ -89,13 +89,14 @@ def _fsdp_itemsizes(cfg: Config) -> dict[str, int]:
 
 
 def device_budget(device: torch.device, local_ranks: int, held: int) -> float:
-    """Bytes this rank may use: its GPU's free memory plus what the process already holds there;
-    on the CPU its share of the node's available memory (and of its cgroups' room, if less) plus
-    ``held``, the model's bytes, which the estimate counts (the interpreter's and torch's own
-    memory it does not, so the process's whole RSS is not room)."""
+    """Bytes this rank may use: its GPU's free memory, or on the CPU its share of the node's
+    available memory (and of its cgroups' room, if less), plus ``held``, the model's bytes, which
+    the estimate counts. What else the process holds is no room: on the CPU the interpreter's and
+    torch's own memory, on either a distillation teacher's weights (the GPU's allocated memory,
+    once the budget, counted them as room the chunks could fill)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return float(free + torch.cuda.memory_allocated(device))
+        return float(free + held)
     available = psutil.virtual_memory().available
     room = cgroup_room()
     if room is not None:
