@@ -112,6 +112,21 @@ def test_overrides_beat_file_and_includes(tmp_path):
     )
 
 
+def test_a_mapping_override_merges_into_a_section_and_replaces_a_mapping_value(tmp_path):
+    """As across includes: model.image={...} keeps the file's other image keys (it reset lock and
+    pretrained without a word), model.image.timm_kwargs={...} replaces the file's arguments."""
+    (tmp_path / "run.yaml").write_text(
+        "model:\n  image:\n    lock: true\n    pretrained: hub\n    timm_kwargs: {depth: 4, img_size: 32}\n"
+    )
+    image = load_config(
+        tmp_path / "run.yaml", [BERT, "model.image={timm: vit_small_patch16_224}"]
+    ).model.image
+    assert (image.timm, image.lock, image.pretrained) == ("vit_small_patch16_224", True, "hub")
+    assert image.timm_kwargs == {"depth": 4, "img_size": 32}
+    image = load_config(tmp_path / "run.yaml", [BERT, "model.image.timm_kwargs={depth: 2}"]).model.image
+    assert image.timm_kwargs == {"depth": 2} and image.lock
+
+
 def test_a_mapping_value_in_a_file_replaces_the_included_one_whole(tmp_path):
     """Sections merge key by key across includes; a key whose value is a mapping (timm or
     transformers arguments) takes the later file's, ``{}`` included, as an override would."""

@@ -249,13 +249,16 @@ def _section_names(cls: type = Config, prefix: str = "") -> frozenset[str]:
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """One override into ``raw``: a mapping given for a section (``model.image={timm: ...}``) merges
+    into it key by key, as an include's does, where it reset the section's other keys without a
+    word; one given for a key whose value is a mapping (``timm_kwargs``) replaces it."""
     *parents, leaf = key.split(".")
     node = raw
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is a value, not a section")
-    node[leaf] = value
+    _deep_merge(node, {leaf: value}, "".join(f"{part}." for part in parents))
 
 
 def load_model_config(path: str | os.PathLike, key: str) -> ModelConfig:
