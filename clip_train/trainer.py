@@ -558,7 +558,7 @@ class Trainer:
         bias_value = distill_and_bias
         samples_per_s = self.cfg.batch.global_size * window.steps / window.elapsed
         lr = self.update.lr
-        peak = stats.peak_mem or peak_bytes(self.env.device)
+        peak = self.engine.peak_since_step_start() or peak_bytes(self.env.device)  # the optimizer's too
         parts = {"enc": stats.encode_s, "gat": stats.gather_s, "loss": stats.loss_s, "rep": stats.replay_s}
         optimizer_s = step_s - data_s - sum(parts.values())
         split = {**parts, "opt": optimizer_s}

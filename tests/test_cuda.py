@@ -274,6 +274,18 @@ def test_process_rng_restores_the_current_device_from_either_format(monkeypatch)
     assert torch.equal(torch.rand(4, device=CUDA), first)
 
 
+def test_the_logged_peak_counts_the_optimizer_step() -> None:
+    """The engine's own peak ends with its replay; the trainer reads the step's after the optimizer,
+    so what the update allocates (a foreach AdamW's temporaries; 512 MiB of stand-ins here) counts."""
+    model = make_model(*NO_DROPOUT, dtype=torch.float32).to(CUDA)
+    engine = GradCache(model, image_chunk=8, text_chunk=12)
+    stats = engine.step(*make_batch(rows=24))
+    assert engine.peak_since_step_start() == stats.peak_mem > 0
+    grown = [torch.zeros(1 << 26, device=CUDA) for _ in range(2)]  # 512 MiB more than the step held
+    del grown
+    assert engine.peak_since_step_start() >= stats.peak_mem + (1 << 29)
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_gradcache_step_on_gpu_equals_cpu(offload) -> None:
     """Same weights and batch: the CUDA step (offload: pinned host batch, side-stream prefetch)

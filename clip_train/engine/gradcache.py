@@ -152,7 +152,7 @@ class GradCache:
         self.sync_every_chunk = sync_every_chunk  # towers sharded with FSDP2 only
         # CUDA graphs' private pools hold their buffers outside the allocated count: the peak is then
         # the reserved one, which bounds them (and counts the allocator's cache).
-        self.peak_of = torch.cuda.max_memory_reserved if graph_pools else torch.cuda.max_memory_allocated
+        self._peak_of = torch.cuda.max_memory_reserved if graph_pools else torch.cuda.max_memory_allocated
         self.image = self._tower("image", model.visual, image_chunk)
         self.text = self._tower("text", model.text, text_chunk)
         sharded = self.image.sharded or self.text.sharded
@@ -223,12 +223,12 @@ class GradCache:
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        clock = self._clock if timed else _untimed
+        start = clock()  # the batch's copy to the device counts as the encode's, not the optimizer's
         batch = self.chunk_stream.place((images, input_ids, attention_mask))
         image_inputs, text_inputs = batch[:1], batch[1:]
         image_bounds, text_bounds = (chunk_bounds(rows, tower.chunk) for tower in (self.image, self.text))
 
-        clock = self._clock if timed else _untimed
-        start = clock()
         if self.gather_waits is not None:
             self.gather_waits.forget()  # waits outside timed steps (evaluation, untimed steps)
         image_keeps, text_keeps = self._graph_keepers(len(image_bounds), len(text_bounds))
@@ -258,12 +258,17 @@ class GradCache:
             loss_s=lossed - encoded,
             replay_s=replayed - lossed - replay_gather_s,
             gather_s=encode_gather_s + replay_gather_s,
-            peak_mem=self.peak_of(self.device) if self.device.type == "cuda" else 0,
+            peak_mem=self.peak_since_step_start(),
             cache_bytes=cache_bytes,
             batch_bytes=tensor_bytes(batch),
             max_live_chunks=self.chunk_stream.max_live,
             distill_loss=distill_loss,
         )
+
+    def peak_since_step_start(self) -> int:
+        """CUDA's peak memory since the last step began (read after the optimizer, it counts its
+        update too); 0 on the CPU, whose peak is the process's resident one."""
+        return self._peak_of(self.device) if self.device.type == "cuda" else 0
 
     def _graph_keepers(self, image_chunks: int, text_chunks: int) -> tuple[bool, bool]:
         """Whether the image and the text tower keep their last chunk's graph (see ``_encode``): the
