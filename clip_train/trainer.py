@@ -343,7 +343,7 @@ class Trainer:
     def train_step(self, batch: Batch, logged: bool = False) -> StepResult:
         """One optimizer step on this rank's share of the global batch. A ``logged`` one waits for the
         device at each stage and at its end, so that its time split is its own."""
-        self.update.optimizer.zero_grad(set_to_none=True)
+        self.update.optimizer.zero_grad(set_to_none=not self.engine.grads_in_buckets)
         with self.update.running_stats_guarded():
             stats = self.engine.step(
                 batch.images,

@@ -155,6 +155,10 @@ class GradCache:
         self._peak_of = torch.cuda.max_memory_reserved if graph_pools else torch.cuda.max_memory_allocated
         self.image = self._tower("image", model.visual, image_chunk)
         self.text = self._tower("text", model.text, text_chunk)
+        # whether the step's gradients should be zeroed in place, not set to None (see ``_tower``)
+        self.grads_in_buckets = any(
+            isinstance(t.head, DistributedDataParallel) for t in (self.image, self.text)
+        )
         sharded = self.image.sharded or self.text.sharded
         self.gather_waits = GatherWaits(model, self.device) if sharded else None
         self.chunk_stream = ChunkStream(self.device, offload)  # the engine's, with its CUDA side stream
@@ -192,6 +196,13 @@ class GradCache:
                 module, head, chunk, replays, replays and module.has_frozen_trunk, True, self.sync_every_chunk
             )
         if replays and self.world_size > 1:
+            # Gradients there before DDP wraps the head become views of its buckets, which every
+            # replay chunk then accumulates into (``grads_in_buckets``: zero them in place). Made by
+            # autograd at each step's first chunk instead, they held the unsynced chunks' sum beside
+            # the buckets until the last chunk's sync: a second copy of the tower's gradients.
+            for param in head.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
             # One DDP per tower, so each syncs on its own last replay chunk. Buffers are not synced
             # per forward: they are constants (Gradient Cache cannot be exact with batch norm).
             head = DistributedDataParallel(
