@@ -292,10 +292,11 @@ class Update:
             )
         try:
             self.optimizer.load_state_dict(state["optimizer"])
-        except ValueError as err:  # torch's: other groups, or groups of other sizes
+        except ValueError as err:  # torch's, on a state saved without members: other groups or sizes
             raise UserError(
-                f"the checkpoint's optimizer state does not fit this run's parameter groups ({err}): "
-                f"{AS_SAVED}"
+                f"the checkpoint's optimizer state does not fit this run's parameter groups ({err}; saved "
+                "before 2026-11-30, it merged the groups of equal rates: a tower's rate equal to optim.lr "
+                f"resumes unset): {AS_SAVED}"
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"] or not self.scaler.is_enabled():

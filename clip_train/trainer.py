@@ -304,14 +304,15 @@ class Trainer:
             return own
         return run_config_file(Path(resume)) if resume not in ("", "auto") else None
 
-    def _measure_chunks(self) -> ChunkChoice:
+    def _measure_chunks(self, also_held: object = ()) -> ChunkChoice:
         """Auto chunks fitted on rank 0 alone (its towers measured); every rank gets its choice.
-        Compiled towers are measured eager: each probed chunk size would otherwise compile anew."""
-        return decided_by_main(self._measured_eager)
+        Compiled towers are measured eager: each probed chunk size would otherwise compile anew.
+        ``also_held``: see ``choose_chunks``."""
+        return decided_by_main(functools.partial(self._measured_eager, also_held))
 
-    def _measured_eager(self) -> ChunkChoice:
+    def _measured_eager(self, also_held: object) -> ChunkChoice:
         with torch.compiler.set_stance("force_eager"):
-            return choose_chunks(self.model, self.cfg, self.env.world_size)
+            return choose_chunks(self.model, self.cfg, self.env.world_size, also_held)
 
     def _chunks(self, measured: ChunkChoice | None = None) -> tuple[tuple[int, int], str]:
         """The per-rank image and text chunks, and how auto ones were chosen. A resumed run at the
@@ -325,7 +326,9 @@ class Trainer:
         if kept := chunks_kept_from(self.restored_chunks, batch, world):
             note = f"auto chunks: image {kept[0]} / text {kept[1]} per rank, as chosen before the resume"
             return kept, note
-        choice = measured or self._measure_chunks()
+        # Unsharded towers are measured now, beside the EMA and a resumed optimizer's states.
+        ema = self.ema.averages if self.ema is not None else {}
+        choice = measured or self._measure_chunks((list(self.update.optimizer.state.values()), ema))
         return (choice.image, choice.text), choice.describe()
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from small_runs import DEMO_CONFIG, TINY_MODEL_CONFIG
 
 from clip_train.config import BatchConfig, ConfigError, load_config
 from clip_train.model import build_model
-from clip_train.plan import breakdown, choose_chunks, largest_fitting_chunks, profile_model
+from clip_train.plan import auto_chunks, breakdown, choose_chunks, largest_fitting_chunks, profile_model
 from clip_train.plan.auto_chunks import cgroup_room, device_budget, run_setting
 from clip_train.plan.estimate import GIB, usable_bytes
 from clip_train.trainer import chunks_kept_from
@@ -83,6 +83,23 @@ def test_choosing_leaves_the_rng_streams_and_gradients_as_they_were(tmp_path):
     assert all(p.grad is None for p in model.parameters())
     assert (choice.image, choice.text) == (32, 32) and choice.usable == pytest.approx(64 * GIB * 0.9)
     assert usable_bytes(65) == pytest.approx(choice.usable)  # the plan's 65 GiB GPU: 64 beside its context
+
+
+def test_what_the_estimate_counts_and_already_exists_is_room_for_it(monkeypatch):
+    """Under DDP the chunks are chosen beside the EMA and a resumed optimizer's states, which the
+    estimate counts: they are held, room for themselves, as the model's weights are (on a GPU they
+    were neither free nor held: counted twice)."""
+    cfg = load_config(TINY_MODEL_CONFIG, [*SMALL, "batch.global_size=32"])
+    model = build_model(cfg.model)
+    held = []
+    monkeypatch.setattr(
+        auto_chunks, "device_budget", lambda device, ranks, bytes_: held.append(bytes_) or GIB
+    )
+    states = {"exp_avg": torch.zeros(1000), "exp_avg_sq": torch.zeros(1000)}, {"w": torch.zeros(500)}
+    choose_chunks(model, cfg, 1)
+    choose_chunks(model, cfg, 1, states)
+    weights = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    assert held == [weights, weights + 2500 * 4]
 
 
 def test_an_ema_of_the_weights_is_counted_beside_the_optimizer_state(profile):

@@ -281,9 +281,10 @@ def test_the_logged_peak_counts_the_optimizer_step() -> None:
     engine = GradCache(model, image_chunk=8, text_chunk=12)
     stats = engine.step(*make_batch(rows=24))
     assert engine.peak_since_step_start() == stats.peak_mem > 0
-    grown = [torch.zeros(1 << 26, device=CUDA) for _ in range(2)]  # 512 MiB more than the step held
+    held = torch.cuda.memory_allocated(CUDA)  # the step's peak is more: its activations are freed
+    grown = [torch.zeros(1 << 26, device=CUDA) for _ in range(2)]  # 512 MiB
     del grown
-    assert engine.peak_since_step_start() >= stats.peak_mem + (1 << 29)
+    assert engine.peak_since_step_start() >= max(stats.peak_mem, held + (1 << 29))
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -390,14 +390,14 @@ def test_a_pipe_that_fails_after_a_whole_tar_is_counted(tmp_path):
 def test_shards_that_cannot_be_opened_stop_the_run_before_a_batchs_worth_of_them(two_sources):
     """A bucket's name mistyped, or no credentials: every shard fails to open. Each counts as one
     skipped sample, so a rank's batch of them (32,768 at a large run's scale, a download each) went
-    by before the run stopped; now the first 20, of the stream or of a mixture's source."""
+    by before the run stopped, after the shuffle buffer's 1,000; now the first 20, of the stream or
+    of a mixture's source."""
     unreachable = "pipe:false {0..99}"
-    with pytest.raises(DataError, match=r"^20 shards drawn could not be opened, before any usable sample"):
-        take(loader_for(config(unreachable, workers=0, num_samples=4096), global_batch=2048), 1)
-    mixture = config(f"{two_sources}/a::{unreachable}", train_weights=[0.5, 0.5], workers=0, num_samples=4096)
-    with pytest.raises(
-        DataError, match=r"^source 1-pipe_false of data.train: 20 shards drawn could not be opened"
-    ):
+    plain = config(unreachable, workers=0, num_samples=4096, shuffle_buffer=1000)
+    with pytest.raises(DataError, match=r"^the first 20 shards drawn could not be opened"):
+        take(loader_for(plain, global_batch=2048), 1)
+    mixture = dataclasses.replace(plain, train=f"{two_sources}/a::{unreachable}", train_weights=[0.5, 0.5])
+    with pytest.raises(DataError, match=r"^source 1-pipe_false of data.train: the first 20 shards drawn"):
         take(loader_for(mixture, global_batch=2048), 1)
 
 
@@ -439,7 +439,7 @@ def test_a_replayed_resume_over_shards_that_hold_nothing_usable_stops(tmp_path):
     cfg = config(f"pipe:cat {tmp_path}/gone-{{0..3}}.tar", num_samples=24, workers=0, max_skip_fraction=1.0)
     loader = loader_for(cfg)
     loader.start_at(2)
-    with pytest.raises(DataError, match=r"^20 shards drawn could not be opened, before any usable sample"):
+    with pytest.raises(DataError, match=r"^the first 20 shards drawn could not be opened"):
         next(loader)
 
 
@@ -447,7 +447,7 @@ def test_workers_of_a_large_run_draw_their_own_shard_sequences(monkeypatch):
     """Seed 0, 2048 ranks x 8 workers, epoch 21: rank 1373's worker 7 and rank 1615's worker 3 drew
     the same shards in the same order (webdataset's ResampledShards keeps 31 bits of the seed)."""
     urls = tuple(f"/d/{i:05d}.tar" for i in range(41408))
-    monkeypatch.setattr(train_loader, "_samples_of", lambda drawn, pool: drawn)  # the shard names drawn
+    monkeypatch.setattr(train_loader, "_samples_of", lambda drawn, *_: drawn)  # the shard names drawn
 
     def draws(rank: int, role: int) -> list[str]:
         stream = train_loader.TrainStream(SimpleNamespace(seed=0, rank=rank), None, None, [], 0)

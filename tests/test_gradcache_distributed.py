@@ -46,15 +46,17 @@ def gradcache_rank(
     engine.image.head.register_comm_hook(None, counting_hook("image", calls))
     engine.text.head.register_comm_hook(None, counting_hook("text", calls))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    # Where each chunk's backward leaves the replayed projection's gradient: DDP's bucket alone.
-    landed: list[int] = []
-    model.visual.proj.weight.register_post_accumulate_grad_hook(lambda p: landed.append(p.grad.data_ptr()))
+    # Where each chunk's backward leaves the replayed projection's gradient, and where its step's
+    # sync leaves it (a view of DDP's bucket): the same place, from the first step on.
+    proj, landed = model.visual.proj.weight, []
+    proj.register_post_accumulate_grad_hook(lambda p: landed[-1][0].append(p.grad.data_ptr()))
     calls_per_step, losses = [], []
     for step in range(2):  # the second step runs after DDP has rebuilt its buckets
         optimizer.zero_grad(set_to_none=not engine.grads_in_buckets)  # as the trainer does
-        landed.clear()
+        landed.append(([], None))
         torch.manual_seed(SEED + rank)
         losses.append(engine.step(*rank_batch(rank)).loss.item())
+        landed[-1] = (landed[-1][0], proj.grad.data_ptr())
         if step == 0:
             step_grads = grads(model)
         optimizer.step()
@@ -73,7 +75,6 @@ def gradcache_rank(
         "calls": calls_per_step,
         "trainable": trainable,
         "landed": landed,
-        "bucket": model.visual.proj.weight.grad.data_ptr(),  # a view of DDP's bucket once synced
     }
 
 
@@ -128,9 +129,10 @@ def test_two_ranks_match_one_process_on_the_global_batch_and_sync_once_per_tower
             torch.testing.assert_close(result["weights"][name], want, rtol=1e-12, atol=1e-14)
     for name, weight in results[0]["weights"].items():
         assert torch.equal(weight, results[1]["weights"][name]), f"{name} differs between ranks"
+    image_chunks = len(chunk_bounds(ROWS_PER_RANK, chunks[0])) if any(chunks) else 1
     for result in results:  # every chunk accumulated into DDP's bucket, no second copy beside it
-        assert len(result["landed"]) == (len(chunk_bounds(ROWS_PER_RANK, chunks[0])) if any(chunks) else 1)
-        assert set(result["landed"]) == {result["bucket"]}
+        for pointers, bucket in result["landed"]:
+            assert pointers == [bucket] * image_chunks
 
     for result in results:
         for calls in result["calls"]:  # per step: every bucket of each tower reduced exactly once

@@ -86,7 +86,7 @@ class DataConfig:
     num_samples: int = 0  # samples per epoch across all ranks; 0 = sized to one pass over the shards
     workers: int = 2  # DataLoader worker processes per rank (decode, augment, tokenize)
     shuffle_buffer: int = 1000  # samples in each worker's shuffle buffer
-    max_skip_fraction: float = 0.1  # abort above this share of bad samples, from a worker's 1,000th on
+    max_skip_fraction: float = 0.1  # abort above this share of bad samples, from max(1000, batch) on
     rrc_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
     rrc_ratio: list[float] = field(default_factory=lambda: [0.75, 4.0 / 3.0])  # its aspect-ratio range
     color_jitter: list[float] = field(default_factory=list)  # brightness, contrast, saturation, hue; []: off

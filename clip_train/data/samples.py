@@ -170,26 +170,16 @@ class SkipTally:
     yield a batch. A weighted mixture's ``sources`` are held to the same rules each: bad samples are
     dropped after the draw, so a source's share of the batches falls below its weight by its own
     skip rate, to 0 for a source that has no usable sample, however sound the others keep the whole
-    stream. A shard that cannot be opened counts as one skip, so before any of them a stream (or a
-    source) whose first ``UNOPENED_LIMIT`` shards all failed to open stops at once: its URLs or the
-    access to them are wrong, where waiting for 1,000 failed downloads (a batch's, at a large run's
-    scale) took from minutes to hours.
+    stream. A shard that cannot be opened counts as one skip (the training stream stops sooner when
+    its first shards all fail: ``train_loader.UNOPENED_LIMIT``).
     """
 
     WARN_EVERY_S = 30.0
     MIN_SEEN = 1000
-    UNOPENED_LIMIT = 20
 
-    def __init__(
-        self,
-        max_fraction: float,
-        min_seen: int = 0,
-        sources: tuple[str, ...] = (),
-        unopened_limit: int = UNOPENED_LIMIT,
-    ) -> None:
+    def __init__(self, max_fraction: float, min_seen: int = 0, sources: tuple[str, ...] = ()) -> None:
         self.max_fraction = max_fraction
         self.min_seen = max(min_seen, self.MIN_SEEN)
-        self.unopened_limit = unopened_limit
         self.sources = sources
         self.good = 0
         self.total: Counter[str] = Counter()
@@ -201,7 +191,7 @@ class SkipTally:
     @classmethod
     def counting_only(cls) -> SkipTally:
         """A tally that never stops its stream: evaluation's, one finite pass that counts."""
-        return cls(max_fraction=1.0, min_seen=sys.maxsize, unopened_limit=sys.maxsize)
+        return cls(max_fraction=1.0, min_seen=sys.maxsize)
 
     def add_good(self, source: int = 0) -> None:
         self.good += 1
@@ -231,11 +221,6 @@ class SkipTally:
         """Stop when too many of the samples looked at (of the whole stream, or of one source) were bad."""
         skipped = sum(reasons.values())
         seen = skipped + good
-        if not good and reasons["shard_open"] >= self.unopened_limit:
-            raise DataError(
-                f"{where}{reasons['shard_open']} shards drawn could not be opened, before any usable sample "
-                "(the log names them and why): check the URLs of data.train and the access to them"
-            )
         if seen < self.min_seen:
             return
         if skipped > self.max_fraction * seen:

@@ -96,14 +96,30 @@ class _TrainSpec:
     max_skip_fraction: float
 
 
-def _samples_of(shards: Iterator[str], pool: set[str]) -> Iterator[RawSample]:
-    """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards."""
+# A shard sequence whose first shards all fail to open (mistyped URLs, no credentials) stops after
+# this many: each failure is one bad record, and the shuffle buffer would take 1,000 of them (10,000
+# in the recipes; a download each) before the skip rules saw the first.
+UNOPENED_LIMIT = 20
+
+
+def _samples_of(shards: Iterator[str], pool: set[str], where: str = "") -> Iterator[RawSample]:
+    """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards or
+    on shards that do not open (``where``: which source, in the error)."""
     empty: set[str] = set()
+    unopened: int | None = 0  # shards that failed to open before one opened; None once one has
     for url in shards:
-        count = 0
+        count, opened = 0, False
         for raw in read_source(url):
             count += 1
+            opened = opened or raw.get("__bad__") != "shard_open"
             yield raw
+        if unopened is not None:
+            unopened = None if opened else unopened + (count > 0)
+            if unopened == UNOPENED_LIMIT:
+                raise DataError(
+                    f"{where}the first {UNOPENED_LIMIT} shards drawn could not be opened (the log names "
+                    "them and why): check data.train's URLs and the access to them"
+                )
         if count:
             empty.clear()
             continue
@@ -175,7 +191,8 @@ class TrainStream(IterableDataset):
         31 bits of it, and among the thousands of workers of a large run two would draw the same
         shards in the same order (duplicate pairs in a global batch, a few % of epochs at 8k)."""
         draws = random.Random(_seed("shards", self.spec.seed, epoch, self.spec.rank, role, *source))
-        return _samples_of((urls[draws.randrange(len(urls))] for _ in itertools.count()), set(urls))
+        where = f"source {self.spec.mixture[source[0]].name} of data.train: " if source else ""
+        return _samples_of((urls[draws.randrange(len(urls))] for _ in itertools.count()), set(urls), where)
 
     def _decoder(self, role: int, epoch: int) -> Decode:
         """Decoding with the caption picked among several keys by a seed of the item's position."""

@@ -141,10 +141,12 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice:
+def choose_chunks(model: nn.Module, cfg: Config, world_size: int, also_held: object = ()) -> ChunkChoice:
     """Measure the towers (without touching the RNG streams, leaving gradients behind or moving a
     batch norm's running statistics toward the probe's random images: rank 0 alone measures) and
-    pick the chunks: each ``auto`` one as large as the budget allows, the whole batch first."""
+    pick the chunks: each ``auto`` one as large as the budget allows, the whole batch first.
+    ``also_held``: tensors besides the model's that the estimate counts and that exist already (the
+    EMA's averages, a resumed optimizer's states), which are room for them, not for the chunks."""
     device = model.logit_scale.device
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with preserved_rng(device):
@@ -154,7 +156,7 @@ def choose_chunks(model: nn.Module, cfg: Config, world_size: int) -> ChunkChoice
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    held = tensor_bytes((*model.parameters(), *model.buffers()))
+    held = tensor_bytes((*model.parameters(), *model.buffers())) + tensor_bytes(also_held)
     budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks, held)
     setting = run_setting(cfg, world_size, device.type)
     choice = largest_fitting_chunks(profile, setting, cfg.batch.auto_towers, budget * (1 - RESERVE))
