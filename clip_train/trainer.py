@@ -326,10 +326,10 @@ class Trainer:
         if kept := chunks_kept_from(self.restored_chunks, batch, world):
             note = f"auto chunks: image {kept[0]} / text {kept[1]} per rank, as chosen before the resume"
             return kept, note
-        # Unsharded towers are measured now, beside the EMA and a resumed optimizer's states.
-        ema = self.ema.averages if self.ema is not None else {}
-        choice = measured or self._measure_chunks((list(self.update.optimizer.state.values()), ema))
-        return (choice.image, choice.text), choice.describe()
+        if measured is None:  # unsharded towers: now, beside the EMA and a resumed optimizer's states
+            ema = self.ema.averages if self.ema is not None else {}
+            measured = self._measure_chunks((list(self.update.optimizer.state.values()), ema))
+        return (measured.image, measured.text), measured.describe()
 
     def state_dict(self) -> dict[str, Any]:
         chunks = {"chunks": list(self.chunks), "world_size": self.env.world_size}

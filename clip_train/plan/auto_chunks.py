@@ -90,10 +90,10 @@ def _fsdp_itemsizes(cfg: Config) -> dict[str, int]:
 
 def device_budget(device: torch.device, local_ranks: int, held: int) -> float:
     """Bytes this rank may use: its GPU's free memory, or on the CPU its share of the node's
-    available memory (and of its cgroups' room, if less), plus ``held``, the model's bytes, which
-    the estimate counts. What else the process holds is no room: on the CPU the interpreter's and
-    torch's own memory, on either a distillation teacher's weights (the GPU's allocated memory,
-    once the budget, counted them as room the chunks could fill)."""
+    available memory (and of its cgroups' room, if less), plus ``held``: what the estimate counts
+    and the process holds already (the model, the EMA, a resumed optimizer's states). What else it
+    holds is no room: on the CPU the interpreter's and torch's own memory, on either a distillation
+    teacher's weights (which a budget of the GPU's allocated memory took for room)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free + held)
