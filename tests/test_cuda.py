@@ -36,8 +36,10 @@ from test_trainer import overrides as fp64_run_overrides
 
 from clip_train.checkpoint import complete_checkpoints
 from clip_train.config import load_config
+from clip_train.distributed import resolve_device
 from clip_train.ema import WeightsEMA
 from clip_train.engine import GradCache
+from clip_train.engine.offload import to_host
 from clip_train.engine.rng import ProcessRng
 from clip_train.loss import contrastive_loss
 from clip_train.model.compiling import compile_towers
@@ -285,6 +287,13 @@ def test_the_logged_peak_counts_the_optimizer_step() -> None:
     grown = [torch.zeros(1 << 26, device=CUDA) for _ in range(2)]  # 512 MiB
     del grown
     assert engine.peak_since_step_start() >= max(stats.peak_mem, held + (1 << 29))
+
+
+def test_auto_device_is_the_gpu_and_an_offloaded_batch_is_pinned() -> None:
+    assert resolve_device("auto").type == "cuda" and resolve_device("cuda").type == "cuda"
+    batch = make_batch()
+    pinned = to_host(batch, CUDA)
+    assert all(t.is_pinned() and torch.equal(t, b) for t, b in zip(pinned, batch, strict=True))
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -103,13 +103,12 @@ def test_one_process_is_rank_zero_of_one():
     }
 
 
-def test_auto_device_is_the_gpu_when_there_is_one_and_a_missing_gpu_is_a_user_error():
-    has_gpu = torch.cuda.is_available()
-    assert resolve_device("auto").type == ("cuda" if has_gpu else "cpu")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's side is in test_cuda.py")
+def test_auto_device_is_the_cpu_without_a_gpu_and_a_missing_gpu_is_a_user_error():
+    assert resolve_device("auto") == torch.device("cpu")
     assert resolve_device("cpu") == torch.device("cpu")
-    if not has_gpu:
-        with pytest.raises(UserError, match="no CUDA device"):
-            resolve_device("cuda")
+    with pytest.raises(UserError, match="no CUDA device"):
+        resolve_device("cuda")
 
 
 def test_a_gpu_per_local_rank_or_one_line_naming_the_visible_devices(monkeypatch):

@@ -6,12 +6,14 @@ starts. The profile's split of a CUDA window, which only a GPU produces, is chec
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import re
 import sys
 import time
 
+import psutil
 import pytest
 from processes import Watched, run_to_end
 
@@ -119,18 +121,39 @@ def test_a_failing_section_is_recorded_at_once_and_the_next_one_runs(tmp_path):
     assert "## matmul" in (out / "gpu-bench.md").read_text()
 
 
-def test_a_logged_run_past_its_time_is_stopped_and_leaves_what_it_said(tmp_path):
-    """A run that hangs on the GPU box: stopped at its timeout, its output so far on disk and in the
-    error, rather than the whole session's time spent waiting."""
+HANGS_WITH_A_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(f"step: 1/30 {child.pid}", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_logged_run_past_its_time_is_stopped_with_its_children_and_leaves_what_it_said(tmp_path):
+    """A run that hangs on the GPU box: stopped at its timeout with the processes it started (a
+    trainer's ranks would hold the GPU through the next measurement), its output so far on disk and
+    in the error, rather than the whole session's time spent waiting."""
     output = tmp_path / "run" / "output.log"
-    hangs = [sys.executable, "-c", "import time; print('step: 1/30', flush=True); time.sleep(120)"]
-    started = time.monotonic()
     with pytest.raises(RunFailed, match=r"^a run was stopped after 2 s:\n(.|\n)*step: 1/30"):
-        run_logged(hangs, output, "a run", timeout_s=2)
-    assert time.monotonic() - started < 60  # not the sleep's 120 s
-    assert output.read_text() == "step: 1/30\n"
+        run_logged([sys.executable, "-c", HANGS_WITH_A_CHILD], output, "a run", timeout_s=2)
+    said, child = output.read_text().rsplit(" ", 1)
+    assert said == "step: 1/30"
+    assert ended(int(child)), "the run's child outlived it"
     with pytest.raises(RunFailed, match=r"^a run exited 3:\nerror: no shards\n\.\.\."):
         run_logged([sys.executable, "-c", "print('error: no shards'); exit(3)"], output, "a run")
+
+
+def ended(pid: int) -> bool:
+    """Whether ``pid`` ends within 10 s (killed, it may wait as a zombie until init reaps it)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        process = psutil.Process(pid)
+        for _ in range(100):
+            if process.status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.1)
+        else:
+            return False
+    return True
 
 
 def test_what_the_budget_leaves_no_time_for_is_recorded_as_not_run(tmp_path):

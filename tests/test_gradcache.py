@@ -355,10 +355,7 @@ def test_offload_keeps_the_batch_on_the_host_untouched_and_stays_exact():
 def test_to_host_pins_only_for_cuda():
     batch = make_batch()
     assert all(a is b for a, b in zip(to_host(batch, torch.device("cpu")), batch, strict=True))
-    assert not any(t.is_pinned() for t in to_host(batch, torch.device("cpu")))
-    if torch.cuda.is_available():
-        pinned = to_host(batch, torch.device("cuda"))
-        assert all(t.is_pinned() and torch.equal(t, b) for t, b in zip(pinned, batch, strict=True))
+    assert not any(t.is_pinned() for t in to_host(batch, torch.device("cpu")))  # CUDA: test_cuda.py
 
 
 def test_chunk_stream_yields_the_right_slices_and_counts_live_chunks():

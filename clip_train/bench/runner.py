@@ -7,9 +7,11 @@ from a clean interpreter, not a copy of the parent (fork) or an unpickled one (s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,24 @@ class ProcessFailed(RuntimeError):
         self.last_line = (stderr.strip().splitlines() or ["no output"])[-1]
 
 
+def run_as_group(
+    command: list[str], timeout_s: float | None = None, input: str | None = None, **popen: Any
+) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a process group of its own, killed as a whole past ``timeout_s`` or when
+    this process is interrupted: a measurement's own children (torchrun's ranks, a benchmark's
+    trainers, data workers) would otherwise outlive it, holding the GPU the next one measures."""
+    stdin = subprocess.PIPE if input is not None else None
+    with subprocess.Popen(command, stdin=stdin, process_group=0, **popen) as proc:
+        try:
+            stdout, stderr = proc.communicate(input, timeout=timeout_s)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):  # the group has ended already
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def in_fresh_process(fn: Callable[[Any], Any], spec: Any, timeout_s: float | None = None) -> Any:
     """``fn(spec)`` in a new interpreter; ``fn`` is a module-level function. Its stdout passes through;
     its stderr is replayed after it ends, or carried by :class:`ProcessFailed`. Past ``timeout_s`` it
@@ -37,9 +57,7 @@ def in_fresh_process(fn: Callable[[Any], Any], spec: Any, timeout_s: float | Non
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         command = [sys.executable, "-m", __name__, target, str(out)]
-        proc = subprocess.run(
-            command, input=json.dumps(spec), stderr=subprocess.PIPE, text=True, check=False, timeout=timeout_s
-        )
+        proc = run_as_group(command, timeout_s, json.dumps(spec), stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             raise ProcessFailed(target, proc.returncode, proc.stderr)
         sys.stderr.write(proc.stderr)
@@ -63,10 +81,9 @@ def run_logged(
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w") as sink:
         try:
-            ended = subprocess.run(
-                command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                timeout=timeout_s, check=False,
-            ).returncode  # fmt: skip
+            ended = run_as_group(
+                command, timeout_s, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            ).returncode
         except subprocess.TimeoutExpired:
             ended = None
     if ended == 0:
