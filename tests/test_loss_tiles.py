@@ -250,14 +250,17 @@ def test_fused_sigmoid_matches_strips(monkeypatch) -> None:
 
 def test_fused_backward_and_sigmoid_are_one_kernel_each() -> None:
     """G (either loss) comes from one generated kernel: one read of the tile's ``I·Tᵀ`` (the scale,
-    the shifts and the signs are device inputs), one write of G."""
+    the shifts, the signs and the positives are device inputs), one write of G."""
     from torch._inductor import metrics
 
     products, scale, sign = torch.randn(64, 48), torch.tensor(20.0), torch.tensor(-1.0)
-    shifts = torch.randn(64), torch.randn(48)
+    shifts, positives = (torch.randn(64), torch.randn(48)), torch.arange(64) - 8
     for fn, args in [
-        (tiles_torch._softmax_tile_grads, (products, scale, *shifts, sign, -sign, torch.bfloat16)),
-        (tiles_torch._sigmoid_tile, (products, scale, torch.tensor(-8.0), sign, torch.bfloat16)),
+        (
+            tiles_torch._softmax_tile_grads,
+            (products, scale, *shifts, sign, -sign, positives, sign, torch.bfloat16),
+        ),
+        (tiles_torch._sigmoid_tile, (products, scale, torch.tensor(-8.0), sign, positives, torch.bfloat16)),
     ]:
         torch._dynamo.reset()
         metrics.reset()
@@ -285,3 +288,48 @@ def test_bf16_features_multiply_in_fp32_and_match_fp64(monkeypatch, fused) -> No
     for actual, want in zip(grads, expected, strict=True):
         assert actual.dtype == torch.float32
         assert (actual.double() - want).norm() <= tolerance * want.norm()
+
+
+def _matched_pairs(n: int = 48, dim: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 features of pairs a model has learned: each image near its text, so at scale 15 the
+    positive's probability is 1 - ε with ε from about 1e-4 to 1 over the rows."""
+    gen = torch.Generator().manual_seed(7)
+    texts = F.normalize(torch.randn(n, dim, generator=gen, dtype=torch.float64), dim=1)
+    noise = torch.randn(n, dim, generator=gen, dtype=torch.float64) * torch.linspace(0.01, 0.3, n)[:, None]
+    return F.normalize(texts + noise, dim=1).bfloat16(), texts.bfloat16()
+
+
+def _row_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    return (actual.double() - expected).norm(dim=1) / expected.norm(dim=1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_gradients_keep_the_pull_of_well_matched_pairs(monkeypatch, fused) -> None:
+    """A learned pair's gradient is the small difference ``P + Q - 2`` (softmax) or ``sigmoid(X) - 1``
+    on the diagonal: taken after G is rounded to bf16 (8 bits: 2 - 2ε is 2 for ε < 1/256), the pull
+    towards its partner was lost (the softmax's rows here were off by up to 1.6 times their size).
+    Each row's image gradient against fp64 on the same bf16 values, for both losses."""
+    monkeypatch.setattr(tiles_torch, "_fused", lambda device: fused)
+    images, texts = _matched_pairs()
+    n, scale = len(images), 15.0
+    diagonal = torch.arange(n)
+    exact_images, exact_texts = images.double().requires_grad_(), texts.double()
+    logits = scale * exact_images @ exact_texts.t()
+    (1 / scale * clip_loss_formula(exact_images, exact_texts, scale)).backward()
+    row_lse, col_lse = torch.full((n,), -torch.inf), torch.full((n,), -torch.inf)
+    tiles_torch.softmax_forward(images, texts, scale, row_lse, col_lse, 16)
+    grads = torch.zeros(n, 32), torch.zeros(n, 32)
+    coefs = dict(positives=diagonal, positive_coef=-1 / n)
+    tiles_torch.softmax_backward(
+        images, texts, scale, row_lse, 0.5 / n, col_lse, 0.5 / n, *grads, 16, **coefs
+    )
+    softmax_errors = _row_errors(grads[0], exact_images.grad)
+    bias, grads = -10.0, (torch.zeros(n, 32), torch.zeros(n, 32))
+    tiles_torch.sigmoid_forward_backward(images, texts, scale, bias, 1 / n, *grads, 16, positives=diagonal)
+    expected = ((logits + bias).sigmoid() - torch.eye(n, dtype=torch.float64)) / n @ exact_texts
+    sigmoid_errors = _row_errors(grads[0], expected.detach())
+    epsilon = 1 - logits.detach().softmax(dim=1).diagonal()
+    assert epsilon.min() < 1e-3 and epsilon.max() > 1e-2  # the rows span the range where it mattered
+    tolerance = 2e-2 if fused else 1e-3  # G in bf16 (the fused GEMM's operand) or in fp32 (strips)
+    assert softmax_errors.max() < tolerance, softmax_errors
+    assert sigmoid_errors.max() < tolerance, sigmoid_errors

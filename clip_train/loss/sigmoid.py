@@ -33,13 +33,13 @@ def _ring_pass(
 
     def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
         nonlocal softplus_sum, g_sum, positives
+        home = owner == batch.rank  # the positives, the diagonal: -coef on it in G, the tiles' own
         args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile)
-        softplus, g = sigmoid_forward_backward(images, block, *args)
+        diagonal = torch.arange(n, device=images.device) if home else None
+        softplus, g = sigmoid_forward_backward(images, block, *args, positives=diagonal)
         softplus_sum, g_sum = softplus_sum + softplus, g_sum + g
-        if owner == batch.rank:  # the positives: -X_ii in the loss, -coef on G's diagonal
+        if home:  # and -X_ii in the loss, -coef·n in Σ G
             positives = (row_dots(images, block, acc_dtype) * ctx.scale + ctx.bias).sum()
-            grad_images.addcmul_(block.to(acc_dtype), -coef)
-            grad_block.addcmul_(images.to(acc_dtype), -coef)
             g_sum = g_sum - coef * n
 
     grad_texts = texts.new_zeros(texts.shape, dtype=acc_dtype)

@@ -19,13 +19,14 @@ from clip_train.loss.ring import backward_pass, forward_pass, rank_coefficients,
 from clip_train.loss.tiles_torch import softmax_backward, softmax_forward, tile_operands
 
 
-def _positives(batch: Batch, owner: int, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rows whose positive lies in rank ``owner``'s text block, and the block rows they pair with;
-    ``None`` in symmetric mode, where the positives are the home block's diagonal (no indexing)."""
+def _positives(batch: Batch, owner: int, m: int, images: torch.Tensor) -> torch.Tensor | None:
+    """Per row of this rank, its positive's row in rank ``owner``'s text block of ``m``, or -1 where
+    it lies in another block; None for a block with none (symmetric mode: all but the home block,
+    whose positives are its diagonal). Found on the device: a host read would wait for every hop."""
     if batch.symmetric:
-        return None
-    rows = ((batch.labels // m) == owner).nonzero().squeeze(1)
-    return rows, batch.labels[rows] - owner * m
+        return torch.arange(m, device=images.device) if owner == batch.rank else None
+    in_block = batch.labels - owner * m
+    return torch.where((in_block >= 0) & (in_block < m), in_block, -1)
 
 
 class SoftmaxLoss(torch.autograd.Function):
@@ -50,11 +51,11 @@ class SoftmaxLoss(torch.autograd.Function):
         def visit(owner: int, block: torch.Tensor, col_lse: torch.Tensor | None) -> None:
             nonlocal last_tile
             last_tile = softmax_forward(images, block, scale, row_lse, col_lse, tile)
-            pairs = _positives(batch, owner, m)
-            if pairs is not None:
-                positive_logits[pairs[0]] = row_dots(images[pairs[0]], block[pairs[1]], acc_dtype) * scale
-            elif owner == batch.rank:
-                positive_logits.copy_(row_dots(images, block, acc_dtype) * scale)
+            positives = _positives(batch, owner, m, images)
+            if positives is not None:
+                partners = block if batch.symmetric else block[positives.clamp(min=0)]
+                logits = row_dots(images, partners, acc_dtype) * scale
+                positive_logits.copy_(torch.where(positives >= 0, logits, positive_logits))
 
         col_lse = images.new_full((m,), -math.inf, dtype=acc_dtype) if batch.symmetric else None
         block, held_col_lse, col_lse = forward_pass(batch, texts, col_lse, visit)
@@ -99,15 +100,10 @@ class SoftmaxLoss(torch.autograd.Function):
                 grad_block,
                 ctx.tile,
                 last_tile,
+                positives=_positives(batch, owner, m, images),
+                positive_coef=-upstream / n,
             )
             last_tile = None  # only the first block visited is the forward's last
-            pairs, positive_coef = _positives(batch, owner, m), -upstream / n
-            if pairs is not None:
-                grad_images.index_add_(0, pairs[0], block[pairs[1]].to(acc_dtype) * positive_coef)
-                grad_block.index_add_(0, pairs[1], images[pairs[0]].to(acc_dtype) * positive_coef)
-            elif owner == batch.rank:
-                grad_images.addcmul_(block.to(acc_dtype), positive_coef)
-                grad_block.addcmul_(images.to(acc_dtype), positive_coef)
             return grad_block
 
         grad_texts = backward_pass(batch, [block] + ([col_lse] if col_lse is not None else []), visit)

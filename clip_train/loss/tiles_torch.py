@@ -160,6 +160,12 @@ def _column_lse(products: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (products * scale).logsumexp(dim=0)
 
 
+def _positive_mask(positive_cols: torch.Tensor, width: int) -> torch.Tensor:
+    """A tile's positive pairs as a (rows × ``width``) mask, from each row's positive column counted
+    from the tile's first (outside ``[0, width)`` where it lies in another tile or block)."""
+    return positive_cols[:, None] == torch.arange(width, device=positive_cols.device)[None, :]
+
+
 def _softmax_tile_grads(
     products: torch.Tensor,
     scale: torch.Tensor,
@@ -167,26 +173,41 @@ def _softmax_tile_grads(
     col_shift: torch.Tensor,
     row_sign: torch.Tensor,
     col_sign: torch.Tensor,
+    positive_cols: torch.Tensor,
+    positive_coef: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``row_sign·exp(X - row_shift[:, None]) + col_sign·exp(X - col_shift[None, :])`` for
-    ``X = scale · products``, as ``dtype``, the GEMMs' operand; an absent term has infinite shifts,
-    which make it exactly 0. Two ``exp``s per element cost nothing in a kernel bound by memory, so
-    no rank-one shortcut is needed here."""
+    """``row_sign·exp(X - row_shift[:, None]) + col_sign·exp(X - col_shift[None, :])`` plus
+    ``positive_coef`` on the positive pairs, for ``X = scale · products``, as ``dtype``, the GEMMs'
+    operand. An absent term has infinite shifts, which make it exactly 0. The positives join before
+    the narrowing: a well-matched pair's ``P + Q`` is ``2 - 2ε``, which bf16 rounds to 2 for ε < 1/256,
+    so subtracting 2 after the GEMM would lose its whole pull. Two ``exp``s per element cost nothing in
+    a kernel bound by memory, so no rank-one shortcut is needed here."""
     logits = products * scale
     rows, cols = (logits - row_shift[:, None]).exp(), (logits - col_shift[None, :]).exp()
-    return (row_sign * rows + col_sign * cols).to(dtype)
+    positives = _positive_mask(positive_cols, products.shape[1])
+    return (row_sign * rows + col_sign * cols + positives * positive_coef).to(dtype)
 
 
 def _sigmoid_tile(
-    products: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype
+    products: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    coef: torch.Tensor,
+    positive_cols: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sigmoid tile's ``Σ softplus(X)``, ``Σ sigmoid(X)`` and ``coef·sigmoid(X)`` as ``dtype``, for
-    ``X = scale · products + bias``, from one read of the tile (the strips' formula)."""
+    """A sigmoid tile's row sums of ``softplus(X)`` and ``sigmoid(X)`` and ``G = coef·(sigmoid(X) -
+    positives)`` as ``dtype``, for ``X = scale · products + bias``, from one read of the tile (the
+    strips' formula; row sums, as whole-tile sums would split it into kernels of other shapes). A
+    positive's ``sigmoid(X) - 1`` is ``-sigmoid(-X)``, exact where bf16 would round ``sigmoid(X)``
+    of a well-matched pair to 1 (as for the softmax's positives)."""
     x = products * scale + bias
     probabilities = x.sigmoid()
     softplus = x.clamp(min=0) - x.abs().sigmoid().log()
-    return softplus.sum(), probabilities.sum(), (coef * probabilities).to(dtype)
+    positives = _positive_mask(positive_cols, products.shape[1])
+    grads = coef * torch.where(positives, -(-x).sigmoid(), probabilities)
+    return softplus.sum(dim=1), probabilities.sum(dim=1), grads.to(dtype)
 
 
 def _strip_buffer(
@@ -366,15 +387,24 @@ def softmax_backward(
     tile: int,
     last_tile: LastTile | None = None,
     strip_elements: int | None = None,
+    positives: torch.Tensor | None = None,
+    positive_coef: Scalar = 0.0,
 ) -> None:
     """Accumulate ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts`` for
     ``G = row_coef·exp(X - row_lse[:, None]) + col_coef·exp(X - col_lse[None, :])``, both directions'
-    softmax gradients. ``last_tile``, the forward's hand-over for this block, is not recomputed.
+    softmax gradients, plus ``positive_coef`` at each row's positive column (``positives``: per row,
+    its column in this block or -1). ``last_tile``, the forward's hand-over for this block, is not
+    recomputed.
     """
     if _fused(images.device):
-        grads_of = _fused_softmax_grads(row_lse, row_coef, col_lse, col_coef, scale, images.dtype)
-        sign, alpha = 1.0, 1.0  # G carries its signs; the kernels apply the scale
+        positives = _no_positives(images) if positives is None else positives
+        grads_of = _fused_softmax_grads(
+            row_lse, row_coef, col_lse, col_coef, scale, positives, positive_coef, images.dtype
+        )
+        sign, alpha = 1.0, 1.0  # G carries its signs and its positives; the kernels apply the scale
     else:
+        if positives is not None:
+            _add_positives(images, texts, positives, float(positive_coef), grad_images, grad_texts)
         row_shift, row_sign = _fold(row_lse, float(row_coef))
         col_shift, col_sign = _fold(col_lse, float(col_coef))
         if row_shift is None and col_shift is None:
@@ -390,6 +420,27 @@ def softmax_backward(
         addmm_(grad_texts[cols], grads.t(), images[rows], alpha=sign)
 
 
+def _no_positives(images: torch.Tensor) -> torch.Tensor:
+    """The fused functions' ``positives`` for a block that holds none of these rows' positives."""
+    return torch.full((len(images),), -1, dtype=torch.long, device=images.device)
+
+
+def _add_positives(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    positives: torch.Tensor,
+    coef: float,
+    grad_images: torch.Tensor,
+    grad_texts: torch.Tensor,
+) -> None:
+    """The strips' positives, ``coef`` at each row's positive column of G, added to both gradients
+    in their own dtype (the strips' G is never narrower); -1 marks a row without one here."""
+    found = (positives >= 0)[:, None]
+    cols = positives.clamp(min=0)
+    grad_images.add_(torch.where(found, texts[cols], 0).to(grad_images.dtype), alpha=coef)
+    grad_texts.index_add_(0, cols, torch.where(found, images, 0).to(grad_texts.dtype), alpha=coef)
+
+
 TileGrads = Callable[[slice, slice, torch.Tensor], torch.Tensor]
 
 
@@ -399,6 +450,8 @@ def _fused_softmax_grads(
     col_lse: torch.Tensor | None,
     col_coef: Scalar,
     scale: Scalar,
+    positives: torch.Tensor,
+    positive_coef: Scalar,
     dtype: torch.dtype,
 ) -> TileGrads:
     """G of a tile from one compiled pass over its ``I·Tᵀ``, in the features' dtype. Each
@@ -406,6 +459,7 @@ def _fused_softmax_grads(
     can overflow, and its sign multiplies the term; a zero coefficient (or an absent term) shifts
     by infinity, which makes its term exactly 0."""
     scale = device_scalar(scale, row_lse)
+    positive_coef = device_scalar(positive_coef, row_lse)
 
     def shift_and_sign(lse: torch.Tensor | None, coef: Scalar) -> tuple[torch.Tensor, torch.Tensor]:
         if lse is None:
@@ -419,7 +473,10 @@ def _fused_softmax_grads(
     def grads(rows: slice, cols: slice, products: torch.Tensor) -> torch.Tensor:
         r = row_shift[rows] if row_shift.dim() else row_shift.expand(len(products))
         c = col_shift[cols] if col_shift.dim() else col_shift.expand(products.shape[1])
-        return _compiled(_softmax_tile_grads)(products, scale, r, c, row_sign, col_sign, dtype)
+        in_tile = positives[rows] - cols.start
+        return _compiled(_softmax_tile_grads)(
+            products, scale, r, c, row_sign, col_sign, in_tile, positive_coef, dtype
+        )
 
     return grads
 
@@ -474,26 +531,34 @@ def sigmoid_forward_backward(
     grad_texts: torch.Tensor,
     tile: int,
     strip_elements: int | None = None,
+    positives: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sigmoid loss's block in one pass, ``X = scale · images @ textsᵀ + bias`` (3 matmuls a tile).
 
-    Returns ``Σ softplus(X)`` (every pair as a negative; the positives are the caller's) and ``Σ G``,
-    and accumulates ``G @ texts`` into ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts`` for
-    ``G = coef · sigmoid(X)``, the negatives' gradient: it depends on each element alone.
+    Returns ``Σ softplus(X)`` and ``coef · Σ sigmoid(X)``, every pair taken as a negative (the
+    positives' terms in the loss and its sums are the caller's), and accumulates ``G @ texts`` into
+    ``grad_images`` and ``Gᵀ @ images`` into ``grad_texts`` for ``G = coef · (sigmoid(X) - δ)``: it
+    depends on each element alone. ``positives``: per row, its column in this block or -1.
     """
     buffer = _tile_buffer(images, texts, tile)
     softplus_total, sigmoid_total = (images.new_zeros((), dtype=buffer.dtype) for _ in range(2))
     if _fused(images.device):  # the buffer holds I·Tᵀ; the constants stay on the device
         constants = [device_scalar(value, buffer) for value in (scale, bias, coef)]
+        positives = _no_positives(images) if positives is None else positives
         for rows, cols in _tile_grid(images, texts, tile):
             products = _logits(buffer, images[rows], texts[cols], 1.0)
-            softplus, probabilities, grads = _compiled(_sigmoid_tile)(products, *constants, images.dtype)
-            softplus_total += softplus
-            sigmoid_total += probabilities
+            in_tile = positives[rows] - cols.start
+            softplus, probabilities, grads = _compiled(_sigmoid_tile)(
+                products, *constants, in_tile, images.dtype
+            )
+            softplus_total += softplus.sum()
+            sigmoid_total += probabilities.sum()
             addmm_(grad_images[rows], grads, texts[cols])
             addmm_(grad_texts[cols], grads.t(), images[rows])
         return softplus_total, sigmoid_total * constants[2]
     scale, bias, coef = float(scale), float(bias), float(coef)
+    if positives is not None:
+        _add_positives(images, texts, positives, -coef, grad_images, grad_texts)
     strip = _strip_buffer(images, texts, tile, strip_elements)
     for rows, cols in _tile_grid(images, texts, tile):
         logits = _logits(buffer, images[rows], texts[cols], scale)
