@@ -333,3 +333,23 @@ def test_bf16_gradients_keep_the_pull_of_well_matched_pairs(monkeypatch, fused) 
     tolerance = 2e-2 if fused else 1e-3  # G in bf16 (the fused GEMM's operand) or in fp32 (strips)
     assert softmax_errors.max() < tolerance, softmax_errors
     assert sigmoid_errors.max() < tolerance, sigmoid_errors
+
+
+@pytest.mark.usefixtures("fused")
+def test_where_the_compiler_fails_the_tiles_run_eager_and_say_so(monkeypatch, caplog) -> None:
+    """A box whose compiler cannot build the kernels (here a C++ compiler that is not there, as a
+    GPU box without the one Triton needs): the loss still runs, exact, with one warning a function."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compile, not a cached kernel
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    tiles_torch._compiled.cache_clear()
+    torch._dynamo.reset()
+    try:
+        images, texts = _adversarial("random")
+        expected = _run(clip_loss_formula, images, texts, SCALE)
+        actual = _run(lambda i, t, s: contrastive_loss(i, t, s, tile_size=8), images, texts, SCALE)
+    finally:
+        tiles_torch._compiled.cache_clear()
+        torch._dynamo.reset()
+    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    eager = sorted(r.getMessage().split()[3] for r in caplog.records if "runs" in r.getMessage())
+    assert eager == ["_softmax_tile_grads", "_softmax_tile_stats"], caplog.text  # once each

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from clip_train.logs import get_logger
+
 # Elements per strip of a tile's rows: 4 MiB of fp32 stays in this CPU's L2/L3 across the
 # several elementwise steps applied to it.
 STRIP_ELEMENTS = 1 << 20
@@ -136,8 +138,23 @@ def _fused(device: torch.device) -> bool:
 
 @functools.cache
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled once for all tile shapes (the last row and column tiles are smaller)."""
-    return torch.compile(fn, dynamic=True)
+    """``fn`` compiled once for all tile shapes (the last row and column tiles are smaller). Where
+    the compiler fails (a box without the C compiler Triton builds its launcher with, a broken
+    Triton), ``fn`` itself runs, eager: the same arithmetic with more memory traffic, and one
+    warning, rather than a loss that cannot run on that box."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    def run(*args: Any) -> Any:
+        nonlocal compiled
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as err:
+            reason = str(err).strip().splitlines()[0]
+            get_logger().warning(f"the loss runs {fn.__name__} eager: torch.compile failed on it ({reason})")
+            compiled = fn
+            return fn(*args)
+
+    return run
 
 
 def _softmax_tile_stats(
