@@ -13,23 +13,26 @@ import json
 import shutil
 from pathlib import Path
 
+import open_clip
 import pytest
 import torch
 import yaml
 from dist_utils import run_distributed
 from open_clip.loss import DistillClipLoss
-from small_runs import DEMO_CONFIG, TINY_MODEL, run_overrides
+from safetensors.torch import save_file
+from small_runs import DEMO_CONFIG, ROOT, TINY_MODEL, run_overrides
 from test_gradcache import NO_DROPOUT, ROWS, assert_grads_close, grads, make_batch, make_model, tiny_config
 from test_init_from import source_weights, trainer
 from test_init_from_open_clip import perturbed
 
 from clip_train.checkpoint import MODEL_FILE
-from clip_train.config import load_config
+from clip_train.config import DistillConfig, load_config
 from clip_train.engine import GradCache
 from clip_train.errors import UserError
 from clip_train.export import export_open_clip
 from clip_train.model import build_model
 from clip_train.startup_checks import check_paths
+from clip_train.teacher import load_teacher
 
 WEIGHT = 0.7
 
@@ -175,6 +178,31 @@ def test_an_open_clip_teacher_takes_its_architecture_from_a_model_yaml(digits, t
     overrides = run_overrides(digits, tmp_path / "run2", 1, teacher[0], f"distill.teacher_model={missing}")
     with pytest.raises(UserError, match=f"^distill.teacher_model='{missing}': no such file$"):
         check_paths(load_config(DEMO_CONFIG, overrides))
+
+
+def test_a_shipped_model_yaml_gives_an_open_clip_teacher_open_clips_embeddings(tmp_path):
+    """``distill.teacher_model=configs/model/ViT-B-32-quickgelu.yaml`` as the docs give it, which
+    leaves the logit scale to the defaults, for a random open_clip ViT-B-32-quickgelu saved as a
+    weights file: the teacher is open_clip's model (fp64, against open_clip's own forward)."""
+    arch = "ViT-B-32-quickgelu"
+    theirs = perturbed(open_clip.create_model(arch, pretrained=None))
+    weights = tmp_path / "weights.safetensors"
+    save_file({name: tensor.contiguous() for name, tensor in theirs.state_dict().items()}, weights)
+    distill = DistillConfig(
+        teacher=f"open_clip:{arch}/{weights}", teacher_model=str(ROOT / "configs" / "model" / f"{arch}.yaml")
+    )
+    student = build_model(load_config(distill.teacher_model).model, on_meta=True)  # the same inputs
+    teacher = load_teacher(distill, student, torch.device("cpu"), torch.float64)
+    theirs.double()
+    images = torch.randn(2, 3, 224, 224, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tokens = teacher.tokenizer(["a photo of a dog", "Two Cats & a café!"])
+    with torch.no_grad():
+        image, text = teacher.encode_image(images), teacher.encode_text(**tokens)
+        expected_image = theirs.encode_image(images, normalize=True)
+        expected_text = theirs.encode_text(tokens["input_ids"], normalize=True)
+    torch.testing.assert_close(image, expected_image, rtol=0, atol=1e-10)
+    torch.testing.assert_close(text, expected_text, rtol=0, atol=1e-10)
+    assert torch.equal(teacher.logit_scale, theirs.logit_scale)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from open_clip.constants import OPENAI_DATASET_MEAN
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from small_runs import ROOT, TINY_MODEL_CONFIG
 from test_fsdp_gradcache import Case, check, fsdp_rank, reference
 from test_init_from import trainer
@@ -187,6 +187,26 @@ def test_a_run_from_open_clip_loads_with_its_embeddings_then_trains_and_exports_
     assert (tmp_path / "lit" / "checkpoints" / "step_00000002" / MODEL_FILE).is_file()
 
 
+def test_a_logit_scale_and_bias_of_shape_one_load_as_the_numbers_they_hold(tmp_path):
+    """open_clip's ``nonscalar_logit_scale`` (and releases made with it) saves both with shape (1,),
+    which open_clip loads; more than one number is refused in one line."""
+    scales = {"init_logit_bias": -10.0, "nonscalar_logit_scale": True}
+    model_cfg = {"embed_dim": 16, "vision_cfg": VIT, "text_cfg": TEXT, **scales}
+    theirs = perturbed(open_clip.CLIP(**model_cfg))
+    folder = save_open_clip_folder(tmp_path, theirs, model_cfg)
+    run, spec = [*clip_text_run(False), "model.init_logit_bias=-5"], f"open_clip:local-dir:{folder}"
+    ours = initialised(run, spec)
+    assert theirs.logit_scale.shape == theirs.logit_bias.shape == (1,)
+    assert torch.equal(ours.logit_scale, theirs.logit_scale.reshape(()))
+    assert torch.equal(ours.logit_bias, theirs.logit_bias.reshape(()))
+    weights = folder / "open_clip_model.safetensors"
+    save_file({**load_file(weights), "logit_scale": torch.ones(2)}, weights)
+    assert (
+        one_line_error(run, spec)
+        == "the weights' logit scale or bias has shape (2,): clip_train's is one number"
+    )
+
+
 def test_a_locked_text_tower_with_unlocked_layers_computes_the_same_embeddings(tiny_clip):
     """The causal layers run one by one (frozen, then trainable) give what the whole encoder gives."""
     folder, quick_gelu = tiny_clip
@@ -217,9 +237,40 @@ def test_siglip_text_tower_fails_at_start_up_in_one_line(tmp_path):
         check_init_from(f"open_clip:ViT-B-16-SigLIP/{tmp_path / 'weights'}")
     assert str(err.value) == (
         "the text tower does not map (open_clip's text transformer here has pool_type='last', no causal "
-        "mask, a projection bias, its own tokenizer timm/ViT-B-16-SigLIP; clip_train maps the CLIP text "
-        "transformer: causal, pooled at the end token (argmax), a bias-free projection, open_clip's BPE)"
+        "mask, a projection bias, its own tokenizer timm/ViT-B-16-SigLIP, tokenizer arguments "
+        "{'clean': 'canonicalize'}; clip_train maps the CLIP text transformer: causal, pooled at the end "
+        "token (argmax), a bias-free projection, open_clip's BPE)"
     )
+
+
+@pytest.mark.parametrize(
+    ("tower", "arguments", "message"),
+    [
+        (
+            "text_cfg",
+            {"tokenizer_kwargs": {"clean": "canonicalize"}},
+            "the text tower does not map (open_clip's text transformer here has tokenizer arguments "
+            "{'clean': 'canonicalize'}; clip_train maps the CLIP text transformer: causal, pooled at the end "
+            "token (argmax), a bias-free projection, open_clip's BPE)",
+        ),
+        (
+            "vision_cfg",
+            {"act_kwargs": {"approximate": "tanh"}},
+            "the image tower does not map (open_clip's ViT here has activation arguments "
+            "{'approximate': 'tanh'}; clip_train maps a ViT whose GELU or QuickGELU takes none)",
+        ),
+    ],
+    ids=["tokenizer", "vit-activation"],
+)
+def test_tokenizer_or_activation_arguments_fail_at_start_up_in_one_line(tmp_path, tower, arguments, message):
+    """Neither shows in a weight: clip_train's BPE cleans captions as open_clip's default does (lower),
+    and its ViT's activation takes no arguments, so the tokens or the embeddings would differ."""
+    model_cfg = {"embed_dim": 16, "vision_cfg": VIT, "text_cfg": TEXT}
+    model_cfg[tower] = {**model_cfg[tower], **arguments}
+    save_open_clip_folder(tmp_path, open_clip.CLIP(**model_cfg), model_cfg)
+    with pytest.raises(UserError) as err:
+        check_init_from(f"open_clip:local-dir:{tmp_path}")
+    assert str(err.value) == message
 
 
 @pytest.mark.parametrize(
@@ -290,6 +341,23 @@ def test_weights_trained_with_another_image_normalisation_fail_in_one_line(tiny_
     )
     overlay = "model.image.timm_kwargs.pretrained_cfg_overlay={mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}"
     assert initialised([*clip_text_run(quick_gelu), overlay], spec).image_mean == (0.5, 0.5, 0.5)
+
+
+def test_a_bare_weights_file_says_its_normalisation_is_assumed(tmp_path):
+    """``open_clip:ARCH/FILE`` carries no preprocessing settings: the check can only assume OpenAI's
+    mean and std, and names the sources that carry them."""
+    weights = tmp_path / "weights.safetensors"
+    weights.write_bytes(b"not read")
+    overlay = "model.image.timm_kwargs.pretrained_cfg_overlay={mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}"
+    cfg = load_config(ROOT / "configs" / "model" / "ViT-B-32.yaml", [overlay]).model
+    problem = normalisation_problem(resolve(f"open_clip:ViT-B-32/{weights}"), build_model(cfg, on_meta=True))
+    assert problem.startswith(
+        f"{weights} is a bare weights file, which carries no preprocessing settings, so the check assumes "
+        "OpenAI's mean (0.48145466, 0.4578275, 0.40821073) and std (0.26862954, 0.26130258, 0.27577711), "
+        "the run's model.image.timm with (0.5, 0.5, 0.5) and (0.5, 0.5, 0.5): name the weights by their "
+        "pretrained tag (open_clip:ARCH/TAG) or as a folder with its open_clip_config.json "
+        "(open_clip:local-dir:DIR) instead, or pick a timm tag trained with them"
+    )
 
 
 @pytest.mark.parametrize(

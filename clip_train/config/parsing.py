@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from clip_train.config.schema import Config, ConfigError, ModelConfig
+from clip_train.config.schema import Config, ConfigError, LossConfig, LossKind, ModelConfig
 
 # Keys earlier releases had, so every run config they saved holds them: a saved config drops them
 # silently, a config someone writes fails at start-up saying why the key went.
@@ -52,14 +52,19 @@ def load_config(
     if retired := _pop_retired(raw):
         raise ConfigError(f"{retired} was removed: {RETIRED_KEYS[retired]}; delete the key")
     config = _build(Config, raw, prefix="")
-    # The logit scale and bias left at None take the chosen loss's own initial values, so the saved
-    # config (and each checkpoint's model.yaml) records what the model was built with.
-    sigmoid = config.loss.kind == "sigmoid"
-    if config.model.init_logit_scale is None:
-        config.model.init_logit_scale = math.log(10.0) if sigmoid else math.log(1 / 0.07)
-    if sigmoid and config.model.init_logit_bias is None:
-        config.model.init_logit_bias = -10.0
+    _fill_logit_init(config.model, config.loss.kind)
     return config
+
+
+def _fill_logit_init(model: ModelConfig, loss: LossKind) -> None:
+    """The logit scale and bias left at None take ``loss``'s own initial values, so the saved config
+    (and each checkpoint's model.yaml) records what the model was built with, and a model YAML read
+    alone (a teacher's architecture) builds as the same file does in a run."""
+    sigmoid = loss == "sigmoid"
+    if model.init_logit_scale is None:
+        model.init_logit_scale = math.log(10.0) if sigmoid else math.log(1 / 0.07)
+    if sigmoid and model.init_logit_bias is None:
+        model.init_logit_bias = -10.0
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -262,17 +267,20 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 
 
 def load_model_config(path: str | os.PathLike, key: str) -> ModelConfig:
-    """The ``model:`` section of a YAML file (``configs/model/*.yaml``); ``key`` names the setting
-    that pointed at it, in errors."""
+    """The ``model:`` section of a YAML file (``configs/model/*.yaml``), its logit scale and bias
+    resolved as ``load_config`` resolves those of a run with the default loss; ``key`` names the
+    setting that pointed at it, in errors."""
     if not Path(path).is_file():
         raise ConfigError(f"{key}={str(path)!r}: no such file")
     raw = _read_yaml_with_includes(Path(path))
     if not isinstance(raw.get("model"), dict):
         raise ConfigError(f"{key}={str(path)!r} has no model: section")
     try:
-        return _build(ModelConfig, raw["model"], "model.")
+        model = _build(ModelConfig, raw["model"], "model.")
     except ConfigError as err:
         raise ConfigError(f"{key}={str(path)!r}: {err}") from None
+    _fill_logit_init(model, LossConfig.kind)
+    return model
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

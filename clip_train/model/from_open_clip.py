@@ -63,6 +63,7 @@ class Source:
     weights: Path
     mean: tuple[float, ...] = OPENAI_DATASET_MEAN
     std: tuple[float, ...] = OPENAI_DATASET_STD
+    bare_file: bool = False  # a weights file named alone: no preprocessing settings, the mean and std assumed
 
 
 def is_open_clip(spec: str) -> bool:
@@ -106,7 +107,7 @@ def from_builtin(name: str) -> Source:
     if not pretrained:
         raise ModelLoadError(f"name the weights: {PREFIX}{arch}/TAG or {PREFIX}{arch}/FILE")
     if Path(pretrained).expanduser().is_file():
-        return Source(model_cfg, Path(pretrained).expanduser())
+        return Source(model_cfg, Path(pretrained).expanduser(), bare_file=True)
     tag = open_clip.get_pretrained_cfg(arch, pretrained)
     if not tag:
         tags = ", ".join(open_clip.list_pretrained_tags_by_model(arch)) or "none"
@@ -185,7 +186,16 @@ class TowerMap:
     problem: Callable[[CLIP, ModelConfig], str | None] | None = None
 
 
-SCALES = (Rule(r"logit_(scale|bias)", r"logit_\1"),)
+def one_number(tensor: torch.Tensor) -> torch.Tensor:
+    """The scalar in a logit scale or bias of open_clip's ``nonscalar_logit_scale`` shape, (1,)."""
+    if tensor.numel() != 1:
+        raise ModelLoadError(
+            f"the weights' logit scale or bias has shape {tuple(tensor.shape)}: clip_train's is one number"
+        )
+    return tensor.reshape(())
+
+
+SCALES = (Rule(r"logit_(scale|bias)", r"logit_\1", one_number),)
 TIMM_IMAGE = (  # open_clip's TimmModel: the trunk as is, the head's bias-free linear projection
     Rule(r"visual\.trunk\.(.+)", r"visual.trunk.\1"),
     Rule(r"visual\.head\.proj\.weight", "visual.proj.weight"),
@@ -230,6 +240,12 @@ def image_map(model_cfg: dict) -> TowerMap:
             lambda model, cfg: timm_trunk_problem(vision, model_cfg["embed_dim"], model.visual.trunk),
         )
     if isinstance(vision.layers, int):  # a VisionTransformer (a ModifiedResNet has one count per stage)
+        if vision.act_kwargs:  # e.g. GELU(approximate="tanh"): another activation under the same name
+            return TowerMap(
+                (),
+                f"open_clip's ViT here has activation arguments {vision.act_kwargs}; clip_train maps a ViT "
+                "whose GELU or QuickGELU takes none",
+            )
         quick_gelu = model_cfg.get("quick_gelu", False)
         return TowerMap(
             VIT_IMAGE,
@@ -285,6 +301,7 @@ def text_transformer_differences(text: CLIPTextCfg) -> list[str]:
         f"activation arguments {text.act_kwargs}": bool(text.act_kwargs),
         "custom attention blocks": custom_block,
         f"its own tokenizer {text.hf_tokenizer_name}": bool(text.hf_tokenizer_name),
+        f"tokenizer arguments {text.tokenizer_kwargs}": bool(text.tokenizer_kwargs),
     }
     return [what for what, differs in differences.items() if differs]
 
@@ -379,17 +396,29 @@ def clip_text_problem(text: CLIPTextCfg, quick_gelu: bool, model: CLIP, cfg: Mod
 
 
 def normalisation_problem(source: Source, model: CLIP) -> str | None:
-    """The image mean and std come from the run's timm name, not from the weights: they must agree."""
+    """The image mean and std come from the run's timm name, not from the weights: they must agree. A
+    bare weights file says nothing of its own, so the check can only assume open_clip's default."""
     theirs, ours = (*source.mean, *source.std), (*model.image_mean, *model.image_std)
     if len(theirs) == len(ours) and torch.allclose(
         torch.tensor(theirs), torch.tensor(ours), rtol=0, atol=1e-6
     ):
         return None
+    normalisation = f"mean {source.mean} and std {source.std}"
+    if source.bare_file:
+        theirs_said = (
+            f"{source.weights} is a bare weights file, which carries no preprocessing settings, so the check "
+            f"assumes OpenAI's {normalisation}"
+        )
+        instead = (
+            "name the weights by their pretrained tag (open_clip:ARCH/TAG) or as a folder with its "
+            "open_clip_config.json (open_clip:local-dir:DIR) instead, or "
+        )
+    else:
+        theirs_said, instead = f"open_clip's model normalises images with {normalisation}", ""
     return (
-        f"open_clip's model normalises images with mean {source.mean} and std {source.std}, the run's "
-        f"model.image.timm with {model.image_mean} and {model.image_std}: pick a timm tag trained with them "
-        "(e.g. vit_large_patch14_clip_224.laion2b for mean = std = 0.5) or set "
-        "model.image.timm_kwargs.pretrained_cfg_overlay={mean: [...], std: [...]}"
+        f"{theirs_said}, the run's model.image.timm with {model.image_mean} and {model.image_std}: {instead}"
+        "pick a timm tag trained with them (e.g. vit_large_patch14_clip_224.laion2b for mean = std = 0.5) "
+        "or set model.image.timm_kwargs.pretrained_cfg_overlay={mean: [...], std: [...]}"
     )
 
 
