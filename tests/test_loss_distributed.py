@@ -8,13 +8,16 @@ loss (symmetric and hard negatives) and of the sigmoid loss.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from clip_train.loss import contrastive_loss
+import clip_train.loss.sigmoid
+from clip_train.loss import contrastive_loss, ring
 from tests.dist_utils import run_distributed
 
 IMPLS_AND_TILES = [("vanilla", None), ("local", None), ("inf", 3), ("inf", 64)]
@@ -81,12 +84,39 @@ def _worker(rank: int, world: int) -> dict:
                     impl=impl,
                     tile_size=tile,
                 )
+    with _ring_events() as events:
+        _loss_and_grads(
+            data["images"][own], data["texts"][own], SCALE, kind="sigmoid", impl="inf", tile_size=3
+        )
+    results["sigmoid_events"] = events
     if world == 2:  # ranks disagreeing on n must fail loudly on every rank, not hang or mis-index
         try:
             contrastive_loss(data["images"][: 3 + rank], data["texts"][: 3 + rank], torch.tensor(SCALE))
         except ValueError as error:
             results["mismatch"] = str(error)
     return results
+
+
+@contextlib.contextmanager
+def _ring_events() -> Iterator[list[str]]:
+    """What the ring does, in order: ``post`` (transfers posted), ``compute`` (a block's tiles) and
+    ``wait`` (for the transfers posted)."""
+    events: list[str] = []
+    exchange, wait, tiles = ring._exchange, ring._wait, clip_train.loss.sigmoid.sigmoid_forward_backward
+
+    def record(event, fn):
+        def run(*args, **kwargs):
+            events.append(event)
+            return fn(*args, **kwargs)
+
+        return run
+
+    ring._exchange, ring._wait = record("post", exchange), record("wait", wait)
+    clip_train.loss.sigmoid.sigmoid_forward_backward = record("compute", tiles)
+    try:
+        yield events
+    finally:
+        ring._exchange, ring._wait, clip_train.loss.sigmoid.sigmoid_forward_backward = exchange, wait, tiles
 
 
 def _reference(mode, images, texts, scale, labels=None, weights=None) -> tuple[torch.Tensor, ...]:
@@ -148,6 +178,11 @@ def test_ranks_match_full_batch(world: int) -> None:
                 _close(rank_grad_texts, factor * grad_texts[own_texts])
                 rank_scalars.append(torch.stack(scalars))
             _close(torch.stack(rank_scalars).sum(0) / factor, torch.stack(grad_scalars))
+    for result in results:  # the sigmoid's text gradients cross while the next block computes
+        events = " ".join(result["sigmoid_events"])
+        assert events == " ".join(["post compute wait"] * world + ["post wait"]), (
+            events
+        )  # but the last hop home
     if world == 2:
         for result in results:
             assert "same number of rows" in result["mismatch"]

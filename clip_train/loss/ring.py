@@ -2,8 +2,9 @@
 
 Forward: block T_k starts at rank k and visits every rank, carrying its own state (the softmax's
 column LSE), which is complete when it gets home. Backward: the other way round, T_k carries a
-dT_k accumulator home while dI accumulates locally. Each hop's transfer is posted before the
-compute on the block in hand and waited for after, so communication overlaps the matmuls.
+dT_k accumulator home while dI accumulates locally; the sigmoid's one pass carries its dT_k the
+forward's way. Each hop's transfer is posted before the compute on the block in hand and waited
+for after, so communication overlaps the matmuls.
 """
 
 from __future__ import annotations
@@ -68,20 +69,47 @@ def backward_pass(
     """Starting from the block the forward ended on (``travelling``: the block and its state),
     call ``visit(owner, travelling)`` for every rank's block, the other way round; it returns
     that block's gradient accumulator, which follows the block home. Returns this rank's own."""
-    done = None  # the accumulator of the block visited in the previous step
+    return _accumulating(batch, travelling, visit, hop=-1, first_owner=batch.rank + 1)
+
+
+def accumulating_pass(
+    batch: Batch, block: torch.Tensor, visit: Callable[[int, list[torch.Tensor]], torch.Tensor]
+) -> torch.Tensor:
+    """Show every rank's text block to ``visit(owner, [block])``, starting from this rank's own, in
+    the forward's direction; it returns that block's share of a sum (the sigmoid's text gradient),
+    which follows the block home. Returns this rank's own block's sum."""
+    return _accumulating(batch, [block], visit, hop=1, first_owner=batch.rank)
+
+
+def _accumulating(
+    batch: Batch,
+    travelling: list[torch.Tensor],
+    visit: Callable[[int, list[torch.Tensor]], torch.Tensor],
+    hop: int,
+    first_owner: int,
+) -> torch.Tensor:
+    """The blocks move ``hop`` ranks a step, ``first_owner``'s in hand at the start. Each block's
+    sum follows it a hop behind: posted with the next block, so it crosses while the next block is
+    computed, and added to that rank's share after. A sum that ends one rank short of its owner
+    (the blocks started at home) takes one more hop, the only one nothing overlaps."""
+    reverse, done = hop < 0, None  # the sum of the block visited in the previous step
     for step in range(batch.world):
         last = step == batch.world - 1
         send = ([] if last else travelling) + ([] if done is None else [done])
         recv = [torch.empty_like(t) for t in send]
-        transfer = _exchange(batch, send, recv, reverse=True)
-        accumulator = visit((batch.rank + 1 + step) % batch.world, travelling)
+        transfer = _exchange(batch, send, recv, reverse)
+        accumulator = visit((first_owner - hop * step) % batch.world, travelling)
         _wait(transfer)
         if done is not None:
             accumulator += recv[-1]
         done = accumulator
         if not last:
             travelling = recv[: len(travelling)]
-    return done
+    if (first_owner - hop * (batch.world - 1)) % batch.world == batch.rank:
+        return done
+    home = torch.empty_like(done)
+    _wait(_exchange(batch, [done], [home], reverse))
+    return home
 
 
 def rank_coefficients(coef: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from clip_train.loss.checks import Batch, grads_like, row_dots
-from clip_train.loss.ring import forward_pass, rank_coefficients, without_autocast
+from clip_train.loss.ring import accumulating_pass, rank_coefficients, without_autocast
 from clip_train.loss.tiles_torch import device_scalar, sigmoid_forward_backward, tile_operands
 
 
@@ -31,8 +31,10 @@ def _ring_pass(
     coef = device_scalar(coef, grad_images)
     softplus_sum, g_sum, positives = (images.new_zeros((), dtype=acc_dtype) for _ in range(3))
 
-    def visit(owner: int, block: torch.Tensor, grad_block: torch.Tensor) -> None:
+    def visit(owner: int, travelling: list[torch.Tensor]) -> torch.Tensor:
         nonlocal softplus_sum, g_sum, positives
+        (block,) = travelling
+        grad_block = images.new_zeros(block.shape, dtype=acc_dtype)
         home = owner == batch.rank  # the positives, the diagonal: -coef on it in G, the tiles' own
         args = (ctx.scale, ctx.bias, coef, grad_images, grad_block, ctx.tile)
         diagonal = torch.arange(n, device=images.device) if home else None
@@ -41,9 +43,9 @@ def _ring_pass(
         if home:  # and -X_ii in the loss, -coef·n in Σ G
             positives = (row_dots(images, block, acc_dtype) * ctx.scale + ctx.bias).sum()
             g_sum = g_sum - coef * n
+        return grad_block
 
-    grad_texts = texts.new_zeros(texts.shape, dtype=acc_dtype)
-    grad_texts = forward_pass(batch, texts, grad_texts, visit)[2]
+    grad_texts = accumulating_pass(batch, texts, visit)
     return softplus_sum, positives, g_sum, grad_images, grad_texts
 
 
