@@ -115,11 +115,11 @@ gpu-check:
 
 # One GPU session's figures, aiming at <= 10 minutes on an H100 (docs/gpu-bench.md): the loss, the trainer
 # eager and compiled with MFU, OpenCLIP's trainer beside it and a profiled step, into OUT (default
-# gpu-bench/DATE), with the kit installed offline as gpu-check does. Without the kit it runs on .venv;
-# without a CUDA GPU it is a dry run at toy sizes.
+# gpu-bench/DATE), with the kit installed offline as gpu-check does. Without the kit it runs on .venv,
+# or on PYTHON when one is given (make gpu-bench PYTHON=...); without a CUDA GPU it is a dry run at toy sizes.
 gpu-bench:
-	PYTHON=$(if $(wildcard $(GPU_WHEELS)/requirements.txt),$(PYTHON),$(PY)) WHEELS=$(GPU_WHEELS) \
-		launch/gpu-bench.sh $(OUT)
+	PYTHON=$(if $(or $(wildcard $(GPU_WHEELS)/requirements.txt),$(filter-out file,$(origin PYTHON))),$(PYTHON),$(PY)) \
+		WHEELS=$(GPU_WHEELS) launch/gpu-bench.sh $(OUT)
 
 lint: $(VENV)/.installed-dev+demo
 	$(VENV)/bin/ruff check .

@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import secrets
 import time
 from pathlib import Path
 from typing import Any
 
 from clip_train.config import Config
+from clip_train.files import replace_text
 from clip_train.logs import Progress
 from clip_train.preemption import EXIT_PREEMPTED
 
@@ -70,9 +70,7 @@ def drop_records_after(metrics: Path, step: int, *, evaluations_too: bool = Fals
     records = zip(lines, map(_record, lines), strict=True)
     kept = [(line, record) for line, record in records if record and _kept(record, step, evaluations_too)]
     if len(kept) < len(lines):
-        rewritten = metrics.with_name(metrics.name + ".tmp")
-        rewritten.write_text("".join(line for line, _ in kept))
-        os.replace(rewritten, metrics)
+        replace_text(metrics, "".join(line for line, _ in kept))
     return [record for _, record in kept]
 
 

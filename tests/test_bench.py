@@ -5,11 +5,13 @@ measurements for docs/benchmarks.md, never asserted here)."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 import statistics
 import sys
 import tarfile
 
-from processes import run_to_end
+from processes import Watched, run_to_end
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 
 from clip_train.bench.data import write_synthetic
@@ -30,6 +32,24 @@ def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
     (paired,) = report["paired"]
     assert set(paired["median_s"]) == {"vanilla", "inf", "open_clip"}
     assert "inf / open_clip" in result.stdout
+
+
+def test_bench_loss_keeps_the_points_it_measured_when_it_is_stopped_part_way(tmp_path):
+    """``bench gpu`` stops a ``bench loss`` that outlives its time: the JSON is on disk, whole,
+    after each point, so the points measured before the stop stay (here the first batch's, before
+    the second batch starts)."""
+    out = tmp_path / "loss.json"
+    command = [sys.executable, "-m", "clip_train", "bench", "loss", "--batch", "64,128", "--dim", "16"]
+    bench = Watched.start([*command, "--impl", "inf", "--repeats", "1", "--json", str(out)])
+    first_batch = re.compile(r"^ +64 +inf ", re.MULTILINE)
+    bench.wait_for(lambda: first_batch.search(bench.stdout.text), "the first batch measured")
+    bench.process.send_signal(signal.SIGINT)
+    result = bench.wait()
+    assert result.returncode == 130, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(point["batch"], point["impl"]) for point in report["points"]] == [(64, "floor"), (64, "inf")]
+    assert all(point["time_s"] > 0 for point in report["points"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["loss.json"]  # no temporary file left
 
 
 def test_bench_loss_distill_measures_ours_and_checks_it_against_open_clips_formula(tmp_path):

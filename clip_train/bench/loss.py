@@ -17,6 +17,9 @@ features (d as the student's): ``inf`` is clip_train's (both at once, tiled and 
 
 ``--accuracy ROWS`` also compares each implementation's loss and gradients, in ``--dtype``, with the
 same inputs' loss and gradients in fp64 (the materialised formula) at ROWS rows.
+
+``--json`` is rewritten (whole, atomically) after each measured point, so a run stopped part-way
+(``bench gpu``'s time limits) keeps what it measured.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from clip_train.bench.plotting import pyplot
 from clip_train.bench.runner import ProcessFailed, in_fresh_process
 from clip_train.config import RESOLVED_LOSS_IMPLS
 from clip_train.distributed import resolve_device, wait_for_device
+from clip_train.files import replace_text
 from clip_train.loss import contrastive_loss
 from clip_train.loss.distill import contrastive_and_distillation_loss
 from clip_train.memory import MIB, format_bytes, peak_bytes, used_bytes
@@ -107,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if any(b % args.world for b in batches):
         raise SystemExit(f"bench loss: every batch must be divisible by --world {args.world}")
 
-    results = []
+    results = _Results(args.json)
+    points = results.parts["points"]
     tf32 = ", TF32" if device == "cuda" and args.dtype == "float32" and args.tf32 else ""
     print(
         f"{args.kind} loss, dim={args.dim}, {args.dtype}{tf32}, device={device}, world={args.world}, "
@@ -115,10 +120,9 @@ def run(args: argparse.Namespace) -> int:
     )
     header = f"{'batch':>7} {'impl':>12} {'time_s':>8} {'x_floor':>8} {'peak':>9}  note"
     print(header)
-    paired = []
     for batch in batches:
         floor = _measure(_spec(args, "floor", batch, device, world=1), device)
-        results.append(floor)
+        results.add("points", floor)
         print(
             f"{batch:>7} {'matmul':>12} {floor['time_s']:>8.3f} {1.0:>8.2f} {'':>9}  one b×b×d matmul (floor)"
         )
@@ -130,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 result["note"] = f"OOM: needs ~{format_bytes(need)}, {format_bytes(have)} available; skipped"
             else:
                 result = _measure(spec, device)
-            results.append(result)
+            results.add("points", result)
             time_s, peak = result["time_s"], result["peak_mib"]
             cells = (
                 f"{time_s:>8.3f} {time_s / floor['time_s']:>8.2f} {format_bytes(peak * MIB):>9}"
@@ -138,24 +142,37 @@ def run(args: argparse.Namespace) -> int:
                 else f"{'-':>8} {'-':>8} {'-':>9}"
             )
             print(f"{batch:>7} {impl:>12} {cells}  {result.get('note', '')}", flush=True)
-        ran = [r for r in results if r["batch"] == batch and r["impl"] != "floor" and r["time_s"] is not None]
+        ran = [r for r in points if r["batch"] == batch and r["impl"] != "floor" and r["time_s"] is not None]
         if args.world == 1 and len(ran) > 1:
             runs_spec = [_spec(args, r["impl"], batch, device, 1) for r in ran]
             measured = _measure({**runs_spec[0], "impl": "paired", "runs": runs_spec}, device)
             if "median_s" not in measured:  # all of them at once ran out of memory
                 print(f"{'':>7} {'same process':>12}  {measured.get('note', '')}", flush=True)
                 continue
-            paired.append({"batch": batch, "median_s": measured["median_s"]})
+            results.add("paired", {"batch": batch, "median_s": measured["median_s"]})
             print(f"{'':>7} {'same process':>12}  {_ratios(measured['median_s'])}", flush=True)
-    accuracy = [_accuracy(args, impl, device) for impl in impls] if args.accuracy else []
-    for point in accuracy:
-        print(f"{args.accuracy:>7} {point['impl']:>12}  {_accuracy_note(point)}", flush=True)
-    if args.json:
-        report = {"points": results, "paired": paired, "accuracy": accuracy}
-        args.json.write_text(json.dumps(report, indent=2))
+    if args.accuracy:
+        for impl in impls:
+            point = _accuracy(args, impl, device)
+            results.add("accuracy", point)
+            print(f"{args.accuracy:>7} {point['impl']:>12}  {_accuracy_note(point)}", flush=True)
     if args.plot:
-        _plot(results, args.plot)
+        _plot(points, args.plot)
     return 0
+
+
+class _Results:
+    """The points, paired timings and accuracy so far, rewritten whole to ``--json`` after each one:
+    a run stopped part-way (``bench gpu``'s budget, a hung configuration) keeps what it measured."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.parts: dict[str, list[dict[str, Any]]] = {"points": [], "paired": [], "accuracy": []}
+
+    def add(self, part: str, entry: dict[str, Any]) -> None:
+        self.parts[part].append(entry)
+        if self.path:
+            replace_text(self.path, json.dumps(self.parts, indent=2))
 
 
 def _spec(args: argparse.Namespace, impl: str, batch: int, device: str, world: int) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from clip_train.errors import UserError
 
 
@@ -34,19 +36,32 @@ class ProcessFailed(RuntimeError):
 def run_as_group(
     command: list[str], timeout_s: float | None = None, input: str | None = None, **popen: Any
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run`` in a process group of its own, killed as a whole past ``timeout_s`` or when
-    this process is interrupted: a measurement's own children (torchrun's ranks, a benchmark's
-    trainers, data workers) would otherwise outlive it, holding the GPU the next one measures."""
+    """``subprocess.run`` in a process group of its own, killed whole past ``timeout_s`` or when this
+    process is interrupted: a measurement's own children (torchrun's ranks, a benchmark's trainers,
+    data workers) would otherwise outlive it, holding the GPU the next one measures."""
     stdin = subprocess.PIPE if input is not None else None
     with subprocess.Popen(command, stdin=stdin, process_group=0, **popen) as proc:
         try:
             stdout, stderr = proc.communicate(input, timeout=timeout_s)
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):  # the group has ended already
-                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_all(proc.pid)
             proc.wait()
             raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _kill_all(pid: int) -> None:
+    """``pid``, its group and its descendants: those in a group of their own (a measurement that
+    started one, as this module's do) are found as descendants, listed before anything is killed;
+    those whose parent had already ended, in the group."""
+    descendants = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        descendants = psutil.Process(pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def in_fresh_process(fn: Callable[[Any], Any], spec: Any, timeout_s: float | None = None) -> Any:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from clip_train.config.schema import Config, ConfigError, LossConfig, LossKind, ModelConfig
+from clip_train.files import replace_text
 
 # Keys earlier releases had, so every run config they saved holds them: a saved config drops them
 # silently, a config someone writes fails at start-up saying why the key went.
@@ -155,9 +156,7 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
     """Write the resolved config so a run directory records exactly what ran."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = path.with_name(f".{path.name}.tmp")  # replaced whole: an upload or a kill never sees half
-    written.write_text(config_yaml(config))
-    os.replace(written, path)
+    replace_text(path, config_yaml(config))
 
 
 class ConfigKey(typing.NamedTuple):

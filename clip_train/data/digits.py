@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import random
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from clip_train.data.writers import Record, write_shards
+from clip_train.files import replace_text
 
 CLASSNAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 CAPTION_TEMPLATES = (
@@ -60,9 +60,7 @@ def write_digits(
         per_shard = math.ceil(len(indices) / shards)
         write_shards(records, out / split, per_shard=per_shard, total=len(indices), source=source, desc=split)
     zeroshot = {"classnames": list(CLASSNAMES), "templates": list(ZEROSHOT_TEMPLATES)}
-    tmp = out / "zeroshot.json.tmp"
-    tmp.write_text(json.dumps(zeroshot, indent=1))
-    os.replace(tmp, out / "zeroshot.json")
+    replace_text(out / "zeroshot.json", json.dumps(zeroshot, indent=1))
     return {split: len(indices) for split, (indices, _) in splits.items()}
 
 
