@@ -8,8 +8,9 @@ Another host's pids cannot be checked, so a lock held by someone else is stale w
 
 * it is from this machine (same hostname and pid namespace) and its process is gone (a run killed
   with SIGKILL, a torchrun restart; a pid reused by a newer process does not count), or
-* it is from another machine and from our own Slurm job (the same ``SLURM_JOB_ID``: a requeued job,
-  or a restart that put rank 0 on another node; Slurm stopped the old processes), or
+* it is from another machine and from our own Slurm job step (the same ``SLURM_JOB_ID`` and
+  ``SLURM_STEP_ID``: a requeued job, or a restart that put rank 0 on another node; Slurm or torchrun
+  stopped the old processes; another step of the job may be a run still going), or
 * it is from another machine and its heartbeat is older than ``stale_s`` (a lost node; this assumes
   the hosts' clocks agree to well within ``stale_s``).
 
@@ -17,6 +18,11 @@ A live process on this machine holds the lock however old its heartbeat (it may 
 Otherwise the run refuses, naming the holder. A stale lock is renamed to a name only this contender
 uses, and the new one created with ``O_EXCL``: of several contenders only one rename moves the
 stale lock, and one whose rename moved a lock created since it looked puts that lock back.
+
+A run whose lock was taken over all the same (its heartbeat went unseen for ``stale_s``: a stalled
+filesystem, a suspended job, clocks that disagree) must write nothing more there: its heartbeat
+finds the other run's lock in place of its own, and the trainer's next step boundary stops every
+rank without saving (``RunLock.kept``, ``RunLock.check_kept``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Holder:
     slurm_job_id: str | None
     started: str  # ISO 8601 with the UTC offset, to the second
     token: str  # tells this lock from any other, pid reuse and takeovers included
+    slurm_step_id: str | None = None  # absent from the locks of runs from before it was recorded
 
     @classmethod
     def this_process(cls) -> Holder:
@@ -68,6 +75,7 @@ class Holder:
             slurm_job_id=os.environ.get("SLURM_JOB_ID"),
             started=datetime.now().astimezone().isoformat(timespec="seconds"),
             token=secrets.token_hex(8),
+            slurm_step_id=os.environ.get("SLURM_STEP_ID"),
         )
 
     @classmethod
@@ -85,8 +93,15 @@ class Holder:
         """Whether pids mean the same processes for both: a container may share the hostname only."""
         return (self.host, self.pid_namespace) == (other.host, other.pid_namespace)
 
+    def same_slurm_step(self, other: Holder) -> bool:
+        """Whether both run in one step of one Slurm job: a restart or a requeue of it, never a run
+        beside it (another step of the job)."""
+        ours, theirs = (self.slurm_job_id, self.slurm_step_id), (other.slurm_job_id, other.slurm_step_id)
+        return bool(self.slurm_job_id) and ours == theirs
+
     def describe(self) -> str:
-        job = f", Slurm job {self.slurm_job_id}" if self.slurm_job_id else ""
+        step = f" step {self.slurm_step_id}" if self.slurm_step_id else ""
+        job = f", Slurm job {self.slurm_job_id}{step}" if self.slurm_job_id else ""
         return f"host {self.host}, pid {self.pid}{job}, since {self.started}"
 
 
@@ -157,6 +172,7 @@ class RunLock:
         self.out_dir, self.path = out_dir, out_dir / LOCK_FILE
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self.me = Holder.this_process()
+        self.taken_over_by: LockFile | None = None  # another run's lock, found in ours' place
         self._released = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -219,8 +235,8 @@ class RunLock:
         holder = lock.holder
         if holder is not None and holder.same_machine(self.me):
             return None if _process_alive(holder) else "its process is gone"
-        if holder is not None and holder.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id:
-            return "it is from this Slurm job, requeued or restarted"
+        if holder is not None and holder.same_slurm_step(self.me):
+            return "it is from this Slurm job step, requeued or restarted"
         age_s = lock.heartbeat_age_s()
         return f"no heartbeat for {age_s:.0f} s" if age_s > self.stale_s else None
 
@@ -245,20 +261,35 @@ class RunLock:
         os.replace(aside, self.path)
         return False
 
+    @property
+    def kept(self) -> bool:
+        """False once another run took this lock over; True on the ranks that only share the folder.
+        Cheap: the trainer's stop vote reads it at every step boundary."""
+        return self.taken_over_by is None
+
+    def check_kept(self) -> None:
+        """Raise a one-line ``UserError`` naming the run that took this lock over, if one did."""
+        if self.taken_over_by is not None:
+            raise UserError(
+                f"train.out_dir={self.out_dir}: another run took over this run's lock "
+                f"({self.taken_over_by.describe()}), taking this run for gone (no heartbeat seen for "
+                f"{self.stale_s:.0f} s: a stalled filesystem or a suspended job, say); this run stops "
+                "without saving, leaving the folder to that one"
+            )
+
     def _beat_until_released(self) -> None:
+        """Refresh the heartbeat until released, or until another run's lock is found in place of
+        ours (``taken_over_by``): this run must then stop."""
         while not self._released.wait(self.heartbeat_s):
             if (foreign := self._beat()) is not None:
-                get_logger().warning(
-                    f"warning: {self.path} was taken over by another run ({foreign.describe()}); "
-                    f"two runs may be writing {self.out_dir}"
-                )
+                self.taken_over_by = foreign
                 return
 
     def _beat(self) -> LockFile | None:
         """Refresh the mtime; returns the lock file instead once it holds another run's lock."""
         try:
-            current = _load(self.path)
-            if current.holder != self.me:
+            current = _read(self.path)
+            if current is not None and current.holder != self.me:
                 return current
             os.utime(self.path)
         except OSError:  # gone for a moment (a contender putting it back) or a filesystem hiccup
@@ -271,18 +302,19 @@ def hold_out_dir(
     out_dir: str | Path,
     heartbeat_s: float = HEARTBEAT_S,
     stale_s: float = STALE_S,
-) -> Iterator[None]:
-    """Hold the lock on ``train.out_dir`` for the block, on global rank 0. A collective: every rank
-    learns rank 0's outcome, so a refusal raises the same ``UserError`` on all of them and none is
-    left waiting for rank 0 in the next collective. Every rank then finds rank 0's lock in the folder
-    (a vote on the host), or all stop: checkpoints are written by several ranks into
-    folders rank 0 creates, so the folder must be one that all nodes share."""
+) -> Iterator[RunLock]:
+    """Hold the lock on ``train.out_dir`` for the block, on global rank 0; yields it (on every rank)
+    for the trainer to check it is still held. A collective: every rank learns rank 0's outcome, so a
+    refusal raises the same ``UserError`` on all of them and none is left waiting for rank 0 in the
+    next collective. Every rank then finds rank 0's lock in the folder (a vote on the host), or all
+    stop: checkpoints are written by several ranks into folders rank 0 creates, so the folder must be
+    one that all nodes share."""
     lock = RunLock(Path(out_dir), heartbeat_s, stale_s)
     try:
         token = decided_by_main(lambda: _take_announced(lock))
         with failing_together():
             _check_shared(lock, token)
-        yield
+        yield lock
     finally:
         lock.release()
 

@@ -13,8 +13,9 @@ a rank blocked in a collective only trips a flag that its Python code never gets
   the main thread is blocked), a main thread that has not moved for ``STALLED_AFTER_SIGNAL_S`` ends
   the run that way with exit code 75, unless it is writing a checkpoint: it is blocked in a
   collective that a stalled or dead rank never joins. Checkpoints are published atomically, so the
-  newest complete one is intact. A main thread waiting for its own loader (``waiting_for_data``:
-  slow storage, in no collective) has ``DATA_AFTER_SIGNAL_S`` to finish the step in progress;
+  newest complete one is intact. A main thread waiting for the step's data (``waiting_for_data``:
+  its own loader on slow storage, or the other ranks' in the all-reduce that follows it) has
+  ``DATA_AFTER_SIGNAL_S`` to finish the step in progress;
 * a main thread waiting for its own work (rank 0's checkpoint upload, ``waiting_for_own_work``) is
   left to finish it: the launcher's shutdown timeout bounds that wait.
 """
@@ -97,9 +98,10 @@ def writing_checkpoint() -> contextlib.AbstractContextManager[None]:
 
 
 def waiting_for_data() -> contextlib.AbstractContextManager[None]:
-    """The main thread waits for its own loader (storage that lags, for every rank alike), in no
-    collective: after a signal it has ``DATA_AFTER_SIGNAL_S``, not ``STALLED_AFTER_SIGNAL_S``, to
-    reach the end of the step in progress, which is then saved."""
+    """The main thread waits for the step's data: its own loader (storage that lags), or, with its
+    batch in hand, the slower ranks' in the all-reduce that follows the loaders. After a signal it has
+    ``DATA_AFTER_SIGNAL_S``, not ``STALLED_AFTER_SIGNAL_S``, to reach the end of the step in
+    progress, which is then saved: a rank whose storage lags is slow, not stalled."""
     return _counted(_waiting_for_data)
 
 

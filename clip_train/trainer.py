@@ -62,6 +62,7 @@ from clip_train.precision import use_tf32
 from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.profiling import StepProfiler, phase
 from clip_train.remote import RemoteMirror
+from clip_train.run_lock import RunLock
 from clip_train.skipped_steps import TrainingAborted
 from clip_train.startup_time import StartupClock
 from clip_train.stopping import StoppableEvaluation, exit_code, waiting_for_data, writing_checkpoint
@@ -126,10 +127,18 @@ def chunks_kept_from(
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv, startup_ended: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        startup_ended: Mapping[str, float] | None = None,
+        out_dir_lock: RunLock | None = None,
+    ) -> None:
         """``startup_ended``: when the start-up's stages before the trainer ended (``clip-train
-        train``'s imports and process group), the first laps of its start-up clock."""
-        self.cfg, self.env = cfg, env
+        train``'s imports and process group), the first laps of its start-up clock. ``out_dir_lock``:
+        the lock ``clip-train train`` holds on ``train.out_dir``, which the run checks it still holds
+        before each step and each save."""
+        self.cfg, self.env, self.out_dir_lock = cfg, env, out_dir_lock
         require_host_collectives()
         clock = StartupClock(settle=lambda: wait_for_device(env.device), ended=startup_ended)
         self.startup: StartupClock | None = clock  # None once this process's first step ended
@@ -398,7 +407,7 @@ class Trainer:
                 self.signals = signals
                 self._evaluate_if_owed(monitor)
                 window = LogWindow(time.perf_counter())
-                while all_ranks_true([signals.received is None])[0]:
+                while self._goes_on(signals):
                     if self.step >= cfg.train.max_steps:
                         return self._final_evaluation(signals, monitor)
                     logged = self._logs_at(self.step + 1)  # only logged steps wait for the device
@@ -406,8 +415,9 @@ class Trainer:
                         wait_for_device(env.device)
                     with self.profiler.around(self.step + 1):
                         started = time.perf_counter()
-                        # a rank's data error stops all at once; a signal gives slow storage time
-                        with failing_together(), phase("data"), waiting_for_data():
+                        # A rank's data error stops all at once; a signal gives slow storage time,
+                        # to the ranks that wait in failing_together's all-reduce for a slower one too
+                        with waiting_for_data(), phase("data"), failing_together():
                             batch = next(self.loader)
                         data_s = time.perf_counter() - started
                         result = self.train_step(batch, logged)
@@ -432,6 +442,22 @@ class Trainer:
                 self.remote.wait()  # the last checkpoint's upload
             if monitor is not None:
                 monitor.close(exit_code(ending, env))
+
+    def _goes_on(self, signals: SignalFlag) -> bool:
+        """The vote at each step boundary, in one all-reduce: False once a rank got a signal (the step
+        is saved and the run stops); once another run took over rank 0's lock on ``train.out_dir``,
+        the same one-line ``UserError`` on every rank, which saves nothing more there."""
+        kept = self.out_dir_lock is None or self.out_dir_lock.kept
+        unsignalled, out_dir_kept = all_ranks_true([signals.received is None, kept])
+        if not out_dir_kept:
+            self._check_out_dir_kept()
+        return unsignalled
+
+    def _check_out_dir_kept(self) -> None:
+        """The same one-line ``UserError`` on every rank once another run took over rank 0's lock on
+        ``train.out_dir``: this run must write nothing more there."""
+        if self.out_dir_lock is not None:
+            decided_by_main(self.out_dir_lock.check_kept)
 
     def _after_step(
         self, result: StepResult, monitor: RunMonitor | None, data_s: float, step_s: float, window: LogWindow
@@ -492,6 +518,7 @@ class Trainer:
         the previous upload, longer than a collective may wait: the others wait for it through the
         store (``train.io_timeout_s``), not in their next collective (``train.dist_timeout_s``)."""
         mirrored = bool(self.cfg.checkpoint.remote)
+        self._check_out_dir_kept()  # displaced from train.out_dir since the step's vote: no save
         with writing_checkpoint():  # waiting for an upload first is part of the save, not a stall
             if mirrored:  # the save prunes: never a checkpoint still going up
                 decided_by_main(lambda: self.remote.before_save(self.cfg.checkpoint.keep))

@@ -5,6 +5,7 @@ import random
 import re
 import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 
 from clip_train import load_config
 from clip_train.checkpoint import (
+    MANIFEST_FILE,
     MODEL_CONFIG_FILE,
     MODEL_FILE,
+    SHARDS_DIR,
     STATE_FILE,
     TEXT_DIR,
     checkpoint_problem,
@@ -30,6 +33,7 @@ from clip_train.checkpoint import (
     run_config_file,
     save_checkpoint,
     saved_step,
+    step_dirs,
 )
 from clip_train.engine.rng import ProcessRng
 from clip_train.errors import UserError
@@ -137,6 +141,47 @@ def test_a_checkpoint_moved_aside_by_a_rerun_of_its_step_is_put_back_if_the_reru
     assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000006"]
     assert checkpoint_problem(root / "step_00000005", checksums=True) is None
     assert load_train_state(root / "step_00000005")["step"] == 5
+
+
+def test_a_prune_cut_short_leaves_no_part_of_the_checkpoint_under_its_name(tmp_path, model, monkeypatch):
+    """A deletion killed part way may have removed the manifest and left the weights and train state:
+    under its own name that passed for a checkpoint from before manifests, which ``resume=auto``
+    took. The checkpoint is moved to a temporary name first, which start-up removes."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=2)
+    real_rmtree = shutil.rmtree
+
+    def killed_after_the_manifest(path, ignore_errors=False):
+        if not (Path(path) / MANIFEST_FILE).is_file():  # not a checkpoint: a save's own clean-up
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        (Path(path) / MANIFEST_FILE).unlink()
+        raise KeyboardInterrupt  # the process ends here
+
+    monkeypatch.setattr(shutil, "rmtree", killed_after_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 3, model, MODEL_CFG, _state(3), keep=2)  # prunes step 1
+    monkeypatch.undo()
+    assert [checkpoint_step(p) for p in step_dirs(tmp_path)] == [2, 3]
+    assert [p.name for p in remove_stale_temp_dirs(tmp_path)] == [f".tmp_step_00000001_{os.getpid()}_pruned"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def test_a_sharded_checkpoint_without_its_manifest_is_incomplete(tmp_path, model):
+    """Sharded checkpoints came after manifests: one without its manifest was deleted in part, however
+    whole its weights and train state look. ``resume=auto`` passes over it."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, MODEL_CFG, _state(step), keep=2)
+    partial = tmp_path / "checkpoints" / "step_00000002"
+    (partial / SHARDS_DIR).mkdir()
+    (partial / SHARDS_DIR / "__0_0.distcp").write_bytes(b"a rank's shards")
+    (partial / MANIFEST_FILE).unlink()
+    for checksums, with_state in ((True, True), (False, False)):
+        assert (
+            checkpoint_problem(partial, checksums=checksums, with_state=with_state)
+            == "manifest.json is missing"
+        )
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000001"]
+    assert resolve_resume("auto", tmp_path, verify=True).name == "step_00000001"
 
 
 def test_steps_past_eight_digits_are_checkpoints_and_copies_keep_their_step(tmp_path, model):

@@ -11,7 +11,10 @@ the logit-scale clamp act on 2 ranks as on one; the consolidated ``model.safeten
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import math
+import pickle
 import shutil
 import signal
 from pathlib import Path
@@ -19,9 +22,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dist_utils import run_distributed
 from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, run_overrides
+from test_checkpoint_verify import RunsCode
 from test_trainer import (
     assert_bit_identical,
     finish,
@@ -34,6 +39,7 @@ from test_trainer import (
     wait_for_logged_steps,
 )
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,7 +50,14 @@ from torch.utils._pytree import tree_map_only
 
 import clip_train
 from clip_train import load_config
-from clip_train.checkpoint import MODEL_FILE, SHARDS_DIR, checkpoint_step, complete_checkpoints, read_manifest
+from clip_train.checkpoint import (
+    MODEL_FILE,
+    SHARDS_DIR,
+    checkpoint_step,
+    complete_checkpoints,
+    read_manifest,
+    write_manifest,
+)
 from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
 from clip_train.model import build_model
@@ -212,6 +225,64 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_one_line_naming_the_keys(
     message = str(err.value)
     assert message.startswith(f"checkpoint {complete_checkpoints(out)[-1]}{problem}")
     assert "\n" not in message and message.endswith(ending)
+
+
+def refusals(rank: int, world: int, runs: list[list[str]]) -> list[str]:
+    """What each of ``runs``, which must all refuse at start-up, says on this rank."""
+    said = []
+    for args in runs:
+        with pytest.raises(UserError) as refused:
+            make_trainer(rank, world, args)
+        said.append(str(refused.value))
+    return said
+
+
+def plant_in_an_entry(shards: Path, payload: object) -> str:
+    """Point the shards' first entry that is not a tensor (a value of the optimizer's param_groups) at
+    ``payload``, saved at the end of its shard file; returns the entry's name."""
+    metadata = dcp.FileSystemReader(shards).read_metadata()  # this test's own file
+    index = next(
+        i
+        for i in metadata.storage_data
+        if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)
+    )
+    place, saved = metadata.storage_data[index], io.BytesIO()
+    torch.save(payload, saved)
+    shard = shards / place.relative_path
+    metadata.storage_data[index] = dataclasses.replace(
+        place, offset=shard.stat().st_size, length=saved.tell()
+    )
+    with shard.open("ab") as file:
+        file.write(saved.getvalue())
+    (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+    return index.fqn
+
+
+def test_a_sharded_checkpoint_that_would_run_code_is_refused_on_every_rank(digits, reference, tmp_path):
+    """A ``.metadata`` replaced, or a param_groups entry of the shards, by a pickle that would create a
+    file when loaded (DCP reads both with plain pickle), the manifest written anew as a tamperer would:
+    both ranks refuse the resume in one line, and the file is never created."""
+    marker = tmp_path / "code-ran"
+    metadata, entry = (
+        Path(shutil.copytree(reference / "checkpoints" / f"step_{EVERY:08d}", tmp_path / part / "step"))
+        for part in ("metadata", "entry")
+    )
+    (metadata / SHARDS_DIR / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    name = plant_in_an_entry(entry / SHARDS_DIR, RunsCode(marker))
+    for checkpoint in (metadata, entry):
+        write_manifest(checkpoint)
+    runs = [overrides(digits, tmp_path / "resumed", f"checkpoint.resume={c}") for c in (metadata, entry)]
+    said = run_distributed(refusals, 2, runs, timeout_s=300)
+    refused = "which clip_train never saves, so it is not loaded"
+    assert said == 2 * [
+        [
+            f"checkpoint {metadata} is not a trusted clip_train checkpoint: {SHARDS_DIR}/.metadata names "
+            f"pathlib.Path.touch, {refused}",
+            f"checkpoint {entry} is not a trusted clip_train checkpoint: the {SHARDS_DIR} entry {name} holds "
+            f"Python objects, {refused}",
+        ]
+    ]
+    assert not marker.exists()
 
 
 def step_on(trainer: Trainer):

@@ -145,12 +145,26 @@ def test_a_pid_reused_by_a_newer_process_does_not_hold_it(tmp_path):
     assert take(tmp_path).endswith("its process is gone")
 
 
-def test_a_lock_of_this_slurm_job_from_another_host_is_taken_over(tmp_path, monkeypatch):
+def test_a_lock_of_this_slurm_job_step_from_another_host_is_taken_over(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    plant(tmp_path, host=ELSEWHERE, slurm_job_id="4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    plant(tmp_path, host=ELSEWHERE, slurm_job_id="4242", slurm_step_id="0")
     replaced = take(tmp_path)
-    assert replaced.startswith(f"host {ELSEWHERE}, pid ") and "Slurm job 4242" in replaced
-    assert replaced.endswith("it is from this Slurm job, requeued or restarted")
+    assert replaced.startswith(f"host {ELSEWHERE}, pid ") and "Slurm job 4242 step 0" in replaced
+    assert replaced.endswith("it is from this Slurm job step, requeued or restarted")
+
+
+def test_a_fresh_lock_of_another_step_of_this_slurm_job_refuses(tmp_path, monkeypatch):
+    """Two steps of one job (two ``srun`` in one allocation) can be two live runs: only the heartbeat
+    tells a gone one."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    planted = plant(tmp_path, host=ELSEWHERE, pid=77, slurm_job_id="4242", slurm_step_id="0")
+    with pytest.raises(
+        UserError, match=re.escape(f"in use by another run (host {ELSEWHERE}, pid 77, Slurm job 4242 step 0,")
+    ):
+        take(tmp_path, stale_s=60)
+    assert holder_of(tmp_path) == planted
 
 
 def test_a_fresh_lock_from_another_host_refuses_naming_it(tmp_path, monkeypatch):
@@ -238,20 +252,19 @@ def test_the_heartbeat_refreshes_the_mtime(tmp_path):
     assert not lock.path.exists()
 
 
-def test_a_holder_whose_lock_was_taken_warns_and_leaves_the_new_one(tmp_path, capsys):
-    lock = RunLock(tmp_path, heartbeat_s=0.05)
-    lock.acquire()
-    try:
-        other = plant(tmp_path, host=ELSEWHERE)
-        seen = ""
-
-        def warned() -> bool:
-            nonlocal seen
-            seen += capsys.readouterr().err
-            return "taken over" in seen
-
-        poll(warned, "the warning")
-    finally:
-        lock.release()
-    assert f"was taken over by another run (host {ELSEWHERE}, pid {other.pid}," in seen
+def test_a_holder_whose_lock_was_taken_over_learns_it_names_the_other_run_and_leaves_its_lock(tmp_path):
+    """Its heartbeat finds the other run's lock in place of its own: the trainer's vote then stops the
+    run (``kept``), with the line ``check_kept`` raises; leaving, it keeps the other's lock."""
+    with hold_out_dir(tmp_path, heartbeat_s=0.05, stale_s=60) as lock:
+        assert lock.kept
+        lock.check_kept()  # held: nothing to say
+        other = plant(tmp_path, host=ELSEWHERE, pid=77, slurm_job_id="4242")
+        poll(lambda: not lock.kept, "the heartbeat to find the other run's lock")
+        with pytest.raises(UserError) as displaced:
+            lock.check_kept()
+    assert str(displaced.value) == (
+        f"train.out_dir={tmp_path}: another run took over this run's lock (host {ELSEWHERE}, pid 77, Slurm "
+        f"job 4242, since {other.started}), taking this run for gone (no heartbeat seen for 60 s: a stalled "
+        "filesystem or a suspended job, say); this run stops without saving, leaving the folder to that one"
+    )
     assert holder_of(tmp_path) == other

@@ -1,6 +1,7 @@
 """Ranks stop together: an error that one rank alone meets, a SIGTERM to ranks blocked in a
-collective, torchrun's SIGTERM to a rank still ending, a SIGTERM during start-up, a folder only one
-rank sees, a rank-0-only phase longer than the collective timeout.
+collective or waiting for slow storage, torchrun's SIGTERM to a rank still ending, a SIGTERM during
+start-up, a folder only one rank sees, a rank-0-only phase longer than the collective timeout, a
+run whose folder's lock another run took over.
 
 The faults are injected inside one rank's process (``rank_faults``). Errors are run as Slurm's
 ``srun`` starts ranks, one process each without torchrun, so that nothing but the ranks themselves
@@ -10,6 +11,7 @@ teardown SIGTERM it is about.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,7 +31,7 @@ from small_runs import DEMO_CONFIG, DIGITS_VOCAB, free_port, run_overrides, slow
 from clip_train.checkpoint import checkpoint_problem, checkpoint_step, complete_checkpoints
 from clip_train.model.tokenizer import HFTokenizer
 from clip_train.preemption import EXIT_PREEMPTED, Preempted, preemption_signals
-from clip_train.stopping import STALLED_AFTER_SIGNAL_S
+from clip_train.run_lock import LOCK_FILE, STALE_S, Holder
 
 EXIT_AFTER_CAUSE_S = 60  # the issue asks for 30 s; a hang is forever, an exit takes seconds
 STEPS = 4
@@ -346,36 +348,92 @@ def pause(reached, until):
 """
 
 
-def test_sigterm_while_every_ranks_loader_waits_on_slow_storage_saves_the_step_in_progress(digits, tmp_path):
-    """Both ranks wait for their data in step 3 (storage that lags, for all alike) when SIGTERM comes,
-    for longer than a rank blocked in a collective is given: no rank is in a collective, so when the
-    data comes step 3 ends and is saved, and both exit 75 as for any preemption."""
+STALLED_IN_RUN_S = 4.0  # STALLED_AFTER_SIGNAL_S in the slow-storage runs' ranks: the test waits past it
+
+
+@pytest.mark.parametrize("slow", [(0, 1), (1,)], ids=["every-rank", "one-rank"])
+def test_sigterm_while_a_ranks_loader_waits_on_slow_storage_saves_the_step_in_progress(
+    digits, tmp_path, slow
+):
+    """The ``slow`` ranks wait for their data in step 3 (storage that lags) when SIGTERM comes to both,
+    for longer than a rank blocked in a collective is given. No rank is blocked: a slow one reads,
+    and one that has its batch waits for the slow one's in the all-reduce after the loaders (which it
+    once took for a stall, ending both ranks unsaved). When the data comes step 3 ends and is saved,
+    and both exit 75 as for any preemption."""
     waiting, sent = tmp_path / "waiting", tmp_path / "sent"
-    slow = f"""{PAUSE}
+    slowed = f"""{PAUSE}
+from clip_train import stopping
 from clip_train.data import train_loader
 
+stopping.STALLED_AFTER_SIGNAL_S = {STALLED_IN_RUN_S}
 real_next = train_loader.TrainLoader.__next__
 
 def slow_next(self):
-    if self._step == 2:
+    if self._step == 2 and int(os.environ["RANK"]) in {slow!r}:
         pause({str(waiting)!r} + os.environ["RANK"], {str(sent)!r})
     return real_next(self)
 
 train_loader.TrainLoader.__next__ = slow_next
 """
     out = tmp_path / "run"
-    run = torchrun(overrides(digits, out), patched_in_rank((0, 1), slow, tmp_path / "fault"))
-    reached = [Path(f"{waiting}{rank}") for rank in (0, 1)]
-    run.wait_for(lambda: all(path.exists() for path in reached), "both ranks waiting for data in step 3")
+    run = torchrun(overrides(digits, out), patched_in_rank((0, 1), slowed, tmp_path / "fault"))
+    reached = [Path(f"{waiting}{rank}") for rank in slow]
+    run.wait_for(lambda: all(path.exists() for path in reached), "the slow ranks waiting for data in step 3")
     signal_ranks(run, signal.SIGTERM)
-    time.sleep(STALLED_AFTER_SIGNAL_S + 3)  # past the limit for a rank blocked in a collective
+    time.sleep(STALLED_IN_RUN_S + 4)  # past the limit for a rank blocked in a collective
     sent.touch()
     output = run.wait().stdout
     saved = complete_checkpoints(out)[-1]
     line = f"preempted: SIGTERM received: stopped after step 3; checkpoint.resume=auto continues from {saved}"
     assert cause_lines(output, "stopped after step") == [line, line], output[-4000:]
     assert "waited for" not in output
+    codes = {int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", output)}
+    assert EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}, output[-3000:]
     assert_last_checkpoint_intact(out, 3)
+
+
+@pytest.mark.parametrize("step", [3, 4], ids=["before-the-next-step", "before-the-save"])
+def test_a_run_whose_out_dir_lock_another_run_took_over_stops_every_rank_without_saving(
+    digits, tmp_path, step
+):
+    """Another run takes over rank 0's lock on ``train.out_dir`` during ``step`` (having taken this one
+    for gone): both ranks stop with one line naming it, exit code 2, before the next step or before
+    the save of the last step, 4: they save nothing more there."""
+    stepping, planted = tmp_path / "stepping", tmp_path / "planted"
+    displaced = f"""{PAUSE}
+import functools
+from clip_train import run_lock, trainer
+
+run_lock.hold_out_dir = functools.partial(run_lock.hold_out_dir, heartbeat_s=0.1)
+real_step = trainer.Trainer.train_step
+
+def step_once_taken_over(self, batch, logged=False):
+    if self.step == {step - 1}:
+        pause({str(stepping)!r}, {str(planted)!r})
+        while self.out_dir_lock.kept:  # until the heartbeat finds the other run's lock
+            time.sleep(0.05)
+    return real_step(self, batch, logged)
+
+trainer.Trainer.train_step = step_once_taken_over
+"""
+    out = tmp_path / "run"
+    runs = start_ranks(overrides(digits, out), patched_in_rank(0, displaced, tmp_path / "fault"))
+    runs[0].wait_for(stepping.exists, f"rank 0 in step {step}")
+    other = dataclasses.replace(Holder.this_process(), host="node-elsewhere", pid=77)
+    (out / LOCK_FILE).write_bytes(other.to_json())
+    planted.touch()
+    needle = "another run took over"
+    codes = ended_within_bound(runs, wait_for_text(runs, needle))
+    assert codes == [2, 2], [r.stdout.text[-3000:] for r in runs]
+    expected = (
+        f"error: train.out_dir={out}: another run took over this run's lock ({other.describe()}), "
+        f"taking this run for gone (no heartbeat seen for {STALE_S:.0f} s: a stalled filesystem or a "
+        "suspended job, say); this run stops without saving, leaving the folder to that one"
+    )
+    lines = [cause_lines(run.stdout.text, needle) for run in runs]
+    assert lines == [[expected], [expected]], lines
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [2]
+    assert Holder.from_json((out / LOCK_FILE).read_bytes()) == other  # left to the other run
 
 
 def test_torchruns_sigterm_to_a_rank_still_ending_waits_for_its_line(digits, tmp_path):

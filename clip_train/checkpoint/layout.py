@@ -26,6 +26,7 @@ SHARDS_DIR = (
 HASH = "sha256"  # hashlib's name, and the manifest's key for each file's checksum
 TEMP_PREFIX = ".tmp_step_"  # a save in progress, or one whose process died
 REPLACED_SUFFIX = "_replaced"  # on a temporary folder: the checkpoint a rerun of its step moved aside
+PRUNED_SUFFIX = "_pruned"  # on a temporary folder: a checkpoint being deleted
 SUPERSEDED_DIR = "superseded"  # checkpoints newer than a resume's, moved aside (never deleted)
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config the trainer writes into the run directory
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more from step 10^8
@@ -99,11 +100,13 @@ def checkpoint_problem(checkpoint: Path, *, checksums: bool, with_state: bool = 
     ``checksums``, in content too) from the manifest. ``with_state=False`` leaves out
     ``train_state.pt`` and a sharded checkpoint's ``shards/`` (its optimizer states are most of its
     bytes), which only resuming reads. A checkpoint from before manifests only needs its files to be
-    there."""
+    there; a sharded one never lacks its manifest (they came later), unless it was deleted in part."""
     if not checkpoint.is_dir():
         return "is not a directory" if checkpoint.exists() else "does not exist"
     required = [MODEL_FILE, STATE_FILE] if with_state else [MODEL_FILE]
     if not (checkpoint / MANIFEST_FILE).is_file():
+        if (checkpoint / SHARDS_DIR).is_dir():
+            return f"{MANIFEST_FILE} is missing"
         missing = [name for name in required if not (checkpoint / name).is_file()]
         return f"{missing[0]} is missing" if missing else None
     try:

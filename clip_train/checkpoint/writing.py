@@ -20,6 +20,7 @@ from clip_train.checkpoint.layout import (
     MANIFEST_FILE,
     MODEL_CONFIG_FILE,
     MODEL_FILE,
+    PRUNED_SUFFIX,
     REPLACED_SUFFIX,
     STATE_FILE,
     SUPERSEDED_DIR,
@@ -95,8 +96,23 @@ def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: i
     replace_checkpoint(tmp, final)
     _fsync(root)  # the rename itself reaches the disk
     for old in beyond_keep(complete_checkpoints(out_dir), keep, keep_every):
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_checkpoint(old)
     return final
+
+
+def _remove_checkpoint(checkpoint: Path) -> None:
+    """Delete a checkpoint (pruning it) so that no crash leaves part of it under its own name, where it
+    could pass for a checkpoint from before manifests: it is renamed to a temporary name first, which
+    start-up removes if this process dies before the deletion ends. One that cannot be moved is kept."""
+    doomed = checkpoint.with_name(
+        f"{TEMP_PREFIX}{checkpoint_step(checkpoint):08d}_{os.getpid()}{PRUNED_SUFFIX}"
+    )
+    try:
+        os.replace(checkpoint, doomed)
+    except OSError as err:
+        get_logger().warning(f"{checkpoint} is kept: it could not be pruned ({err.strerror or err})")
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def beyond_keep(checkpoints: list[Path], keep: int, keep_every: int) -> list[Path]:
@@ -202,10 +218,10 @@ def save_weights(
 
 
 def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
-    """Delete the temporary folders of saves that never finished (their process was killed), and
-    return them. A checkpoint that a rerun of its step moved aside goes back first when its
-    replacement never took its place (killed between the two renames). Only while no other process
-    saves into ``out_dir``: at a run's start-up."""
+    """Delete the temporary folders of saves that never finished (their process was killed), and of
+    pruned checkpoints whose deletion did not, and return them. A checkpoint that a rerun of its step
+    moved aside goes back first when its replacement never took its place (killed between the two
+    renames). Only while no other process saves into ``out_dir``: at a run's start-up."""
     root = checkpoint_root(out_dir)
     for aside in sorted(root.glob(f"{TEMP_PREFIX}*{REPLACED_SUFFIX}")):
         step = int(aside.name.removeprefix(TEMP_PREFIX).partition("_")[0])

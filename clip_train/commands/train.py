@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     # before it prints its line.
     with preemption_signals() as signals:
         try:
-            with hold_out_dir(cfg.train.out_dir):  # one run per out_dir, before the model is built
-                Trainer(cfg, env, startup_ended=ended).run(signals)
+            with hold_out_dir(cfg.train.out_dir) as lock:  # one run per out_dir, before the model is built
+                Trainer(cfg, env, startup_ended=ended, out_dir_lock=lock).run(signals)
         except (Exception, KeyboardInterrupt, Preempted) as err:  # every way out: one line, on every rank
             return watch.ended_by(err)
         finally:

@@ -7,11 +7,19 @@ tensor at a time into rank 0's host memory, so ``clip_train.load``, ``eval``, ``
 ``model.init_from`` read an FSDP checkpoint like any other. The hidden folder, the rename and the
 manifest (which covers the shards) are those of every checkpoint. Loading reshards: a checkpoint
 resumes at any world size with its weights and optimizer states exact.
+
+DCP reads its files with pickle: ``.metadata`` whole, and the entries that are not tensors (the
+optimizer's ``param_groups``) with ``torch.load(weights_only=False)``, so a crafted checkpoint (from
+``checkpoint.remote``, or named by ``checkpoint.resume``) would run its code on every rank. Here the
+metadata is read by an unpickler that knows only what DCP's metadata holds, and those entries with
+``weights_only=True``, as ``train_state.pt`` is: anything else is refused in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,6 +64,30 @@ EMA_KEY = "ema"
 # DCP warns that it assumes one process whenever there is no group, even when ``no_dist`` asks for
 # that: a one-process FSDP run would print it at each save and resume.
 _ASSUMED_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+# What DCP's ``.metadata`` names (listed from real checkpoints, fp32 and fp64): its records, the
+# shapes, dtypes and layouts of the tensors they describe, and the path it was saved to.
+_METADATA_GLOBALS = frozenset(
+    [
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
+    ]
+)
 
 
 class OptimizerApart:
@@ -68,6 +102,50 @@ class OptimizerApart:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.part.load_state_dict({**state, OPTIMIZER_KEY: self.optimizer.state_dict()})
+
+
+class _UntrustedShards(Exception):
+    """A sharded checkpoint's pickle names what clip_train never saves: loading it could run code."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata``, refusing any global outside ``_METADATA_GLOBALS`` before it is
+    imported, let alone called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _METADATA_GLOBALS:
+            raise _UntrustedShards(f"{SHARDS_DIR}/.metadata names {module}.{name}")
+        return super().find_class(module, name)
+
+
+class _TrustedReader(dcp.FileSystemReader):
+    """DCP's reader of a checkpoint's shards, its metadata read with ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()  # as DCP's own reader does
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, whose entries that are not tensors (the optimizer's ``param_groups``) load
+    with ``torch.load(weights_only=True)``. DCP's own ``load_bytes``, which puts them in place, loads
+    the bytes itself with ``weights_only=False``: it gets them written anew from what the weights-only
+    load returned, plain data."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise _UntrustedShards(
+                f"the {SHARDS_DIR} entry {read_item.dest_index.fqn} holds Python objects"
+            ) from None
+        plain = io.BytesIO()
+        torch.save(loaded, plain)
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
 
 
 @dataclasses.dataclass(eq=False)
@@ -135,7 +213,11 @@ class ShardedCheckpointer(Checkpointer):
                 f"model.init_from={path}"
             )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        saved = dcp.FileSystemReader(path / SHARDS_DIR).read_metadata().state_dict_metadata
+        reader = _TrustedReader(path / SHARDS_DIR)  # dcp.load reads the metadata through it too
+        try:
+            saved = reader.read_metadata().state_dict_metadata
+        except _UntrustedShards as err:
+            raise _untrusted(path, err) from None
         if problem := misfit(_saved_weights(saved), model_state):  # said as an unsharded load says it
             raise UserError(f"checkpoint {path} does not fit the model: {problem}")
         if untrained := _saved_optimizer_params(saved) - optimizer_state["state"].keys():
@@ -149,10 +231,12 @@ class ShardedCheckpointer(Checkpointer):
             state[EMA_KEY] = self.ema.state_dict()
         try:
             with without_warning(_ASSUMED_ONE_PROCESS):
-                dcp.load(state, checkpoint_id=path / SHARDS_DIR, no_dist=_one_process())
+                dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=_one_process())
         except dcp.api.CheckpointException as err:  # a BaseException: past the CLI's one-line ending
-            failure = next(iter(err.failures.values()))[0]
-            reason = " ".join(str(failure).split())
+            failures = [failure for failure, _ in err.failures.values()]
+            if untrusted := [failure for failure in failures if isinstance(failure, _UntrustedShards)]:
+                raise _untrusted(path, untrusted[0]) from None
+            reason = " ".join(str(failures[0]).split())
             raise UserError(
                 f"checkpoint {path}'s shards do not fit this run ({reason}): {AS_SAVED}"
             ) from None
@@ -166,6 +250,13 @@ class ShardedCheckpointer(Checkpointer):
             self._resumes_ema(path)  # an EMA turned on at this resume starts from the weights
         self._load_components(load_train_state(path))
         return path
+
+
+def _untrusted(checkpoint: Path, err: _UntrustedShards) -> UserError:
+    return UserError(
+        f"checkpoint {checkpoint} is not a trusted clip_train checkpoint: {err}, which clip_train never "
+        "saves, so it is not loaded"
+    )
 
 
 def _saved_weights(saved: dict[str, Any]) -> dict[str, torch.Tensor]:
