@@ -51,7 +51,7 @@ from clip_train.init_from import load_init_from, pinned
 from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import CLIP, build_model
-from clip_train.model.compiling import compile_towers
+from clip_train.model.compiling import CudaGraphSkips, compile_towers
 from clip_train.monitor import METRICS_FILE, RunMonitor
 from clip_train.optim import Update
 from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
@@ -144,6 +144,7 @@ class Trainer:
         self.startup: StartupClock | None = clock  # None once this process's first step ended
         clock.lap("launch")  # since those stages (or the process's start): logging, the folder's lock
         self.startup_metrics: dict[str, float] = {}  # for the first metrics record after the first step
+        self.cudagraph_skips = CudaGraphSkips()  # logged under compile_mode=reduce-overhead
         self.run_dir = Path(cfg.train.out_dir)
         self.step = 0
         self.restored_chunks: dict[str, Any] | None = None  # what auto chose before a resume
@@ -429,6 +430,7 @@ class Trainer:
                 self.update.skipped_steps.settle(self.step)
                 if cfg.checkpoint.every_steps and self.step > self.saved_step:  # 0: saves nothing
                     self._save()
+                self._wait_for_the_upload()
                 raise self._preempted(signals)
         except BaseException as err:
             ending = err
@@ -546,6 +548,13 @@ class Trainer:
                 f"{kept if saved else 'checkpoint.every_steps=0 saves none'}"
             ) from None
 
+    def _wait_for_the_upload(self) -> None:
+        """Every rank waits (through the store) for rank 0's upload of the checkpoint a preemption
+        saved: a rank that ended first would have the launcher end rank 0 mid-upload (srun's
+        ``--kill-on-bad-exit`` kills the step at the first rank's exit code 75)."""
+        if self.cfg.checkpoint.remote:
+            decided_by_main(lambda: self.remote.wait())
+
     def _preempted(self, signals: SignalFlag) -> Preempted:
         return Preempted(
             f"{signals.cause}: stopped after step {self.step}; checkpoint.resume=auto continues from "
@@ -631,6 +640,8 @@ class Trainer:
         }
         metrics.update({f"data/skipped_{reason}": n for reason, n in self.skipped.items()})
         metrics.update({f"data/source/{name}": n for name, n in self.sources.items()})
+        if self.cfg.train.cuda_graphs:
+            metrics["compile/cudagraph_skips"] = self.cudagraph_skips.count()
         metrics.update(self.startup_metrics)  # in the first record only
         self.startup_metrics = {}
         monitor.log(self.step, metrics)

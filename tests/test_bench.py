@@ -5,15 +5,14 @@ measurements for docs/benchmarks.md, never asserted here)."""
 from __future__ import annotations
 
 import json
-import re
-import signal
 import statistics
 import sys
 import tarfile
 
-from processes import Watched, run_to_end
+from processes import run_to_end
 from small_runs import TINY_MODEL, TINY_MODEL_CONFIG
 
+from clip_train.bench import loss as bench_loss
 from clip_train.bench.data import write_synthetic
 from clip_train.bench.train import SPLIT, _summarise
 from clip_train.cli import main as cli_main
@@ -34,22 +33,25 @@ def test_bench_loss_sigmoid_runs_ours_and_open_clips_side_by_side(tmp_path):
     assert "inf / open_clip" in result.stdout
 
 
-def test_bench_loss_keeps_the_points_it_measured_when_it_is_stopped_part_way(tmp_path):
-    """``bench gpu`` stops a ``bench loss`` that outlives its time: the JSON is on disk, whole,
-    after each point, so the points measured before the stop stay (here the first batch's, before
-    the second batch starts)."""
+def test_bench_loss_has_its_json_whole_on_disk_after_each_point(tmp_path):
+    """``bench gpu`` stops a ``bench loss`` that outlives its time: the JSON is rewritten whole after
+    each point, so the points measured before a stop stay, and no temporary file is left."""
     out = tmp_path / "loss.json"
-    command = [sys.executable, "-m", "clip_train", "bench", "loss", "--batch", "64,128", "--dim", "16"]
-    bench = Watched.start([*command, "--impl", "inf", "--repeats", "1", "--json", str(out)])
-    first_batch = re.compile(r"^ +64 +inf ", re.MULTILINE)
-    bench.wait_for(lambda: first_batch.search(bench.stdout.text), "the first batch measured")
-    bench.process.send_signal(signal.SIGINT)
-    result = bench.wait()
-    assert result.returncode == 130, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert [(point["batch"], point["impl"]) for point in report["points"]] == [(64, "floor"), (64, "inf")]
-    assert all(point["time_s"] > 0 for point in report["points"])
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["loss.json"]  # no temporary file left
+    results = bench_loss._Results(out)
+    floor, point = (
+        {"batch": 64, "impl": "floor", "time_s": 1e-4},
+        {"batch": 64, "impl": "inf", "time_s": 1e-3},
+    )
+    results.add("points", floor)
+    assert json.loads(out.read_text()) == {"points": [floor], "paired": [], "accuracy": []}
+    results.add("points", point)
+    results.add("paired", {"batch": 64, "median_s": {"inf": 1e-3}})
+    assert json.loads(out.read_text()) == {
+        "points": [floor, point],
+        "paired": [{"batch": 64, "median_s": {"inf": 1e-3}}],
+        "accuracy": [],
+    }
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["loss.json"]
 
 
 def test_bench_loss_distill_measures_ours_and_checks_it_against_open_clips_formula(tmp_path):

@@ -31,7 +31,7 @@ from torch._dynamo.utils import counters
 
 from clip_train.engine import GradCache
 from clip_train.model import build_model
-from clip_train.model.compiling import compile_towers, compiled_modules
+from clip_train.model.compiling import CudaGraphSkips, compile_towers, compiled_modules
 from clip_train.model.freezing import tower_blocks
 from clip_train.parallel import builds_on_meta, shard_towers
 
@@ -114,6 +114,20 @@ def test_compiled_blocks_train_in_one_chunk_and_under_a_locked_trunk():
         skipped_cuda_graphs.append(counters["inductor"]["cudagraph_skips"] > skips)
     assert counters["stats"]["unique_graphs"] > graphs[-1]  # LiT's own, the frozen block's in eval mode
     assert skipped_cuda_graphs == [True, False]  # inductor had the option where asked (off CUDA: skipped)
+
+
+def test_graphs_run_without_cuda_graphs_are_counted_and_told_once(caplog):
+    """What a reduce-overhead run logs (``compile/cudagraph_skips``): inductor's count of graphs run
+    without the CUDA graphs asked for (here the CPU's, of a block compiled with the option), and the
+    first skip's one warning, which inductor itself keeps in its perf_hints log."""
+    block = torch.nn.Linear(4, 4)
+    block.compile(options={"triton.cudagraphs": True})
+    skips, before = CudaGraphSkips(), counters["inductor"]["cudagraph_skips"]
+    block(torch.randn(2, 4)).sum().backward()
+    assert skips.count() == counters["inductor"]["cudagraph_skips"] > before
+    assert skips.count() == skips.count()
+    told = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
+    assert len(told) == 1 and told[0].startswith("warning: train.compile_mode=reduce-overhead"), told
 
 
 FSDP_CASES = [

@@ -36,7 +36,7 @@ from clip_train.checkpoint import (
 from clip_train.distributed import DistEnv
 from clip_train.errors import UserError
 from clip_train.monitor import METRICS_FILE, WANDB_ID_FILE
-from clip_train.preemption import Preempted, preemption_signals
+from clip_train.preemption import Preempted, SignalFlag, preemption_signals
 from clip_train.remote import RUN_FILES, RemoteMirror
 from clip_train.trainer import Trainer
 
@@ -458,6 +458,51 @@ def test_another_ranks_ending_leaves_rank_zeros_upload_to_finish(run_copy, tmp_p
     newest = complete_checkpoints(run_copy)[-1].name
     assert results[0] == (75, [newest])
     assert results[1][0] == 75
+
+
+def _preempted_during_a_slow_upload(rank: int, world_size: int, overrides: list[str], uploaded: str) -> bool:
+    """Rank 1 is signalled in step 2; rank 0's upload of the checkpoint the preemption saves takes
+    5 s, then leaves ``uploaded`` behind. Returns whether it was there when this rank's run ended."""
+    push = RemoteMirror._push
+
+    def slow_push(self: RemoteMirror, checkpoint: Path) -> None:
+        time.sleep(5)
+        push(self, checkpoint)
+        Path(uploaded).touch()
+
+    RemoteMirror._push = slow_push
+    cfg = load_config(DEMO_CONFIG, overrides).validate(world_size=world_size)
+    trainer, signals = (
+        Trainer(cfg, DistEnv(rank, world_size, local_rank=0, device=torch.device("cpu"))),
+        SignalFlag(),
+    )
+    train_step = trainer.train_step
+
+    def signalled_in_step_two(*args, **kwargs):
+        if rank == 1 and trainer.step == 1:
+            signals.received = signal.SIGTERM
+        return train_step(*args, **kwargs)
+
+    trainer.train_step = signalled_in_step_two
+    try:
+        trainer.run(signals)
+    except Preempted:
+        return Path(uploaded).exists()
+    raise AssertionError("the run was not preempted")
+
+
+def test_a_preempted_run_ends_every_rank_after_rank_zeros_upload(digits, tmp_path):
+    """Under srun ``--kill-on-bad-exit`` the first rank to exit 75 has the step killed: the others
+    wait for rank 0's upload of the checkpoint the preemption saved before they end."""
+    remote = f"file://{tmp_path / 'bucket' / 'run'}"
+    saves = ["checkpoint.every_steps=1000", f"checkpoint.remote={remote}"]
+    overrides = run_overrides(digits, tmp_path / "run", 5, "data.workers=0", *saves)
+    uploaded = tmp_path / "uploaded"
+    assert (
+        run_distributed(_preempted_during_a_slow_upload, 2, overrides, str(uploaded), timeout_s=60)
+        == [True] * 2
+    )
+    assert _complete_remote_checkpoints(remote) == ["step_00000002"]
 
 
 def _train_with_a_slow_first_upload(rank: int, world_size: int, overrides: list[str], upload_s: float) -> int:
