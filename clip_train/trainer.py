@@ -424,8 +424,11 @@ class Trainer:
                         result = self.train_step(batch, logged)
                     ended = time.perf_counter()
                     window.add_step(ended)
+                    first = self.startup is not None  # this process's: compiling, first calls, warm-up
                     self._after_step(result, monitor, data_s, ended - started, window)
-                    if self._logs_at(self.step):  # the next window starts after this step's logs and saves
+                    # The next window starts after this step's logs and saves; after the first step
+                    # too, which the start-up metrics time: in a window it made the rate 10x low.
+                    if first or self._logs_at(self.step):
                         window = LogWindow(time.perf_counter())
                 self.update.skipped_steps.settle(self.step)
                 if cfg.checkpoint.every_steps and self.step > self.saved_step:  # 0: saves nothing
