@@ -9,6 +9,7 @@ replays. The loss is left out: O(B·d) per sample against the towers' O(depth·w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,18 +25,21 @@ from clip_train.engine.rng import preserved_rng
 aten = torch.ops.aten
 
 # Dense (no sparsity) peak TFLOP/s of one device, from NVIDIA's datasheets, by the dtype its matmuls
-# run in. Keys are matched against torch.cuda.get_device_name(), longest first ("H100 PCIe" before
-# "H100", whose key is the SXM part).
+# run in (fp32 runs take TF32 on CUDA; the CPU has no entry). Keys are matched as whole words of
+# torch.cuda.get_device_name(), longest first: "H100 PCIe" before "H100", whose key is the SXM part,
+# and neither "GB200" nor "RTX A1000" is taken for a B200 or an A100.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
-    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7},
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7},
+    "GH200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0},
+    "GB200": {"bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0},
 }
 
 
@@ -77,7 +81,7 @@ def device_peak_tflops(device: torch.device, precision: Precision, override: flo
         return None
     name = torch.cuda.get_device_name(device)
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", name):
             return PEAK_TFLOPS[key][dtype]
     return None
 

@@ -100,6 +100,9 @@ def test_a_locked_trunk_counts_its_forward_once():
         ("NVIDIA H200", "fp16", 989.4),
         ("NVIDIA L40S", "bf16", 362.1),
         ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA GB200", "bf16", 2500.0),  # a word of its own, not a B200
+        ("NVIDIA GH200 480GB", "bf16", 989.4),
+        ("NVIDIA RTX A1000", "bf16", None),  # not an A100
         ("NVIDIA H100 80GB HBM3", "fp64", None),
         ("Tesla T4", "bf16", None),
     ],
