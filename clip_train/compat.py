@@ -14,6 +14,17 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 
+def torchrun_waits_for_its_workers(agent_init: Callable[..., Any] | None = None) -> bool:
+    """Whether torchrun waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (``--shutdown-timeout``) for its
+    workers after passing a stop signal on. Before the release that added it (torch 2.11 has not) it
+    kills them 30 s after, however long the step in progress and its checkpoint take."""
+    if agent_init is None:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        agent_init = LocalElasticAgent.__init__
+    return "shutdown_timeout" in inspect.signature(agent_init).parameters
+
+
 def ddp_no_buffer_sync_kwargs(
     ddp_init: Callable[..., Any] = DistributedDataParallel.__init__,
 ) -> dict[str, bool]:

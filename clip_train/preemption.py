@@ -14,7 +14,7 @@ import multiprocessing
 import multiprocessing.util  # its exit handler registered first: atexit runs ours before it
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -22,6 +22,19 @@ from typing import Any
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: a temporary failure, run it again
+
+
+def torchrun_grace_warning(environ: Mapping[str, str], waits_for_its_workers: bool) -> str | None:
+    """The line rank 0 logs at start-up when torchrun started it (``TORCHELASTIC_RUN_ID``) and will
+    kill its ranks 30 s after passing a stop signal on (``compat.torchrun_waits_for_its_workers``):
+    a step and its checkpoint that take longer are lost at every preemption."""
+    if "TORCHELASTIC_RUN_ID" not in environ or waits_for_its_workers:
+        return None
+    return (
+        "warning: this torch's torchrun kills the ranks 30 s after it passes a stop signal on (newer "
+        "ones wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT): a step and its checkpoint must end within 30 s, or "
+        "start the ranks without torchrun (srun, one task a GPU: docs/slurm-docker.md)"
+    )
 
 
 class Preempted(BaseException):

@@ -18,7 +18,8 @@ from test_packaging import image_pins
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from clip_train.compat import ddp_no_buffer_sync_kwargs
+from clip_train.compat import ddp_no_buffer_sync_kwargs, torchrun_waits_for_its_workers
+from clip_train.preemption import torchrun_grace_warning
 
 
 def _ddp_before_2_13(self, module, device_ids=None, broadcast_buffers=True, process_group=None):
@@ -71,3 +72,29 @@ def test_installed_torch_is_inside_the_declared_range_with_the_triton_it_require
     if installed.public == pins["torch"]:
         assert triton and {str(s) for r in triton for s in r.specifier} == {f"=={pins['triton']}"}
         assert metadata.version("numpy") == pins["numpy"]
+
+
+def _agent_before_its_shutdown_timeout(
+    self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300, log_line_prefix_template=None
+):
+    """torchrun's agent as torch 2.11 declares it: its workers get 30 s, fixed."""
+
+
+def _agent_with_its_shutdown_timeout(
+    self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300, shutdown_timeout=30
+):
+    """torchrun's agent from the release that reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (2.14 has it)."""
+
+
+def test_torchruns_grace_follows_its_agents_signature_and_the_floors_is_30_s() -> None:
+    """The floor's torchrun (torch 2.11, the image's) kills its workers 30 s after a stop signal; the
+    cap's waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT. Rank 0 says so at start-up under torchrun only."""
+    assert not torchrun_waits_for_its_workers(_agent_before_its_shutdown_timeout)
+    assert torchrun_waits_for_its_workers(_agent_with_its_shutdown_timeout)
+    floor = Version(metadata.version("torch")).public == image_pins()["torch"]
+    assert torchrun_waits_for_its_workers() is not floor
+    under_torchrun = {"TORCHELASTIC_RUN_ID": "none"}
+    assert torchrun_grace_warning({}, waits_for_its_workers=False) is None
+    assert torchrun_grace_warning(under_torchrun, waits_for_its_workers=True) is None
+    warning = torchrun_grace_warning(under_torchrun, waits_for_its_workers=False)
+    assert warning.startswith("warning: this torch's torchrun kills the ranks 30 s after")

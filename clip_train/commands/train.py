@@ -18,7 +18,7 @@ from pathlib import Path
 
 from clip_train.config import load_config
 from clip_train.config.unused import warn_unused_settings
-from clip_train.logs import setup_logging
+from clip_train.logs import get_logger, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
         # loader workers that share the cores get them (8 % faster CPU steps with one worker on 2).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported only now: torch, timm and transformers take seconds to load.
+    from clip_train.compat import torchrun_waits_for_its_workers
     from clip_train.distributed import init_distributed, set_main_only_timeout, shutdown_distributed
-    from clip_train.preemption import Preempted, preemption_signals
+    from clip_train.preemption import Preempted, preemption_signals, torchrun_grace_warning
     from clip_train.run_lock import hold_out_dir
     from clip_train.startup_checks import check_paths
     from clip_train.stopping import StopWatch
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(cfg.log.level, rank=env.rank, world_size=env.world_size, all_ranks=cfg.log.all_ranks)
     if env.is_main:
         warn_unused_settings(cfg)
+        if warning := torchrun_grace_warning(os.environ, torchrun_waits_for_its_workers()):
+            get_logger().warning(warning)
     watch = StopWatch(env, Path(cfg.train.out_dir))
     # Held from here to the exit: a signal during start-up stops the run before its first step, and
     # one during the ending (torchrun stops the other ranks once one has ended) cannot kill this rank
