@@ -37,11 +37,20 @@ CATEGORIES = (  # by kernel or op name, first match wins; the rest is elementwis
     ("copies", ("memcpy", "memset", "copy_kernel", "aten::copy_", "aten::to", "aten::clone", "aten::cat",
                 "catarraybatched")),
 )  # fmt: skip
+# Collectives (NCCL's kernels, gloo's and c10d's ops): on their own stream, overlapping the compute,
+# and their time is mostly waiting for the other ranks. They are reported apart, out of the shares
+# and the busy time, so that a wait for a peer shows as idle compute rather than as work.
+COMMUNICATION = ("nccl", "c10d::", "gloo:")
 
 
 def phase(name: str) -> record_function:
     """A range of the step that the profile charges time to (a few µs when nothing profiles)."""
     return record_function(PREFIX + name)
+
+
+def communicates(name: str) -> bool:
+    """Whether a kernel (CUDA) or op (CPU) is a collective's (:data:`COMMUNICATION`)."""
+    return any(needle in name.lower() for needle in COMMUNICATION)
 
 
 def category(name: str, in_optimizer: bool) -> str:
@@ -82,17 +91,20 @@ def summarise(events: list[dict[str, Any]], device: str, steps: int) -> dict[str
     the ops' time; idle is the rest of the window. Work that starts inside the optimizer phase's span
     on the device (its GPU annotation on CUDA) is the optimizer's. ``idle_s`` charges each idle
     moment to the host phase it fell in (``other``: the loop between phases); ``host_s`` is how long
-    the host spent in each phase."""
+    the host spent in each phase. Collectives are none of these: ``communication_s`` is the time
+    they ran, overlapping the rest or not."""
     window = next(e for e in events if e["device"] == "cpu" and e["name"] == TRACED)
     span = window["end"] - window["start"]
     host = _phase_intervals(events, "cpu")
     # On CUDA the optimizer range's span on the GPU; without GPU ranges (or on the CPU) the host's.
     optimizer = _phase_intervals(events, device)["optimizer"] or host["optimizer"]
-    work = [
+    traced = [
         e
         for e in events
         if e["device"] == device and not e["annotation"] and window["start"] <= e["start"] <= window["end"]
     ]
+    work = [e for e in traced if not communicates(e["name"])]
+    talking = _union([(e["start"], min(e["end"], window["end"])) for e in traced if communicates(e["name"])])
     totals: dict[str, float] = defaultdict(float)
     kernel_us: dict[str, float] = defaultdict(float)
     calls: Counter[str] = Counter()
@@ -117,6 +129,7 @@ def summarise(events: list[dict[str, Any]], device: str, steps: int) -> dict[str
         "steps": steps,
         "step_s": span * seconds,
         "busy_s": busy * seconds,
+        "communication_s": sum(end - start for start, end in talking) * seconds,
         "shares": shares,
         "idle_s": {name: us * 1e-6 for name, us in idle.items()},
         "host_s": {name: sum(end - start for start, end in host[name]) * seconds for name in PHASES},

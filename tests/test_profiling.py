@@ -73,6 +73,17 @@ def test_a_cuda_window_counts_overlaps_once_and_charges_each_idle_gap_to_the_hos
     assert top[0]["time_s"] == pytest.approx(28e-6) and top[0]["share"] == pytest.approx(0.28)
 
 
+def test_collectives_are_timed_apart_from_the_shares_and_the_busy_time():
+    """An all-gather on NCCL's stream (20-60 µs, over the GEMM and an idle gap): its time is mostly
+    a wait for the other ranks, so the window's shares and idle stay what the compute made them."""
+    alone = summarise(WINDOW, "cuda", steps=1)
+    gathering = [*WINDOW, _event("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 20, 60)]
+    summary = summarise(gathering, "cuda", steps=1)
+    assert summary["shares"] == alone["shares"] and summary["busy_s"] == alone["busy_s"]
+    assert summary["communication_s"] == pytest.approx(40e-6) and alone["communication_s"] == 0
+    assert all("nccl" not in kernel["name"] for kernel in summary["top_kernels"])
+
+
 def test_a_window_of_several_steps_reports_each_per_step():
     one, two = summarise(WINDOW, "cuda", steps=1), summarise(WINDOW, "cuda", steps=2)
     assert two["shares"] == one["shares"] and two["step_s"] == pytest.approx(one["step_s"] / 2)
