@@ -486,12 +486,15 @@ class Trainer:
                 self.sources = sum_counts_over_ranks(self.loader.source_counts(), names)
         if monitor is not None:
             self._report(monitor, result, data_s, step_s, window if at_log else None)
+        saves = at_checkpoint and (last or not self.update.skipped_steps.in_a_row)
+        evaluates = self._evaluates_at(self.step)
+        if (saves or evaluates) and not at_log:  # the step's queued kernels are the window's time, not theirs
+            wait_for_device(self.env.device)
         aside = time.perf_counter()
         self.profiler.write_finished()
-        if at_checkpoint and (last or not self.update.skipped_steps.in_a_row):
+        if saves:
             self._save()
-        if self._evaluates_at(self.step):
-            # a signal on any rank stops it on every rank
+        if evaluates:  # a signal on any rank stops it on every rank
             self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s).run)
         if not at_log:  # the window goes on after them (at a log step the next one starts then)
             window.leave_out(time.perf_counter() - aside)
