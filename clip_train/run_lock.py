@@ -289,7 +289,7 @@ class RunLock:
         """Refresh the mtime; returns the lock file instead once it holds another run's lock."""
         try:
             current = _read(self.path)
-            if current is not None and current.holder != self.me:
+            if current is not None and current.holder not in (None, self.me):  # unreadable: look again
                 return current
             os.utime(self.path)
         except OSError:  # gone for a moment (a contender putting it back) or a filesystem hiccup

@@ -125,7 +125,7 @@ def test_graphs_run_without_cuda_graphs_are_counted_and_told_once(caplog):
     skips, before = CudaGraphSkips(), counters["inductor"]["cudagraph_skips"]
     block(torch.randn(2, 4)).sum().backward()
     assert skips.count() == counters["inductor"]["cudagraph_skips"] > before
-    assert skips.count() == skips.count()
+    skips.count()  # the count again: no second warning
     told = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
     assert len(told) == 1 and told[0].startswith("warning: train.compile_mode=reduce-overhead"), told
 

@@ -167,6 +167,26 @@ def test_a_logged_run_past_its_time_is_stopped_with_its_children_and_leaves_what
         run_logged([sys.executable, "-c", "print('error: no shards'); exit(3)"], output, "a run")
 
 
+RUNS_A_MEASUREMENT = """
+import sys
+from pathlib import Path
+from clip_train.bench.runner import run_logged
+run_logged([sys.executable, "-c", sys.argv[1]], Path(sys.argv[2]), "a run")
+"""
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_its_measurement_with_its_children(tmp_path):
+    """``timeout 300 clip-train bench ...``: the benchmark gets SIGTERM while it waits on a measurement
+    in a process group of its own, which the signal's default would have left running on the GPU."""
+    output = tmp_path / "output.log"
+    bench = Watched.start([sys.executable, "-c", RUNS_A_MEASUREMENT, HANGS_WITH_CHILDREN, str(output)])
+    bench.wait_for(lambda: output.is_file() and len(output.read_text().split()) == 5, "the run's children")
+    bench.process.send_signal(signal.SIGTERM)
+    assert bench.wait().returncode == 128 + signal.SIGTERM
+    children = output.read_text().split()[2:]
+    assert [ended(int(child)) for child in children] == [True] * 3, "a child of the run outlived it"
+
+
 def ended(pid: int) -> bool:
     """Whether ``pid`` ends within 10 s (killed, it may wait as a zombie until init reaps it)."""
     with contextlib.suppress(psutil.NoSuchProcess):

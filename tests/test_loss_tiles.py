@@ -353,3 +353,46 @@ def test_where_the_compiler_fails_the_tiles_run_eager_and_say_so(monkeypatch, ca
     _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
     eager = sorted(r.getMessage().split()[3] for r in caplog.records if "runs" in r.getMessage())
     assert eager == ["_softmax_tile_grads", "_softmax_tile_stats"], caplog.text  # once each
+
+
+def test_fused_positives_anywhere_in_the_block_match_the_strips(monkeypatch) -> None:
+    """Hard negatives on a rank whose rows pair with texts of another rank's block: each row's
+    positive column lies in any tile of the block, or in none (-1); the fused kernels find it from
+    the tile's first column, the strips add it after. Both losses, fp64, to rounding."""
+    images, texts = _block(13, 17)
+    positives = torch.tensor([16, -1, 0, 5, 5, -1, 11, 3, -1, 12, 7, 16, 1])  # 5 and 16 twice
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(tiles_torch, "_fused", lambda device, fused=fused: fused)
+        row_lse, col_lse = (torch.full((size,), -torch.inf, dtype=torch.float64) for size in (13, 17))
+        tiles_torch.softmax_forward(images, texts, SCALE, row_lse, col_lse, 5)
+        softmax = torch.zeros_like(images), torch.zeros_like(texts)
+        tiles_torch.softmax_backward(
+            images,
+            texts,
+            SCALE,
+            row_lse,
+            0.4,
+            col_lse,
+            0.2,
+            *softmax,
+            5,
+            positives=positives,
+            positive_coef=-0.7,
+        )
+        sigmoid = torch.zeros_like(images), torch.zeros_like(texts)
+        sums = tiles_torch.sigmoid_forward_backward(
+            images, texts, SCALE, -8.0, 0.3, *sigmoid, 5, positives=positives
+        )
+        results[fused] = (*softmax, *sigmoid, *sums)
+    for actual, expected in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12 * expected.abs().max())
+    delta = torch.zeros(13, 17, dtype=torch.float64)
+    delta[positives >= 0, positives[positives >= 0]] = 1.0
+    logits = SCALE * images @ texts.t()
+    expected_images, _ = _expected_grads(images, texts, row_lse, 0.4, col_lse, 0.2)
+    torch.testing.assert_close(
+        results[False][0], expected_images - 0.7 * delta @ texts, rtol=1e-12, atol=1e-12
+    )
+    sigmoid_grads = 0.3 * ((logits - 8.0).sigmoid() - delta)
+    torch.testing.assert_close(results[False][2], sigmoid_grads @ texts, rtol=1e-12, atol=1e-12)

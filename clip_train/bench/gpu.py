@@ -48,7 +48,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -61,7 +60,7 @@ import torch
 
 from clip_train.bench import step as bench_step
 from clip_train.bench.matmul import square_matmul_tflops
-from clip_train.bench.runner import in_fresh_process, run_logged
+from clip_train.bench.runner import Terminated, in_fresh_process, run_logged, sigterm_raises
 from clip_train.bench.train import OUTPUT, export_initial_model, run_clip_train, run_open_clip
 from clip_train.config import load_config
 from clip_train.files import replace_text
@@ -196,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     }
     _write(report, out)  # rewritten after every section: a session cut short keeps what it measured
     with (
-        _sigterm_raises(),
+        sigterm_raises(),  # the session's outer timeout: the files are written once more
         _summary_at_end(report, out, started),
         tempfile.TemporaryDirectory() as tmp,
         (out / "gpu-bench.log").open("w") as log,
@@ -216,26 +215,6 @@ def _spent_before_s() -> float:
     kit's install and the imports count against the budget as they do against the session's timeout."""
     started = os.environ.get(STARTED_VARIABLE)
     return max(0.0, time.time() - float(started)) if started else 0.0
-
-
-class Terminated(SystemExit):
-    """SIGTERM (the GPU session's outer ``timeout``), raised in the main thread, which is waiting on a
-    child: ``finally`` blocks run, the child is killed with its process group (``run_as_group``) and
-    the files are written once more. Uncaught, it exits 143 as the signal would."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(128 + signum)
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While the block runs, SIGTERM raises ``Terminated`` instead of ending the process at once."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -412,9 +391,10 @@ class _Bench:
                 "--repeats", str(sizes.loss_repeats), "--batch", ",".join(map(str, sizes.loss_batches)),
                 "--impl", ",".join(impls), "--accuracy", str(sizes.accuracy_rows), "--json", str(out),
             )  # fmt: skip
-        finally:
+        finally:  # on a stop too: a figure missing is recorded, and the stop goes on
             if out.is_file():
-                result |= _loss_figures(json.loads(out.read_text()))
+                with _error_recorded(result):
+                    result |= _loss_figures(json.loads(out.read_text()))
 
     def _shards(self) -> Path:
         """Synthetic LAION-like 256-512 px JPEGs with captions (``bench data --make-synthetic``), once."""
@@ -504,6 +484,7 @@ class _Bench:
                 "--text-chunk", str(text_chunk), "--precision", "bf16", "--device", self.device,
                 "--repeats", str(self.sizes.step_repeats), "--set", *self.overrides,
             ]  # fmt: skip
+            self._check_time_to_start(LEFT_TO_START_S)
             timeout_s = self._timeout_s(self.sizes.step_cap_s)
             self._note_run("clip-train bench step " + " ".join(arguments), timeout_s)
             spec = bench_step.batch_spec(parser.parse_args(arguments), batch, ["gc"])

@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,40 @@ class ProcessFailed(RuntimeError):
         self.last_line = (stderr.strip().splitlines() or ["no output"])[-1]
 
 
+class Terminated(SystemExit):
+    """SIGTERM (``timeout``'s, a session's end), raised in the main thread while a measurement runs:
+    ``finally`` blocks run and the measurement is killed with its processes (``run_as_group``), where
+    the signal's default would end this process alone. Uncaught, it exits 143 as the signal would."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``Terminated`` (in the main thread, the one a handler
+    can be set in; elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_as_group(
     command: list[str], timeout_s: float | None = None, input: str | None = None, **popen: Any
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run`` in a process group of its own, killed whole past ``timeout_s`` or when this
-    process is interrupted: a measurement's own children (torchrun's ranks, a benchmark's trainers,
-    data workers) would otherwise outlive it, holding the GPU the next one measures."""
-    stdin = subprocess.PIPE if input is not None else None
-    with subprocess.Popen(command, stdin=stdin, process_group=0, **popen) as proc:
+    """``subprocess.run`` in a process group of its own, killed whole past ``timeout_s``, on SIGTERM
+    or when this process is interrupted: a measurement's own children (torchrun's ranks, a
+    benchmark's trainers, data workers) would otherwise outlive it, holding the GPU the next one
+    measures. Its stdin is empty unless ``input`` is given: in a group of its own, a read from the
+    terminal would stop it until its timeout."""
+    stdin = subprocess.PIPE if input is not None else subprocess.DEVNULL
+    with sigterm_raises(), subprocess.Popen(command, stdin=stdin, process_group=0, **popen) as proc:
         try:
             stdout, stderr = proc.communicate(input, timeout=timeout_s)
         except BaseException:

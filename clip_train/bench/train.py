@@ -147,8 +147,8 @@ def run_clip_train(
     for key in ("train/tflops", "train/mfu", "memory/peak_bytes"):  # MFU where a peak is known
         if key in timed[0]:
             result[key.split("/")[1]] = statistics.median(r[key] for r in timed)
-    if "compile/cudagraph_skips" in records[-1]:  # reduce-overhead: graphs that ran without CUDA graphs
-        result["cudagraph_skips"] = records[-1]["compile/cudagraph_skips"]
+    if "compile/cudagraph_skips" in timed[-1]:  # reduce-overhead: graphs that ran without CUDA graphs
+        result["cudagraph_skips"] = timed[-1]["compile/cudagraph_skips"]
     first = next(r for r in records if "startup/total_s" in r)  # the process's start to its first step
     result["startup_s"] = {
         key.removeprefix("startup/").removesuffix("_s"): value

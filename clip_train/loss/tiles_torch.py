@@ -149,7 +149,7 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return compiled(*args)
         except torch._dynamo.exc.BackendCompilerFailed as err:
-            reason = str(err).strip().splitlines()[0]
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             get_logger().warning(f"the loss runs {fn.__name__} eager: torch.compile failed on it ({reason})")
             compiled = fn
             return fn(*args)

@@ -84,7 +84,8 @@ _METADATA_GLOBALS = frozenset(
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
+        ("pathlib", "PosixPath"),  # the path it was saved to: checkpoints saved before it was a str
+        ("pathlib._local", "PosixPath"),  # Python 3.13 pickles paths under this module
         *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
     ]
 )
@@ -171,7 +172,7 @@ class ShardedCheckpointer(Checkpointer):
             if self.ema is not None:
                 shards[EMA_KEY] = self.ema.state_dict()
             with without_warning(_ASSUMED_ONE_PROCESS):
-                dcp.save(shards, checkpoint_id=tmp / SHARDS_DIR, no_dist=_one_process())
+                dcp.save(shards, checkpoint_id=str(tmp / SHARDS_DIR), no_dist=_one_process())
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
         (written,) = all_ranks_true([not failure])
