@@ -51,7 +51,7 @@ from clip_train.init_from import load_init_from, pinned
 from clip_train.logs import get_logger, timed
 from clip_train.memory import peak_bytes
 from clip_train.model import CLIP, build_model
-from clip_train.model.compiling import CudaGraphSkips, compile_towers
+from clip_train.model.compiling import compile_towers, cudagraph_skips
 from clip_train.monitor import METRICS_FILE, RunMonitor
 from clip_train.optim import Update
 from clip_train.parallel import builds_on_meta, gathered_for_eval, shard_towers
@@ -90,6 +90,25 @@ class LogWindow:
     def leave_out(self, seconds: float) -> None:
         """Time between two of its steps spent on something else (a save, an evaluation)."""
         self.started += seconds
+
+
+class CudaGraphSkips:
+    """The compiled graphs run without the CUDA graphs asked for (``compile_mode=reduce-overhead``).
+    Inductor says so only in its ``perf_hints`` log, so a run that is plain compiled would pass for
+    one with CUDA graphs: the first skip counted here warns, once."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def count(self) -> int:
+        skips = cudagraph_skips()
+        if skips and not self.told:
+            self.told = True
+            get_logger().warning(
+                f"warning: train.compile_mode=reduce-overhead: inductor ran {skips} compiled graph(s) "
+                "without CUDA graphs (TORCH_LOGS=perf_hints says why); those run as with compile_mode=default"
+            )
+        return skips
 
 
 @dataclass

@@ -31,9 +31,10 @@ from torch._dynamo.utils import counters
 
 from clip_train.engine import GradCache
 from clip_train.model import build_model
-from clip_train.model.compiling import CudaGraphSkips, compile_towers, compiled_modules
+from clip_train.model.compiling import compile_towers, compiled_modules
 from clip_train.model.freezing import tower_blocks
 from clip_train.parallel import builds_on_meta, shard_towers
+from clip_train.trainer import CudaGraphSkips
 
 # In fp64 the compiled step equals the eager one to roundoff, unless torch 2.11's inductor, whose
 # CPU attention backward mixes fp32 into fp64 graphs ("expected scalar type Double but found

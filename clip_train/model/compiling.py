@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from clip_train.logs import get_logger
 from clip_train.model import CLIP
 from clip_train.model.freezing import LockableTower, tower_blocks
 
@@ -49,24 +48,10 @@ def compile_towers(model: CLIP, cuda_graphs: bool = False) -> None:
             module.compile(options={"fallback_random": True, "triton.cudagraphs": cuda_graphs})
 
 
-class CudaGraphSkips:
+def cudagraph_skips() -> int:
     """The compiled graphs inductor has run without CUDA graphs in this process, though asked for
-    them (an op they cannot hold, a CPU tensor, a shape that keeps changing). Inductor says so only in
-    its ``perf_hints`` log, so a reduce-overhead run that is plain compiled would pass for one with
-    CUDA graphs: the first skip counted here warns, once."""
-
-    def __init__(self) -> None:
-        self.told = False
-
-    def count(self) -> int:
-        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-        if skips and not self.told:
-            self.told = True
-            get_logger().warning(
-                f"warning: train.compile_mode=reduce-overhead: inductor ran {skips} compiled graph(s) "
-                "without CUDA graphs (TORCH_LOGS=perf_hints says why); those run as with compile_mode=default"
-            )
-        return skips
+    them (an op they cannot hold, a CPU tensor, a shape that keeps changing)."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
 def compiled_modules(tower: LockableTower) -> list[nn.Module]:
