@@ -336,17 +336,17 @@ def test_bf16_gradients_keep_the_pull_of_well_matched_pairs(monkeypatch, fused) 
 
 
 @pytest.mark.usefixtures("fused")
-def test_where_the_compiler_fails_the_tiles_run_eager_and_say_so(monkeypatch, caplog) -> None:
+def test_where_the_compiler_fails_the_tiles_run_eager_and_say_so(caplog) -> None:
     """A box whose compiler cannot build the kernels (here a C++ compiler that is not there, as a
-    GPU box without the one Triton needs): the loss still runs, exact, with one warning a function."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compile, not a cached kernel
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    GPU box without the one Triton needs): the loss still runs, exact, with one warning a function.
+    The compiler is in the compiled graphs' cache key: no kernel cached by another test is reused."""
     tiles_torch._compiled.cache_clear()
     torch._dynamo.reset()
     try:
-        images, texts = _adversarial("random")
-        expected = _run(clip_loss_formula, images, texts, SCALE)
-        actual = _run(lambda i, t, s: contrastive_loss(i, t, s, tile_size=8), images, texts, SCALE)
+        with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+            images, texts = _adversarial("random")
+            expected = _run(clip_loss_formula, images, texts, SCALE)
+            actual = _run(lambda i, t, s: contrastive_loss(i, t, s, tile_size=8), images, texts, SCALE)
     finally:
         tiles_torch._compiled.cache_clear()
         torch._dynamo.reset()
