@@ -96,17 +96,16 @@ def publish_checkpoint(tmp: Path, out_dir: str | os.PathLike, step: int, keep: i
     replace_checkpoint(tmp, final)
     _fsync(root)  # the rename itself reaches the disk
     for old in beyond_keep(complete_checkpoints(out_dir), keep, keep_every):
-        _remove_checkpoint(old)
+        _remove_checkpoint(old, out_dir)
     return final
 
 
-def _remove_checkpoint(checkpoint: Path) -> None:
+def _remove_checkpoint(checkpoint: Path, out_dir: str | os.PathLike) -> None:
     """Delete a checkpoint (pruning it) so that no crash leaves part of it under its own name, where it
     could pass for a checkpoint from before manifests: it is renamed to a temporary name first, which
     start-up removes if this process dies before the deletion ends. One that cannot be moved is kept."""
-    doomed = checkpoint.with_name(
-        f"{TEMP_PREFIX}{checkpoint_step(checkpoint):08d}_{os.getpid()}{PRUNED_SUFFIX}"
-    )
+    temp = temp_checkpoint_dir(out_dir, checkpoint_step(checkpoint))
+    doomed = temp.with_name(temp.name + PRUNED_SUFFIX)
     try:
         os.replace(checkpoint, doomed)
     except OSError as err:
