@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import forked_cli
+import psutil
 
 IDLE_LIMIT_S = 600.0
 
@@ -147,3 +148,20 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return stat.st_size, stat.st_mtime_ns
+
+
+def process_status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def ended(pids: list[int], within_s: float = 60.0) -> bool:
+    """Whether every process ends (gone, or a zombie left to whoever adopted it); a hang guard."""
+    deadline = time.monotonic() + within_s
+    while any(process_status(pid) not in ("gone", psutil.STATUS_ZOMBIE) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

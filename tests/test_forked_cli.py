@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import forked_cli
 import psutil
 import pytest
-from processes import Watched
+from processes import Watched, ended, process_status
 from small_runs import DEMO_CONFIG, ROOT, run_overrides
 
 from clip_train.preemption import EXIT_PREEMPTED
@@ -223,23 +222,6 @@ def _probe_lines(output: str, kind: str) -> list[list[str]]:
     return sorted(line.split(" ", 2)[1:] for line in output.splitlines() if line.startswith(kind + " "))
 
 
-def _status(pid: int) -> str:
-    try:
-        return psutil.Process(pid).status()
-    except psutil.NoSuchProcess:
-        return "gone"
-
-
-def _ends(pids: list[int], within_s: float = 60.0) -> bool:
-    """Whether every process ends (gone, or a zombie left to whoever adopted it); a hang guard."""
-    deadline = time.monotonic() + within_s
-    while any(_status(pid) not in ("gone", psutil.STATUS_ZOMBIE) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _rank_of(worker: psutil.Process) -> str | None:
     """A torchrun worker's rank; None for one that has ended (rank 0 here ends at once)."""
     try:
@@ -301,7 +283,7 @@ def test_a_signal_to_a_ranks_stand_in_reaches_its_group_and_its_sigkill_ends_the
             result = run.wait()
         finally:
             run.process.kill()
-        assert _ends([rank_pid, child_pid]), (fresh, _status(rank_pid), _status(child_pid))
+        assert ended([rank_pid, child_pid]), (fresh, process_status(rank_pid), process_status(child_pid))
         end = (result.returncode, _reported(result.stdout))
         assert end == (1, ["-9"]), (fresh, end, result.stdout[-3000:])
 

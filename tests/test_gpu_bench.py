@@ -7,7 +7,6 @@ in ``test_profiling.py``."""
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from processes import Watched, run_to_end
+from processes import Watched, ended, run_to_end
 
 from clip_train.bench.gpu import DRY_RUN, FILES, GPU, PACKAGES, SECTIONS, STARTED_VARIABLE, STOPPED
 from clip_train.bench.runner import RunFailed, run_logged
@@ -162,7 +161,7 @@ def test_a_logged_run_past_its_time_is_stopped_with_its_children_and_leaves_what
         run_logged([sys.executable, "-c", HANGS_WITH_CHILDREN], output, "a run", timeout_s=5)
     said = output.read_text().split()
     assert said[:2] == ["step:", "1/30"] and len(children := said[2:]) == 3
-    assert [ended(int(child)) for child in children] == [True] * 3, "a child of the run outlived it"
+    assert ended([int(child) for child in children]), "a child of the run outlived it"
     with pytest.raises(RunFailed, match=r"^a run exited 3:\nerror: no shards\n\.\.\."):
         run_logged([sys.executable, "-c", "print('error: no shards'); exit(3)"], output, "a run")
 
@@ -184,20 +183,7 @@ def test_a_benchmark_stopped_by_sigterm_stops_its_measurement_with_its_children(
     bench.process.send_signal(signal.SIGTERM)
     assert bench.wait().returncode == 128 + signal.SIGTERM
     children = output.read_text().split()[2:]
-    assert [ended(int(child)) for child in children] == [True] * 3, "a child of the run outlived it"
-
-
-def ended(pid: int) -> bool:
-    """Whether ``pid`` ends within 10 s (killed, it may wait as a zombie until init reaps it)."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        process = psutil.Process(pid)
-        for _ in range(100):
-            if process.status() == psutil.STATUS_ZOMBIE:
-                break
-            time.sleep(0.1)
-        else:
-            return False
-    return True
+    assert ended([int(child) for child in children]), "a child of the run outlived it"
 
 
 def test_what_the_budget_leaves_no_time_for_is_recorded_as_not_run(tmp_path):
@@ -275,7 +261,7 @@ def test_sigterm_stops_the_running_trainer_run_and_keeps_the_runs_before_it(tmp_
     bench.process.send_signal(signal.SIGTERM)
     result = bench.wait()
     assert result.returncode == 128 + signal.SIGTERM, result.stdout[-3000:] + result.stderr[-3000:]
-    assert all(ended(process.pid) for process in second_run), "the stopped run outlived the benchmark"
+    assert ended([process.pid for process in second_run]), "the stopped run outlived the benchmark"
 
     trainer = json.loads((out / "gpu-bench.json").read_text())["trainer"]
     first, second = trainer["runs"]
