@@ -401,6 +401,17 @@ def test_shards_that_cannot_be_opened_stop_the_run_before_a_batchs_worth_of_them
         take(loader_for(mixture, global_batch=2048), 1)
 
 
+def test_a_worker_with_fewer_unopenable_shards_than_the_limit_stops_after_the_limit_too():
+    """Without resampling a worker reads its shards pass after pass: with 4 of them the count of the
+    first unopened ones started over every pass and never reached 20, so the run went on to the
+    skip rate's rule, a rank's batch of failed opens (2048 here) later."""
+    unreachable = config(
+        "pipe:false {0..3}", resampled=False, workers=0, num_samples=4096, shuffle_buffer=1000
+    )
+    with pytest.raises(DataError, match=r"^the first 20 shards drawn could not be opened"):
+        take(loader_for(unreachable, global_batch=2048), 1)
+
+
 def test_loader_skips_and_counts_bad_samples_from_its_worker(corrupt_shards):
     """One worker, no sample shuffle: passes repeat in the same order, so the counts between the
     end of pass 1 and the end of pass 2 are exactly one pass's skips, wherever they fall."""
@@ -559,17 +570,35 @@ def test_a_state_from_a_different_setup_is_refused(resume_shards):
     loader = loader_for(cfg, world_size=2)
     take(loader, 3)
     state = loader.state_dict()
-    with pytest.raises(DataError, match=r"saved with workers=2, this run has workers=1; set data\.workers"):
-        loader_for(dataclasses.replace(cfg, workers=1), world_size=2).load_state_dict(state)
-    # another sample order or other usable samples: the saved count of items taken no longer places it
-    with pytest.raises(DataError, match=r"saved with shuffle_buffer=8, .* set data\.shuffle_buffer as"):
-        loader_for(dataclasses.replace(cfg, shuffle_buffer=16), world_size=2).load_state_dict(state)
+    # other usable samples: the saved count of items taken no longer places it
     with pytest.raises(DataError, match=r"saved with caption_keys=\['txt'\], .* set data.caption_key as"):
         loader_for(dataclasses.replace(cfg, caption_key="json"), world_size=2).load_state_dict(state)
     with pytest.raises(DataError, match=r"saved with resampled=True, .* set data.resampled as"):
         loader_for(dataclasses.replace(cfg, resampled=False), world_size=2).load_state_dict(state)
     with pytest.raises(DataError, match="saved at step 3, not at step 4"):
         loader_for(cfg, world_size=2).start_at(4, state)
+
+
+def test_a_state_saved_with_other_workers_or_shuffle_buffer_restarts_the_streams_at_its_step(
+    resume_shards, capsys
+):
+    """Fewer data.workers, for a node short of host memory, was refused at a resume. Now the streams
+    restart at the step as after a world-size change: each worker of the new setting replays its
+    way there, the run's skip counts go on, and a line says what it means for the epoch."""
+    setup_logging()
+    cfg = config(str(resume_shards), resampled=True, num_samples=36, max_skip_fraction=0.5)
+    loader = loader_for(cfg, world_size=2)
+    take(loader, 3)
+    state = loader.state_dict()
+    for change, said in [({"workers": 1}, "data.workers 2 -> 1"), ({"shuffle_buffer": 16}, "buffer 8 -> 16")]:
+        changed = dataclasses.replace(cfg, **change)
+        resumed, replayed = loader_for(changed, world_size=2), loader_for(changed, world_size=2)
+        resumed.load_state_dict(state)
+        replayed.start_at(3)
+        assert [b.keys for b in take(resumed, 3)] == [b.keys for b in take(replayed, 3)]
+        skipped = collections.Counter(state["skipped"]) + collections.Counter(replayed.skip_counts())
+        assert resumed.skip_counts() == skipped and state["skipped"]
+        assert f"{said} since the checkpoint: the data streams restart at step 3" in capsys.readouterr().err
 
 
 def test_a_state_resumes_over_the_same_shards_moved_but_not_over_others_as_many(resume_shards, tmp_path):
@@ -760,6 +789,36 @@ def test_eval_loader_gives_each_sample_once_across_ranks_with_labels(even_shards
     assert runs[0] == runs[1]  # deterministic
     assert sorted(runs[0][0] | runs[0][1]) == sorted(keys) and not runs[0][0].keys() & runs[0][1].keys()
     assert all(label == int(key[1 : key.index("k")]) for part in runs[0] for key, label in part.items())
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason", "rank_1_keys"),
+    [
+        ("exit 1", "shard_open", []),
+        ("head -c {cut} {shard}", "truncated_tar", ["s0k1"]),
+    ],
+)
+def test_a_shard_that_fails_on_one_rank_only_is_counted_by_that_rank(
+    even_shards, monkeypatch, failure, reason, rank_1_keys
+):
+    """Data staged on one node only, a transient pipe: or S3 error: the failure is the reading rank's
+    own. Its record went to one rank's share by its place in the shard (a shard_open record is
+    record 0: rank 0's; a cut after k1 is record 2: rank 0's too), so rank 1 lost its samples
+    with nothing counted."""
+    root, _ = even_shards
+    shard = root / "shard-000.tar"
+    cut = shard.read_bytes().index(b"s0k2.png") + 600  # inside k2's image data
+    failing = failure.format(cut=cut, shard=shard)
+    spec = f"pipe:sh -c 'if [ $READING_RANK = 1 ]; then {failing}; else cat {shard}; fi'"
+    seen = []
+    for rank in range(2):
+        monkeypatch.setenv("READING_RANK", str(rank))
+        batches = eval_batches(spec, rank, batch_size=4)
+        skipped = collections.Counter()
+        for batch in batches:
+            skipped.update(batch.skipped)
+        seen.append(([key for batch in batches for key in batch.keys], dict(skipped)))
+    assert seen == [(["s0k0", "s0k2", "s0k4"], {}), (rank_1_keys, {reason: 1})]
 
 
 def test_written_shards_load_and_captions_are_truncated_to_the_context(tmp_path):
@@ -1114,27 +1173,44 @@ def test_a_zero_byte_caption_is_a_blank_one_and_unread_members_do_not_count():
             decode_sample(sample | {"txt": b"t", member: b""})
 
 
-def test_training_reads_the_json_only_for_a_caption_from_it(tmp_path):
+def test_a_broken_json_costs_a_sample_only_where_it_is_needed(tmp_path):
     """Beside a .txt caption, a zero-byte json, one that does not parse and one that is no object
-    cost training no sample, as in OpenCLIP; a caption from the json, and evaluation (the labels),
-    skip them."""
+    cost training no sample, as in OpenCLIP, nor with json:caption as a second key, nor retrieval,
+    which reads no label (both dropped them as bad_json). A caption from the json alone, and the
+    labels of zero-shot, skip them, counted as the json's problem."""
     broken = {"e": b"", "f": b"{not json", "g": b"[1]"}
     members = [m for key in "abc" for m in good(key)]
     members += [m for key, meta in broken.items() for m in [*good(key)[1:], (f"{key}.json", meta)]]
     write_tar(tmp_path / "shard-000.tar", members)
-    loader = loader_for(config(str(tmp_path), workers=0, num_samples=6, resampled=False), global_batch=6)
-    (batch,) = take(loader, 1)
-    assert sorted(batch.keys) == ["a", "b", "c", "e", "f", "g"] and loader.skip_counts() == {}
+    txt_first = ["txt", "json:caption"]
+    for caption_key in ("txt", txt_first):
+        cfg = config(str(tmp_path), workers=0, num_samples=6, resampled=False, caption_key=caption_key)
+        loader = loader_for(cfg, global_batch=6)
+        (batch,) = take(loader, 1)
+        assert sorted(batch.keys) == ["a", "b", "c", "e", "f", "g"] and loader.skip_counts() == {}
     from_json = config(
         str(tmp_path), workers=0, num_samples=6, caption_key="json:caption", max_skip_fraction=1.0
     )
     with pytest.raises(DataError, match=r"none of the first 1000 samples could be used") as err:
         take(loader_for(from_json, global_batch=2), 1)
     assert "'bad_json'" in str(err.value) and "'empty_file'" in str(err.value)
-    evaluated = build_eval_loader(
-        str(tmp_path), batch_size=4, rank=0, world_size=1, image_size=IMAGE_SIZE, tokenizer=ClipTokenizer()
-    )
-    assert [key for batch in evaluated for key in batch.keys] == ["a", "b", "c"]
+    for labels, kept, skipped in [(False, "abcefg", {}), (True, "abc", {"empty_file": 1, "bad_json": 2})]:
+        loader = build_eval_loader(
+            str(tmp_path),
+            batch_size=6,
+            rank=0,
+            world_size=1,
+            image_size=IMAGE_SIZE,
+            tokenizer=ClipTokenizer(),
+            data_cfg=DataConfig(caption_key=txt_first),
+            labels=labels,
+        )
+        (batch,) = list(loader)
+        assert (batch.keys, batch.skipped) == (list(kept), skipped)
+    no_txt = {"__key__": "f", "__url__": "u", "png": png(1, 8), "json": b"{not json"}
+    for meta_needed in (False, True):
+        with pytest.raises(BadSample, match="bad_json"):
+            decode_sample(no_txt, tuple(txt_first), meta_needed=meta_needed)
 
 
 def test_a_batch_in_the_making_holds_each_crop_once_and_no_decoded_picture():

@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import re
 import shutil
 import subprocess
@@ -118,10 +119,17 @@ def toy_image(label: int, sample_id: int, size: int = IMAGE_SIZE) -> Image.Image
 
 
 def write_shards(
-    directory: Path, captions: list[str], image_size: int = IMAGE_SIZE, bad_first: int = 0, bad_last: int = 0
+    directory: Path,
+    captions: list[str] | None,
+    image_size: int = IMAGE_SIZE,
+    bad_first: int = 0,
+    bad_last: int = 0,
+    broken_json: bool = False,
 ) -> str:
-    """Real WebDataset tars of png + txt + json; returns the brace-expanded URL. ``bad_first`` samples
-    whose png does not decode open the first shard, ``bad_last`` close the last one."""
+    """Real WebDataset tars of png + txt + json; returns the brace-expanded URL. No ``captions``: no
+    txt (a classification set's layout); ``broken_json``: a json that does not parse, no label.
+    ``bad_first`` samples whose png does not decode open the first shard, ``bad_last`` close the
+    last one."""
     directory.mkdir(parents=True, exist_ok=True)
     sample_id = 0
     for shard, size in enumerate(SHARD_SIZES):
@@ -130,14 +138,9 @@ def write_shards(
             for _ in range(size):
                 png = io.BytesIO()
                 toy_image(LABELS[sample_id], sample_id, image_size).save(png, format="PNG")
-                sink.write(
-                    {
-                        "__key__": f"s{sample_id:05d}",
-                        "png": png.getvalue(),
-                        "txt": captions[sample_id],
-                        "json": {"label": LABELS[sample_id]},
-                    }
-                )
+                caption = {} if captions is None else {"txt": captions[sample_id]}
+                meta = b"{not json" if broken_json else {"label": LABELS[sample_id]}
+                sink.write({"__key__": f"s{sample_id:05d}", "png": png.getvalue(), **caption, "json": meta})
                 sample_id += 1
             write_bad_samples(sink, "last", bad_last if shard == len(SHARD_SIZES) - 1 else 0)
     return f"{directory}/val-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
@@ -244,6 +247,31 @@ def test_zeroshot_shards_count_whatever_caption_key_the_training_shards_use(data
         "zeroshot/n": NUM_SAMPLES,
         "zeroshot/skipped": 0,
     }
+
+
+def test_zeroshot_shards_need_no_caption(tmp_path, data):
+    """A classification set's shards hold an image and a json label, no caption: every sample was
+    skipped as missing_caption, and the evaluation failed for want of labelled images."""
+    labelled_only = write_shards(tmp_path / "labels", captions=None)
+    eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=labelled_only, retrieval=False)
+    metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
+    assert metrics == {
+        "zeroshot/top1": 1.0,
+        "zeroshot/top5": 1.0,
+        "zeroshot/n": NUM_SAMPLES,
+        "zeroshot/skipped": 0,
+    }
+
+
+def test_retrieval_reads_no_label_so_a_broken_json_beside_a_caption_costs_no_sample(tmp_path):
+    """Evaluation read every json for zero-shot's labels, and a txt caption first in a caption_key
+    list did not stop a broken json costing its sample: retrieval skipped all of them."""
+    exact = [f"sample {i}" for i in range(NUM_SAMPLES)]
+    val = write_shards(tmp_path / "val", exact, broken_json=True)
+    data_cfg = DataConfig(val=val, caption_key=["txt", "json:caption"], workers=0)
+    metrics = evaluate(ToyCLIP(PERFECT), EvalConfig(), data_cfg, device=CPU, precision="fp32")
+    assert (metrics["retrieval/n"], metrics["retrieval/skipped"]) == (NUM_SAMPLES, 0)
+    assert metrics["retrieval/image_to_text_R@1"] == metrics["retrieval/text_to_image_R@1"] == 1.0
 
 
 def test_retrieval_on_a_table_with_named_columns_equals_its_shards(data, tmp_path):
@@ -416,7 +444,11 @@ def test_a_folder_is_read_in_every_image_format_and_its_undecodable_files_are_sk
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
     assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 8, "zeroshot/skipped": 2}
     share = dict(labels=None, image_size=16, batch_size=3, workers=2)
-    per_rank = [list(image_folder_batches(str(folder), rank=r, world_size=2, **share)) for r in range(2)]
+    running = set(multiprocessing.active_children())
+    loaders = [image_folder_batches(str(folder), rank=r, world_size=2, **share) for r in range(2)]
+    # the workers start when a set is encoded: made up front, every set's decoded at once
+    assert set(multiprocessing.active_children()) == running
+    per_rank = [list(loader) for loader in loaders]
     assert sum(len(b.images) for batches in per_rank for b in batches) == 8
     skipped = collections.Counter()
     for batches in per_rank:
@@ -434,7 +466,7 @@ def test_a_16_bit_grey_image_in_a_folder_reads_as_its_top_8_bits(tmp_path):
         Image.fromarray(pixels).save(tmp_path / folder / "class" / "image.png")
     share = dict(labels=None, image_size=16, batch_size=1, workers=0, rank=0, world_size=1)
     read = {
-        folder: next(image_folder_batches(str(tmp_path / folder), **share)).images
+        folder: next(iter(image_folder_batches(str(tmp_path / folder), **share))).images
         for folder in ("16-bit", "8-bit")
     }
     assert Image.open(tmp_path / "16-bit" / "class" / "image.png").mode == "I;16"

@@ -4,7 +4,6 @@ DataLoader workers make; the caption options checked at start-up."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,12 +70,16 @@ class BatchBuilder:
         self.images[len(self)] = image
         self.samples.append(dataclasses.replace(sample, image=None))
 
-    def batch(self, tokenizer: Tokenizer, **extra: Any) -> Batch:
-        """The batch so far (labels only where every sample has one); the builder starts anew."""
+    def batch(self, tokenizer: Tokenizer | None, **extra: Any) -> Batch:
+        """The batch so far (labels only where every sample has one; no tokens, (B, 0), without a
+        ``tokenizer``: a pass that needs no caption); the builder starts anew."""
         assert self.images is not None, "an empty batch"
         samples, images = self.samples, self.images if self.full() else self.images[: len(self)].clone()
         self.images, self.samples = None, []
-        tokens = tokenizer([sample.caption for sample in samples])
+        no_tokens = torch.zeros((len(samples), 0), dtype=torch.long)
+        tokens = {"input_ids": no_tokens, "attention_mask": no_tokens}
+        if tokenizer is not None:
+            tokens = tokenizer([sample.caption for sample in samples])
         labels = [sample.meta.get("label") for sample in samples]
         has_labels = all(isinstance(label, int) and not isinstance(label, bool) for label in labels)
         return Batch(
@@ -96,12 +99,25 @@ def source_urls(spec: str, data_cfg: DataConfig, *, what: str) -> list[str]:
     return expand_tables(expand_urls(spec, what=what), table_format, data_cfg.csv_shard_rows)
 
 
+# The records that stand for what of a shard could not be read (``read_shard``): where the failure
+# is the reader's own (a shard staged on one node, a transient pipe: or S3 error), so is the record.
+UNREAD_REASONS = frozenset({"shard_open", "truncated_tar"})
+
+
 def read_source(url: str, first: int = 0, every: int = 1) -> Iterator[RawSample]:
     """The raw samples of a shard or of a table's piece, every ``every``-th from ``first`` (a rank's
-    share): a piece reads only those rows' images, a tar is read through."""
+    share): a piece reads only those rows' images, a tar is read through. A shard's unread-rest
+    record goes to every share that meets it, so a rank that lost its samples counts the loss."""
     if is_piece(url):
         return read_piece(url, first, every)
-    return itertools.islice(read_shard(url), first, None, every)
+    return _share(read_shard(url), first, every)
+
+
+def _share(records: Iterator[RawSample], first: int, every: int) -> Iterator[RawSample]:
+    """Every ``every``-th record from ``first``, and each unread-rest record wherever it falls."""
+    for index, raw in enumerate(records):
+        if index % every == first or raw.get("__bad__") in UNREAD_REASONS:
+            yield raw
 
 
 def keys_for(raw: RawSample, keys: tuple[str, ...]) -> tuple[str, ...]:

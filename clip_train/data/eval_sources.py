@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,10 +77,12 @@ def image_folder_batches(
     rank: int,
     world_size: int,
     pin_memory: bool = False,
-) -> Iterator[LabelledImages]:
-    """This rank's strided share of an ImageFolder as uint8 centre crops; ``labels``: each class
-    folder's label (``folder_classes``), None for its sorted place. Files of every image format that
-    shards take are read; one that does not decode is skipped and counted, as a shard's sample is."""
+) -> DataLoader:
+    """This rank's strided share of an ImageFolder as uint8 centre crops (``LabelledImages``);
+    ``labels``: each class folder's label (``folder_classes``), None for its sorted place. Files of
+    every image format that shards take are read; one that does not decode is skipped and counted,
+    as a shard's sample is. Its workers start when it is iterated, so that only the set being
+    encoded holds worker processes and prefetched batches."""
     dataset = ImageFolder(
         root,
         loader=_image_or_skip_reason,
@@ -89,7 +91,7 @@ def image_folder_batches(
         is_valid_file=lambda path: Path(path).suffix.lower() in FOLDER_IMAGE_SUFFIXES,
     )
     share = Subset(dataset, range(rank, len(dataset), world_size))
-    loader = DataLoader(
+    return DataLoader(
         share,
         batch_size=batch_size,
         num_workers=workers,
@@ -97,7 +99,6 @@ def image_folder_batches(
         collate_fn=functools.partial(_collate_decoded, image_size=image_size),
         **signal_free_workers(),
     )
-    return iter(loader)
 
 
 # An evaluation folder's images: the formats shards take, and those torchvision's ImageFolder reads.
@@ -199,9 +200,12 @@ def shard_batches(
     pin_memory: bool = False,
     data_cfg: DataConfig | None = None,
     what: str = "eval data",
+    captions: bool = True,
+    labels: bool = True,
 ) -> DataLoader:
     """This rank's samples of a set of WebDataset shards or tables (read with ``data_cfg``'s
-    ``csv_*`` keys), each sample seen by exactly one rank."""
+    ``csv_*`` keys), each sample seen by exactly one rank; ``captions``/``labels``: what the pass
+    needs of a sample (``build_eval_loader``)."""
     return build_eval_loader(
         urls,
         batch_size=batch_size,
@@ -213,4 +217,6 @@ def shard_batches(
         pin_memory=pin_memory,
         data_cfg=data_cfg,
         what=what,
+        captions=captions,
+        labels=labels,
     )

@@ -69,9 +69,28 @@ class Decoded:
     source: int = 0  # which source of a weighted mixture it came from (``"__source__"``)
 
 
-def _caption(members: dict[str, bytes], meta: dict[str, Any], key: str) -> str:
-    """The caption under one key; ``BadSample`` when it is absent, undecodable or blank."""
+Meta = dict[str, Any] | BadSample  # a sample's parsed ``.json``, or why it does not parse
+
+
+def _meta(data: bytes) -> dict[str, Any]:
+    """A ``.json`` member's object; ``BadSample`` when it is empty or not a JSON object."""
+    if data == b"":
+        raise BadSample("empty_file", "zero-byte json")
+    try:
+        meta = json.loads(data)
+    except ValueError as err:
+        raise BadSample("bad_json", str(err)) from None
+    if not isinstance(meta, dict):
+        raise BadSample("bad_json", f"expected an object, got {type(meta).__name__}")
+    return meta
+
+
+def _caption(members: dict[str, bytes], meta: Meta, key: str) -> str:
+    """The caption under one key; ``BadSample`` when it is absent, undecodable or blank (a field of
+    a broken json: the json's problem)."""
     if key.startswith(JSON_PREFIX):
+        if isinstance(meta, BadSample):
+            raise meta
         field_name = key[len(JSON_PREFIX) :]
         if field_name not in meta:
             raise BadSample("missing_caption", f"no {key}")
@@ -90,7 +109,7 @@ def _caption(members: dict[str, bytes], meta: dict[str, Any], key: str) -> str:
     return caption.strip()
 
 
-def _pick_caption(members: dict[str, bytes], meta: dict[str, Any], keys: tuple[str, ...], pick: int) -> str:
+def _pick_caption(members: dict[str, bytes], meta: Meta, keys: tuple[str, ...], pick: int) -> str:
     """One of the usable captions under ``keys``: number ``pick`` modulo their count. Unusable
     ones are passed over, so whether a sample is usable does not depend on ``pick``; with none,
     the reason is a present caption's problem before a missing one's."""
@@ -112,39 +131,45 @@ def decode_sample(
     pick: int = 0,
     *,
     meta_needed: bool = True,
+    caption_needed: bool = True,
 ) -> Decoded:
     """Check a grouped tar sample and decode its image to RGB; raise ``BadSample`` if unusable.
     The caption is under one of ``keys`` (see ``_pick_caption``; the training stream passes a
-    seeded random ``pick``, evaluation 0: the first usable key). The ``.json`` member is read only
-    where ``meta_needed`` (evaluation's labels) or a key names a field of it: a broken one beside a
-    ``.txt`` caption costs training no sample, as in OpenCLIP."""
+    seeded random ``pick``, evaluation 0: the first usable key); without ``caption_needed``
+    (zero-shot's labelled images) none is looked for. The ``.json`` member is read only where
+    ``meta_needed`` (zero-shot's labels) or a key names a field of it, and a broken one costs the
+    sample only where the meta is needed or no other key gives a caption: beside a ``.txt``
+    caption it costs training and retrieval no sample, as in OpenCLIP."""
     if "__bad__" in raw:
         raise BadSample(raw["__bad__"], raw.get("__error__", ""))
     members = {k: v for k, v in raw.items() if not k.startswith("__")}
-    if not (meta_needed or any(key.startswith(JSON_PREFIX) for key in keys)):
-        members.pop("json", None)
     ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
     if ext is None:
         raise BadSample("missing_image")
-    # A zero-byte caption member is a blank caption, passed over for another key; members no key
-    # names are not read at all.
-    if empty := [name for name in (ext, "json") if members.get(name) == b""]:
-        raise BadSample("empty_file", f"zero-byte {empty[0]}")
-    meta: dict[str, Any] = {}
-    if "json" in members:
+    # A zero-byte image is an empty file; a zero-byte caption member a blank caption, passed over
+    # for another key.
+    if members[ext] == b"":
+        raise BadSample("empty_file", f"zero-byte {ext}")
+    meta: Meta = {}
+    json_keys = caption_needed and any(key.startswith(JSON_PREFIX) for key in keys)
+    if "json" in members and (meta_needed or json_keys):
         try:
-            meta = json.loads(members["json"])
-        except ValueError as err:
-            raise BadSample("bad_json", str(err)) from None
-        if not isinstance(meta, dict):
-            raise BadSample("bad_json", f"expected an object, got {type(meta).__name__}")
-    caption = _pick_caption(members, meta, keys, pick)
+            meta = _meta(members["json"])
+        except BadSample as bad:
+            if meta_needed:
+                raise
+            meta = bad
+    caption = _pick_caption(members, meta, keys, pick) if caption_needed else ""
     try:
         image = _rgb(Image.open(io.BytesIO(members[ext])))
     except Exception as err:  # arbitrary bytes make PIL raise many types; all mean "undecodable"
         raise BadSample("bad_image", f"{type(err).__name__}: {err}") from None
     return Decoded(
-        key=raw["__key__"], image=image, caption=caption, meta=meta, source=raw.get("__source__", 0)
+        key=raw["__key__"],
+        image=image,
+        caption=caption,
+        meta=meta if isinstance(meta, dict) else {},
+        source=raw.get("__source__", 0),
     )
 
 

@@ -50,6 +50,7 @@ from clip_train.data.samples import BadSample, DataError, Decoded, SkipTally, de
 from clip_train.data.sources import dataset_size
 from clip_train.data.tables import is_piece
 from clip_train.data.transforms import ImageTransform, apply_seeded, train_transform
+from clip_train.logs import get_logger
 from clip_train.preemption import signal_free_workers
 
 STATE_VERSION = 1
@@ -102,24 +103,37 @@ class _TrainSpec:
 UNOPENED_LIMIT = 20
 
 
-def _samples_of(shards: Iterator[str], pool: set[str], where: str = "") -> Iterator[RawSample]:
+class _FirstOpens:
+    """The shards that failed to open before one opened, counted across every pass of a worker's
+    epoch: a worker with fewer than ``UNOPENED_LIMIT`` shards would otherwise start over each pass."""
+
+    def __init__(self, where: str = "") -> None:
+        self.where = where  # which source, in the error
+        self.unopened: int | None = 0  # None once a shard has opened
+
+    def count(self, records: int, opened: bool) -> None:
+        """Count a shard read through (``records`` read from it); stop at the limit."""
+        if self.unopened is None:
+            return
+        self.unopened = None if opened else self.unopened + (records > 0)
+        if self.unopened == UNOPENED_LIMIT:
+            raise DataError(
+                f"{self.where}the first {UNOPENED_LIMIT} shards drawn could not be opened (the log names "
+                "them and why): check data.train's URLs and the access to them"
+            )
+
+
+def _samples_of(shards: Iterator[str], pool: set[str], opens: _FirstOpens) -> Iterator[RawSample]:
     """Raw samples of a shard sequence; stops with an error instead of spinning on empty shards or
-    on shards that do not open (``where``: which source, in the error)."""
+    on shards that do not open (counted in ``opens``)."""
     empty: set[str] = set()
-    unopened: int | None = 0  # shards that failed to open before one opened; None once one has
     for url in shards:
         count, opened = 0, False
         for raw in read_source(url):
             count += 1
             opened = opened or raw.get("__bad__") != "shard_open"
             yield raw
-        if unopened is not None:
-            unopened = None if opened else unopened + (count > 0)
-            if unopened == UNOPENED_LIMIT:
-                raise DataError(
-                    f"{where}the first {UNOPENED_LIMIT} shards drawn could not be opened (the log names "
-                    "them and why): check data.train's URLs and the access to them"
-                )
+        opens.count(count, opened)
         if count:
             empty.clear()
             continue
@@ -180,8 +194,10 @@ class TrainStream(IterableDataset):
             return self._shuffled(self._resampled(spec.urls, role, epoch), role, epoch, 0)
         order = [d["url"] for d in wds.SimpleShardList(list(spec.urls), seed=f"shards/{spec.seed}/{epoch}")]
         mine = order[spec.rank :: spec.world_size][role :: spec.roles]
+        opens = _FirstOpens()  # one count over the passes
         passes = (
-            self._shuffled(_samples_of(iter(mine), set(mine)), role, epoch, p) for p in itertools.count()
+            self._shuffled(_samples_of(iter(mine), set(mine), opens), role, epoch, p)
+            for p in itertools.count()
         )
         return itertools.chain.from_iterable(passes)
 
@@ -192,7 +208,8 @@ class TrainStream(IterableDataset):
         shards in the same order (duplicate pairs in a global batch, a few % of epochs at 8k)."""
         draws = random.Random(_seed("shards", self.spec.seed, epoch, self.spec.rank, role, *source))
         where = f"source {self.spec.mixture[source[0]].name} of data.train: " if source else ""
-        return _samples_of((urls[draws.randrange(len(urls))] for _ in itertools.count()), set(urls), where)
+        shards = (urls[draws.randrange(len(urls))] for _ in itertools.count())
+        return _samples_of(shards, set(urls), _FirstOpens(where))
 
     def _decoder(self, role: int, epoch: int) -> Decode:
         """Decoding with the caption picked among several keys by a seed of the item's position."""
@@ -265,9 +282,8 @@ class TrainLoader:
         """Position the stream before batch ``step``, from this rank's ``state_dict()`` at that step
         if given (fast), else by replaying each role's epoch so far."""
         spec = self._spec
-        if state is not None:
-            starts = _restore(state, spec, step)
-        else:
+        starts = _restore(state, spec, step) if state is not None else None
+        if starts is None:
             starts = [position_at(step, role, spec.steps_per_epoch, spec.roles) for role in range(spec.roles)]
         stream = TrainStream(spec, self._transform, self._tokenizer, starts, step)
         self._loader = DataLoader(
@@ -334,7 +350,10 @@ class TrainLoader:
         self._iterator = None
 
 
-# What a saved position is only valid for, and the settings that decide it.
+# What a saved position is only valid for, and the settings that decide it. A change of one of
+# ``RESTARTING_KEYS`` restarts the data streams at the step, as a world-size change does (fewer
+# workers for a node short of host memory); a change of the others is refused.
+RESTARTING_KEYS = ("workers", "shuffle_buffer")
 FINGERPRINT_KEYS = {
     "rank": "the world size",
     "world_size": "the world size",
@@ -394,20 +413,33 @@ def _same(saved: Any, now: Any) -> bool:
     return saved == now
 
 
-def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[Position]:
-    """The saved positions, once the state is checked to be this setting's. A key the state lacks
-    (saved before it was recorded) is not checked."""
+def _restore(state: dict[str, Any], spec: _TrainSpec, start_step: int) -> list[Position] | None:
+    """The saved positions, once the state is checked to be this setting's; None where only
+    ``RESTARTING_KEYS`` changed, said in a line (the streams restart at the step). A key the state
+    lacks (saved before it was recorded) is not checked."""
     if state.get("version") != STATE_VERSION:
         raise DataError(f"data loader state has version {state.get('version')!r}; expected {STATE_VERSION}")
     if state["step"] != start_step:
         raise DataError(f"the data loader state was saved at step {state['step']}, not at step {start_step}")
-    for key, now in _fingerprint(spec).items():
-        if key in state and not _same(state[key], now):
+    changed = {
+        key: now for key, now in _fingerprint(spec).items() if key in state and not _same(state[key], now)
+    }
+    for key, now in changed.items():
+        if key not in RESTARTING_KEYS:
             raise DataError(
                 f"cannot restore the data position: it was saved with {key}={state[key]}, this run has "
                 f"{key}={now}; set {FINGERPRINT_KEYS[key]} as the run that saved it did to resume exactly"
             )
-    return [Position(*p) for p in state["positions"]]
+    if not changed:
+        return [Position(*p) for p in state["positions"]]
+    if spec.rank == 0:
+        settings = ", ".join(f"data.{key} {state[key]} -> {now}" for key, now in changed.items())
+        get_logger().warning(
+            f"{settings} since the checkpoint: the data streams restart at step {start_step}, in the "
+            f"order of the new setting; the rest of epoch {start_step // spec.steps_per_epoch} may repeat "
+            "samples it trained on and leave out others it did not, and later epochs are whole"
+        )
+    return None
 
 
 def build_train_loader(

@@ -6,7 +6,6 @@ work scales with the ranks instead of leaving them idle while rank 0 evaluates.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -97,8 +96,10 @@ def evaluate(
             sets[prefix] = source, classes, batches
     metrics: dict[str, float] = {}
     if retrieval:
-        val_batches = shard_batches(data_cfg.val, model, data_cfg=data_cfg, what="data.val", **share)
         labels = any(batches is None for _, _, batches in sets.values())
+        val_batches = shard_batches(
+            data_cfg.val, model, data_cfg=data_cfg, what="data.val", labels=labels, **share
+        )
         val_split = encode_split(model, val_batches, text=True, labels=labels, source=data_cfg.val, **encode)
         recall = retrieval_recall(val_split.image_features, val_split.text_features, group=group)
         metrics |= {f"retrieval/{k}": v for k, v in recall.items()}
@@ -130,10 +131,7 @@ def _labelled_batches(
     table (None)."""
     if classes is not None:
         return image_folder_batches(source, labels=classes.labels, image_size=model.image_size, **share)
-    # only labels count here: a caption under data.caption_key or txt makes a sample usable
-    either = [*data_cfg.caption_keys, "txt"]
-    labelled = dataclasses.replace(data_cfg, caption_key=either)
-    return shard_batches(source, model, data_cfg=labelled, what=key, **share)
+    return shard_batches(source, model, data_cfg=data_cfg, what=key, captions=False, **share)
 
 
 def eval_config(weights: Path, config: str | None, overrides: list[str]) -> Config:
