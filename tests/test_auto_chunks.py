@@ -15,7 +15,7 @@ from clip_train.config import BatchConfig, ConfigError, load_config
 from clip_train.model import build_model
 from clip_train.plan import auto_chunks, breakdown, choose_chunks, largest_fitting_chunks, profile_model
 from clip_train.plan.auto_chunks import cgroup_room, device_budget, run_setting
-from clip_train.plan.estimate import GIB, usable_bytes
+from clip_train.plan.estimate import GIB, gpu_available, usable_bytes
 from clip_train.trainer import chunks_kept_from
 
 SMALL = ("model.image.timm_kwargs.depth=2", "model.text.hf_config.num_hidden_layers=1")
@@ -82,7 +82,9 @@ def test_choosing_leaves_the_rng_streams_and_gradients_as_they_were(tmp_path):
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in model.parameters())
     assert (choice.image, choice.text) == (32, 32) and choice.usable == pytest.approx(64 * GIB * 0.9)
-    assert usable_bytes(65) == pytest.approx(choice.usable)  # the plan's 65 GiB GPU: 64 beside its context
+    assert usable_bytes(gpu_available(65)) == pytest.approx(
+        choice.usable
+    )  # the plan's 65 GiB GPU: 64 beside its context
 
 
 def test_what_the_estimate_counts_and_already_exists_is_room_for_it(monkeypatch):

@@ -74,6 +74,12 @@ def test_yaml_round_trip(tmp_path):
         ("log.wandb.name=012", lambda c: c.log.wandb.name, "012"),
         ("log.wandb.name=12:30", lambda c: c.log.wandb.name, "12:30"),
         ("data.train={00000..00001}.tar", lambda c: c.data.train, "{00000..00001}.tar"),
+        ("eval.zeroshot_sets.v2=/data/v2 #2", lambda c: c.eval.zeroshot_sets, {"v2": "/data/v2 #2"}),
+        ("eval.zeroshot_sets.v2=012", lambda c: c.eval.zeroshot_sets, {"v2": "012"}),
+        ("data.csv_separator=\t", lambda c: c.data.csv_separator, "\t"),  # a tab, not stripped away
+        ("data.csv_caption_key= long caption", lambda c: c.data.csv_caption_key, " long caption"),
+        ("batch.global_size= 64 ", lambda c: c.batch.global_size, 64),  # spaces around YAML: nothing
+        ("optim.betas= [0.9, 0.95] ", lambda c: c.optim.betas, [0.9, 0.95]),
         # 1e-5 is a number wherever it goes, also where no type says so; a whole one fits an int
         (
             "model.text.hf_config.layer_norm_eps=1e-5",
@@ -317,6 +323,14 @@ def test_malformed_override_and_missing_file(tmp_path):
             r"^eval\.zeroshot_sets: the name 'top1' must be letters, .* and not top1, top5, n or skipped",
         ),
         (["eval.zeroshot=imagenet", "eval.zeroshot_sets={a/b: /data/v2}"], 1, r"the name 'a/b' must be"),
+        # a dotted name: an override's key splits at the dot, so no name holds one
+        (["eval.zeroshot=imagenet", "eval.zeroshot_sets={in.v2: /data/v2}"], 1, r"the name 'in\.v2' must be"),
+        (
+            ["eval.zeroshot=imagenet", "eval.zeroshot_sets.in.v2=/data/v2"],
+            1,
+            r"^eval\.zeroshot_sets\.in\.v2: a set's name takes no '\.' \(an override's key splits at each "
+            r"one\); name it in_v2, say$",
+        ),
         (
             ["eval.zeroshot=imagenet", "eval.zeroshot_sets={v2: ''}"],
             1,

@@ -128,10 +128,11 @@ def test_out_may_be_a_link_to_a_folder_on_another_disk_or_the_current_folder(
     assert len(read_back(tmp_path / "here")[1]) == 7
 
 
-@pytest.mark.parametrize("option", ["--train-shards", "--val-shards"])
-def test_a_shard_count_below_one_is_refused_naming_its_option(tmp_path, capsys, option):
-    with pytest.raises(SystemExit):
+@pytest.mark.parametrize("option", ["--train-shards", "--val-shards", "--size"])
+def test_a_count_below_one_is_refused_naming_its_option(tmp_path, capsys, option):
+    with pytest.raises(SystemExit) as exited:
         run_cli("digits", tmp_path / "digits", option, "0")
+    assert exited.value.code == 2
     assert f"argument {option}: '0' is not a whole number >= 1" in capsys.readouterr().err
 
 

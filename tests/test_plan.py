@@ -22,11 +22,13 @@ from clip_train.cli import main
 from clip_train.config import TextTowerConfig
 from clip_train.errors import UserError
 from clip_train.loss import contrastive_loss, tiles_torch
+from clip_train.memory import tensor_bytes
 from clip_train.model import build_model
+from clip_train.optim import build_optimizer
 from clip_train.plan import Setting, breakdown, loss_workspace, max_batch, profile_model, usable_bytes
 from clip_train.plan.architecture import KNOWN_TEXT_ARCHITECTURES, find_text_architecture
 from clip_train.plan.auto_chunks import run_setting
-from clip_train.plan.estimate import FP32, STRIP_ELEMENTS, adafactor_state_numel
+from clip_train.plan.estimate import FP32, STRIP_ELEMENTS, adafactor_state_numel, gpu_available
 from clip_train.plan.profile import measure_chunk, profile_built_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,13 +87,16 @@ def test_loss_workspace_inf_linear_vanilla_and_local_quadratic():
         ("sigmoid", "inf"),
     ],
 )
-def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl):
-    """One process: MemTracker's peak of forward + backward, which includes the 2 n×d feature gradients."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl, dtype):
+    """One process: MemTracker's peak of forward + backward, which includes the 2 n×d feature
+    gradients. An fp64 run's features (``train.precision=fp64``) keep fp64 through the loss."""
     rows, dim, tile = 512, 64, 256
     torch.manual_seed(0)
-    images = torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1).requires_grad_()
-    texts = torch.nn.functional.normalize(torch.randn(rows, dim), dim=-1).requires_grad_()
-    scale, bias = torch.tensor(2.0, requires_grad=True), torch.tensor(-3.0, requires_grad=True)
+    images = torch.nn.functional.normalize(torch.randn(rows, dim, dtype=dtype), dim=-1).requires_grad_()
+    texts = torch.nn.functional.normalize(torch.randn(rows, dim, dtype=dtype), dim=-1).requires_grad_()
+    scale = torch.tensor(2.0, dtype=dtype, requires_grad=True)
+    bias = torch.tensor(-3.0, dtype=dtype, requires_grad=True)
     tracker = MemTracker()
     with tracker:
         loss = contrastive_loss(
@@ -100,7 +105,8 @@ def test_loss_workspace_matches_the_measured_peak_of_the_real_loss(kind, impl):
         grads = torch.autograd.grad(loss, (images, texts, scale, bias), allow_unused=True)
         del loss, grads
     (peak,) = (snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    predicted = loss_workspace(impl, rows, 1, dim, tile, kind) + 2 * rows * dim * FP32
+    itemsize = dtype.itemsize
+    predicted = loss_workspace(impl, rows, 1, dim, tile, kind, itemsize=itemsize) + 2 * rows * dim * itemsize
     assert 0.85 < peak / predicted < 1.15
 
 
@@ -148,7 +154,7 @@ def test_backbone_grows_with_the_chunk_not_the_batch(tiny_profile):
 @pytest.mark.parametrize("impl", ["vanilla", "local", "inf"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_max_batch_fits_and_the_next_step_does_not(tiny_profile, impl, offload):
-    cap = usable_bytes(0.5)
+    cap = usable_bytes(gpu_available(0.5))
     s = setting(impl=impl, offload=offload)
     best = max_batch(tiny_profile, s, cap)
     step = 4 * 128  # gpus x lcm(64, 128)
@@ -158,12 +164,36 @@ def test_max_batch_fits_and_the_next_step_does_not(tiny_profile, impl, offload):
 
 
 def test_max_batch_orders_the_implementations(tiny_profile):
-    cap = usable_bytes(0.5)
+    cap = usable_bytes(gpu_available(0.5))
     best = {
         impl: max_batch(tiny_profile, setting(impl=impl, offload=True), cap)
         for impl in ("vanilla", "local", "inf")
     }
     assert best["vanilla"] < best["local"] < best["inf"]
+
+
+def test_an_fp64_plan_counts_the_double_model_a_run_trains(tiny_profile):
+    """fp64 runs train a double model (the trainer converts it): the plan's fake model and a run's
+    own (auto chunks) count its weights, gradients and AdamW states as a real step holds them, and
+    the features and loss in fp64."""
+    cfg = load_config(TINY, (*SMALL, "train.precision=fp64"))
+    torch.manual_seed(0)
+    model = build_model(cfg.model).double().train()
+    opt = build_optimizer(cfg.optim, model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    states = sum(t.nbytes for state in opt.state.values() for k, t in state.items() if k != "step")
+    planned = profile_model(cfg.model, "fp64", (2, 4), "cpu")
+    run = profile_built_model(model, cfg.model, "fp64", (2, 4), [])
+    for profile in (planned, run):
+        assert profile.weight_bytes == tensor_bytes([*model.parameters(), *model.buffers()])
+        assert profile.trainable_bytes == tensor_bytes([p.grad for p in trainable])
+        assert profile.adamw_bytes == states
+    fp64, fp32 = (breakdown(p, setting()) for p in (planned, tiny_profile))
+    assert (fp64.cache, fp64.loss) == (2 * fp32.cache, 2 * fp32.loss)
+    assert planned.image.replay.at(64) == pytest.approx(2 * tiny_profile.image.replay.at(64), rel=0.05)
 
 
 def test_lit_drops_exactly_the_frozen_parameters_from_grads_and_optimizer(tiny_profile, lit_profile):
@@ -188,7 +218,7 @@ def test_kept_graph_is_the_last_training_towers_forward_beside_the_loss(tiny_pro
     assert part.transient >= part.loss + part.kept_graph
     assert breakdown(tiny_profile, setting(impl="vanilla")).kept_graph == 0  # b×b loss: every chunk replays
     assert breakdown(tiny_profile, setting(keep_last_graph=False)).kept_graph == 0
-    cap = usable_bytes(0.5)
+    cap = usable_bytes(gpu_available(0.5))
     assert max_batch(tiny_profile, setting(keep_last_graph=False), cap) >= max_batch(
         tiny_profile, setting(), cap
     )
@@ -257,6 +287,8 @@ def test_the_run_setting_carries_the_fsdp_options():
     fsdp = ("train.parallel=fsdp",)
     fp32 = run(*fsdp)
     assert (fp32.gather_itemsize, fp32.accumulate_itemsize) == (4, 4)  # no casts
+    fp64 = run(*fsdp, "train.precision=fp64")  # the trainer's double model: gathered and reduced as is
+    assert (fp64.gather_itemsize, fp64.accumulate_itemsize) == (8, 8)
     bf16 = run(
         *fsdp, "train.precision=bf16", "fsdp.sync_every_chunk=true", "fsdp.reshard_after_forward=false"
     )
@@ -318,6 +350,19 @@ def test_cli_prints_the_table_and_json(tmp_path):
         assert row["fits"] == (row["peak"] <= plan["usable_bytes"])
 
 
+def test_the_plan_fits_auto_chunks_into_the_memory_budget_a_run_takes(tmp_path):
+    """``batch.memory_budget`` is what a run's auto chunks fit (less its reserve), whatever the GPU."""
+    out = tmp_path / "plan.json"
+    budget = "batch.memory_budget=0.15"
+    argv = ["plan", str(TINY), *SMALL, budget, "--gpus", "2", "--gpu-mem", "8", "--json", str(out)]
+    assert main([*argv, "--measure-chunks", "1", "2"]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["usable_bytes"] == usable_bytes(gpu_available(8), 0.15) == pytest.approx(0.15 * 2**30 * 0.9)
+    for row in plan["rows"]:  # the whole 128-row batch per GPU would not fit: smaller chunks do
+        assert row["fits"] and row["peak"] <= plan["usable_bytes"]
+        assert min(row["image_chunk"], row["text_chunk"]) < 128, row
+
+
 def test_check_cpu_measures_the_ema_it_plans_for(tmp_path):
     """An EMA's fp32 averages are part of the prediction, so the real steps keep one too: without it
     the measured peak fell 13 % short of the plan (0.87), as against 5 % (0.95) without an EMA."""
@@ -339,11 +384,13 @@ def test_check_cpu_measures_the_ema_it_plans_for(tmp_path):
         (["--batch", "0"], "--batch 0: must be >= 1"),
         (["batch.global_size=0"], "batch.global_size=0: must be >= 1"),
         (["--check-cpu", "--gpus", "2"], "--check-cpu runs one process"),
+        (["--json", "/no/such/dir/plan.json"], "--json /no/such/dir/plan.json: no folder /no/such/dir to"),
     ],
 )
 def test_cli_rejects_bad_arguments(capsys, argv, message):
     assert main(["plan", str(TINY), *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "measuring" not in err  # in one line, before the measurements
 
 
 @pytest.mark.parametrize("overrides", [SMALL, (*SMALL, *LIT)], ids=["trained", "lit"])

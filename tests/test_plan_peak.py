@@ -55,7 +55,7 @@ def test_a_towers_peak_equals_memtrackers_on_real_tensors():
 
 def test_a_towers_peak_equals_memtrackers_on_fake_tensors():
     """As the plan measures on the CPU: fake tensors allocate what real ones would, without data."""
-    with _planning_model(load_config(TINY).model, "cpu", quiet) as (model, _):
+    with _planning_model(load_config(TINY).model, "fp32", "cpu", quiet) as (model, _):
         compare(model)
 
 

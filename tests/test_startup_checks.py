@@ -11,8 +11,9 @@ from processes import run_to_end
 from small_runs import DEMO_CONFIG, run_overrides
 
 from clip_train import load_config
+from clip_train.cli import main
 from clip_train.errors import UserError
-from clip_train.startup_checks import check_paths
+from clip_train.startup_checks import check_paths, check_wandb
 
 
 def run_config(digits: Path, out_dir: Path, *extra: str):
@@ -97,6 +98,30 @@ def test_a_val_table_header_is_checked_at_start_up(digits, tmp_path):
     check_paths(run_config(digits, tmp_path / "run", f"data.val={table}", "data.csv_image_key=file"))
 
 
+NO_LABELS = "a table's rows carry no labels, which eval.zeroshot needs;"
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("data.val=TABLE", f"data.val=TABLE: {NO_LABELS} set eval.zeroshot_data to labelled shards or"),
+        ("eval.zeroshot_data=TABLE", f"eval.zeroshot_data=TABLE: {NO_LABELS} give labelled shards or"),
+        ("eval.zeroshot_sets={tab: TABLE}", f"eval.zeroshot_sets.tab=TABLE: {NO_LABELS} give labelled"),
+    ],
+    ids=["data.val", "eval.zeroshot_data", "eval.zeroshot_sets"],
+)
+def test_zero_shot_on_a_table_fails_at_start_up(digits, tmp_path, where, message):
+    """Not at the first evaluation, after the training before it (docs/data.md: tables carry no labels)."""
+    table = tmp_path / "val.tsv"
+    table.write_text("filepath\ttitle\nimages/1.png\ta caption\n")
+    zero_shot = (f"eval.zeroshot={digits}/zeroshot.json", f"data.val={digits}/val")
+    cfg = run_config(digits, tmp_path / "run", *zero_shot, where.replace("TABLE", str(table)))
+    with pytest.raises(UserError) as err:
+        check_paths(cfg)
+    assert str(err.value).startswith(message.replace("TABLE", str(table)))
+    assert str(err.value).endswith("an image folder") and "\n" not in str(err.value)
+
+
 def test_what_exists_or_cannot_be_checked_passes(digits, tmp_path, demo_run):
     image_folder = tmp_path / "imagenet-val"
     (image_folder / "n01440764").mkdir(parents=True)
@@ -149,3 +174,18 @@ def test_the_issue_example_fails_before_the_first_step(digits, tmp_path):
         "JSON file or one of imagenet, imagenet-simple"
     ]
     assert not (tmp_path / "run").exists()  # no step, no run directory
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_a_run_logging_to_a_missing_wandb_fails_at_start_up(digits, tmp_path, monkeypatch, capsys, mode):
+    """The offline GPU kit installs no wandb: a run that logs to it stops before the model is built,
+    not when the monitor imports it."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an import finds where it is not installed
+    out = tmp_path / "run"
+    assert main(["train", str(DEMO_CONFIG), *run_overrides(digits, out, 2, f"log.wandb.mode={mode}")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"clip-train: error: log.wandb.mode={mode}: wandb is not installed; install it (pip install wandb) "
+        "or set log.wandb.mode=disabled"
+    ]
+    assert not out.exists()
+    check_wandb(run_config(digits, out).log.wandb)  # disabled: no wandb needed

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     digits = sources.add_parser("digits", help="the demo set: OUT/train, OUT/val, OUT/zeroshot.json")
     digits.add_argument("out", type=Path, help="output directory")
-    digits.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    digits.add_argument("--size", type=_positive, default=32, help="image side in pixels (default 32)")
     digits.add_argument("--seed", type=int, default=0, help="train/val split and caption seed")
     for split, default in (("train", 8), ("val", 2)):
         digits.add_argument(

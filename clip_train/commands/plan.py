@@ -81,6 +81,8 @@ def _validate_args(args: argparse.Namespace, batch: int) -> None:
         raise UserError(f"{named}: must be >= 1")
     if args.check_cpu and args.gpus != 1:
         raise UserError(f"--check-cpu runs one process on this machine: use --gpus 1, not {args.gpus}")
+    if args.json and not Path(args.json).parent.is_dir():  # before the measuring, not after it
+        raise UserError(f"--json {args.json}: no folder {Path(args.json).parent} to write it in")
 
 
 def _check_cpu(args: argparse.Namespace, setting: Setting, predicted: float) -> dict[str, float]:

@@ -115,13 +115,14 @@ def _read_yaml(text: str) -> Any:
 
 
 def _override_value(key: str, text: str) -> Any:
-    """An override's value: a text key's (a path, a name, a separator such as ``,`` or ``|``) as
-    typed, since YAML would cut it at ``#``, read ``012`` as a number or fail on ``,``; any other read
-    as YAML."""
-    text = text.strip()
-    if key in _text_keys() or not text:
+    """An override's value: a text key's (a path, a name, a separator such as ``,``, ``|`` or a tab)
+    or a text mapping's entry (``eval.zeroshot_sets.v2``) as typed, spaces included, since YAML
+    would cut it at ``#``, read ``012`` as a number or fail on ``,``; any other read as YAML, around
+    which spaces mean nothing."""
+    if key in _text_keys() or key.rpartition(".")[0] in _text_keys(dict[str, str]):
         return text
-    return _yaml_value(f"override {key}", text)
+    text = text.strip()
+    return _yaml_value(f"override {key}", text) if text else text
 
 
 def _yaml_value(what: str, text: str) -> Any:
@@ -134,8 +135,9 @@ def _yaml_value(what: str, text: str) -> Any:
 
 
 @functools.cache
-def _text_keys() -> frozenset[str]:
-    return frozenset(key.name for key in config_keys() if key.hint is str)
+def _text_keys(hint: Any = str) -> frozenset[str]:
+    """The keys of type ``hint``: text, or (``dict[str, str]``) mappings of names to text."""
+    return frozenset(key.name for key in config_keys() if key.hint == hint)
 
 
 def config_yaml(config: Config) -> str:

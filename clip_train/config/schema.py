@@ -170,7 +170,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # run directory: config, metrics, checkpoints, wandb
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA (NCCL) if present, else CPU (gloo)
     dist_timeout_s: int = 600  # process-group init and collective timeout
-    io_timeout_s: int = 3600  # how long other ranks wait while rank 0 alone pulls, verifies, saves or uploads
+    io_timeout_s: int = 3600  # wait on one rank's I/O: rank 0's pull/verify/save/upload, the slowest's shards
     max_bad_steps: int = 5  # consecutive skipped (non-finite) steps that stop the run, at a log or save step
     compile: bool = False  # torch.compile each tower block, FSDP too (random ops as eager: exact replay)
     compile_mode: CompileMode = "default"  # reduce-overhead: + CUDA graphs; one chunk, DDP, no lock
@@ -491,12 +491,19 @@ def check_evaluation(eval_cfg: EvalConfig, data: DataConfig) -> None:
 
 
 def _check_zeroshot_sets(eval_cfg: EvalConfig) -> None:
-    """Each name becomes a metric prefix (zeroshot/NAME/top1): one path segment, not a metric's name."""
+    """Each name becomes a metric prefix (zeroshot/NAME/top1): one path segment, not a metric's name,
+    and one key segment: an override ``eval.zeroshot_sets.NAME=DIR`` splits its key at each '.'."""
     for name, source in eval_cfg.zeroshot_sets.items():
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)) or name in ("top1", "top5", "n", "skipped"):
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", str(name)) or name in ("top1", "top5", "n", "skipped"):
             raise ConfigError(
-                f"eval.zeroshot_sets: the name {name!r} must be letters, digits, '_', '.' or '-' and not "
+                f"eval.zeroshot_sets: the name {name!r} must be letters, digits, '_' or '-' and not "
                 "top1, top5, n or skipped (it names the metrics zeroshot/NAME/top1, ...)"
+            )
+        if isinstance(source, dict) and source:  # eval.zeroshot_sets.imagenet.v2=DIR, split at the '.'
+            rest = next(iter(source))
+            raise ConfigError(
+                f"eval.zeroshot_sets.{name}.{rest}: a set's name takes no '.' (an override's key splits "
+                f"at each one); name it {name}_{rest}, say"
             )
         if not isinstance(source, str) or not source:
             raise ConfigError(

@@ -19,8 +19,8 @@ from clip_train.errors import UserError
 from clip_train.loss.tiles_torch import default_tile
 from clip_train.memory import format_bytes, tensor_bytes
 from clip_train.parallel.fsdp import mixed_precision
-from clip_train.plan.estimate import GIB, RESERVE, ModelProfile, Setting, breakdown
-from clip_train.plan.profile import profile_built_model
+from clip_train.plan.estimate import ModelProfile, Setting, breakdown, usable_bytes
+from clip_train.plan.profile import profile_built_model, weight_dtype
 
 MEASURED_CHUNKS = (2, 4)
 CGROUP = Path("/sys/fs/cgroup")
@@ -79,9 +79,10 @@ def run_setting(cfg: Config, world_size: int, device_type: str) -> Setting:
 def _fsdp_itemsizes(cfg: Config) -> dict[str, int]:
     """Bytes of an all-gathered weight and of a gradient FSDP2 accumulates unsharded: its mixed
     precision policy's dtypes (a gradient without a reduce dtype stays in the gathered one), for
-    the fp32 weights the plan assumes."""
-    policy = mixed_precision(cfg.fsdp, cfg.train.precision, torch.float32)
-    gathered = policy.param_dtype or torch.float32
+    the run's ``weight_dtype``."""
+    weights = weight_dtype(cfg.train.precision)
+    policy = mixed_precision(cfg.fsdp, cfg.train.precision, weights)
+    gathered = policy.param_dtype or weights
     return {
         "gather_itemsize": gathered.itemsize,
         "accumulate_itemsize": (policy.reduce_dtype or gathered).itemsize,
@@ -157,9 +158,9 @@ def choose_chunks(model: nn.Module, cfg: Config, world_size: int, also_held: obj
             buffer.copy_(buffers[name])
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     held = tensor_bytes((*model.parameters(), *model.buffers())) + tensor_bytes(also_held)
-    budget = cfg.batch.memory_budget * GIB or device_budget(device, local_ranks, held)
+    usable = usable_bytes(device_budget(device, local_ranks, held), cfg.batch.memory_budget)
     setting = run_setting(cfg, world_size, device.type)
-    choice = largest_fitting_chunks(profile, setting, cfg.batch.auto_towers, budget * (1 - RESERVE))
+    choice = largest_fitting_chunks(profile, setting, cfg.batch.auto_towers, usable)
     if not choice.fits:
         raise UserError(
             f"batch.global_size={cfg.batch.global_size}: even 1-row auto chunks need an estimated "

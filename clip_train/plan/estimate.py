@@ -79,7 +79,7 @@ class ModelProfile:
     image: TowerProfile
     text: TowerProfile
     embed_dim: int
-    weight_bytes: int  # every parameter and buffer as stored (fp32)
+    weight_bytes: int  # every parameter and buffer as stored (fp32; fp64 in an fp64 run)
     trainable_bytes: int
     adamw_bytes: int
     adafactor_bytes: int
@@ -87,6 +87,7 @@ class ModelProfile:
     precision: str
     measured_chunks: tuple[int, int]
     notes: tuple[str, ...] = ()
+    itemsize: int = FP32  # bytes of a weight: 8 in an fp64 run, whose features and loss are fp64 too
 
     @property
     def towers(self) -> tuple[TowerProfile, TowerProfile]:
@@ -122,7 +123,7 @@ class Setting:
     cpu_offload: bool = False
     gather_itemsize: int = FP32  # bytes of an all-gathered weight (fsdp.param_dtype)
     accumulate_itemsize: int = FP32  # bytes of a gradient accumulated unsharded (fsdp.reduce_dtype)
-    ema: bool = False  # train.ema_decay > 0: an fp32 average of the trainable weights beside them
+    ema: bool = False  # train.ema_decay > 0: an average of the trainable weights (their dtype) beside them
 
     @property
     def per_rank(self) -> int:
@@ -137,13 +138,13 @@ class Setting:
 class Breakdown:
     """Per-GPU bytes of one setting; ``peak`` is eq. 10 plus the static part."""
 
-    weights: float  # every parameter and buffer, fp32; sharded, the rank's 1/W (none with cpu_offload)
+    weights: float  # every parameter and buffer as stored; sharded, the rank's 1/W (none with cpu_offload)
     gathered: float  # sharded: the all-gathered weights in use (``gathered_weights``); DDP: 0
     grads: float  # trainable parameters only (LiT-frozen ones have none); DDP's buckets are views of them
     accumulated: float  # sharded: a tower's unsharded gradients between syncs (``accumulated_grads``)
     optimizer: float  # the trainable parameters' optimizer state (and their EMA, with one)
     data: float  # M_data: the raw per-rank batch; with offload, two chunks of the stream in use
-    cache: float  # M_cache: fp32 features and their gradients, and a LiT tower's frozen-trunk output
+    cache: float  # M_cache: fp32 (fp64) features and their gradients, and a LiT tower's frozen-trunk output
     loss: float  # M_loss: b×b (vanilla), n×b (local) or O(n·d) + tile² (inf) for n = b / gpus
     kept_graph: float  # M_kept: inf only, the graphs kept through the loss (see graph_keepers)
     backbone: float  # M_backbone: one chunk's graph-less encode or with-grad replay (beside a kept graph)
@@ -165,10 +166,18 @@ class Breakdown:
 
 
 def loss_workspace(
-    impl: str, batch: int, gpus: int, dim: int, tile: int, kind: str = "softmax", device: str = "cuda"
+    impl: str,
+    batch: int,
+    gpus: int,
+    dim: int,
+    tile: int,
+    kind: str = "softmax",
+    device: str = "cuda",
+    itemsize: int = FP32,
 ) -> float:
-    """Bytes the loss allocates beyond the cached features and their gradients (fp32), fitted to
-    MemTracker measurements of the real losses on the PyTorch path (``tests/test_plan.py``).
+    """Bytes the loss allocates beyond the cached features and their gradients (fp32, or fp64 at an
+    ``itemsize`` of 8), fitted to MemTracker measurements of the real losses on the PyTorch path
+    (``tests/test_plan.py``).
 
     Softmax vanilla: 4 b×b matrices (logits, both softmaxes, their gradient; measured 3.2-4.3 b²,
     and Inf-CL's 16.67 GB for CLIP at 32k); local: 4 n×b (measured 4.1-4.6 n·b; OpenCLIP's 8.63 GB
@@ -182,18 +191,18 @@ def loss_workspace(
     """
     n = batch // gpus
     if impl == "vanilla" and kind == "sigmoid":
-        return 5 * n * batch * FP32 + (batch * dim * FP32 if gpus > 1 else 0)
-    gathered = 2 * batch * dim * FP32 if gpus > 1 else 0
+        return (5 * n * batch + (batch * dim if gpus > 1 else 0)) * itemsize
+    gathered = 2 * batch * dim if gpus > 1 else 0
     if impl == "vanilla":
-        return 4 * batch * batch * FP32 + gathered
+        return (4 * batch * batch + gathered) * itemsize
     if impl == "local":
-        return 4 * n * batch * FP32 + gathered
+        return (4 * n * batch + gathered) * itemsize
     if impl == "inf":
         side = min(tile, n)
         beside = min(side * side, STRIP_ELEMENTS) if device == "cpu" else side * side
         if kind == "sigmoid":
-            return ((7 if gpus > 1 else 2) * n * dim + side * side + beside) * FP32
-        return ((9 if gpus > 1 else 2) * n * dim + side * side + beside + 8 * n) * FP32
+            return ((7 if gpus > 1 else 2) * n * dim + side * side + beside) * itemsize
+        return ((9 if gpus > 1 else 2) * n * dim + side * side + beside + 8 * n) * itemsize
     raise UserError(f"unknown loss impl {impl!r}; choose one of {', '.join(RESOLVED_LOSS_IMPLS)}")
 
 
@@ -212,7 +221,7 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     else:
         data = n * sum(t.input_per_sample for t in profile.towers)
     replaying = [t for t in profile.towers if t.replays]
-    features = (2 + len(replaying)) * n * dim * FP32  # both towers' features, the replayed ones' gradients
+    features = (2 + len(replaying)) * n * dim * profile.itemsize  # both towers', the replayed ones' gradients
     trunk = 0 if offloaded else n * sum(t.trunk_per_sample for t in profile.towers)
     backbone = max(
         max(t.encode.at(setting.chunk(t.name)), t.replay.at(setting.chunk(t.name))) for t in profile.towers
@@ -221,7 +230,14 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     kept_graph = sum(t.graph.at(setting.chunk(t.name)) for t in keepers)
     backbone = max(backbone, _encode_beside_kept_graphs(profile, setting, keepers))
     loss = loss_workspace(
-        setting.impl, setting.batch, setting.gpus, dim, setting.tile, setting.kind, setting.device
+        setting.impl,
+        setting.batch,
+        setting.gpus,
+        dim,
+        setting.tile,
+        setting.kind,
+        setting.device,
+        profile.itemsize,
     )
     return Breakdown(
         weights=profile.weight_bytes * share,
@@ -302,12 +318,18 @@ def graph_keepers(replaying: list[TowerProfile], setting: Setting) -> list[Tower
     return replaying[-1:]
 
 
-def usable_bytes(gpu_mem_gib: float) -> float:
-    """What a run's ``auto`` chunks fit into on a GPU of ``gpu_mem_gib``: the memory beside the CUDA
-    context (1 GiB, capped at 10 % so toy budgets still plan), which is what a run finds free, less
-    the run's ``RESERVE``. The plan then shows the chunks a run would choose."""
+def usable_bytes(available: float, memory_budget_gib: float = 0.0) -> float:
+    """What a run's ``auto`` chunks fit into: ``batch.memory_budget`` GiB per rank when set, else the
+    ``available`` bytes of its device, less the ``RESERVE``. A run (``auto_chunks.choose_chunks``)
+    and the plan both count it here, so the plan shows the chunks a run would choose."""
+    return (memory_budget_gib * GIB or available) * (1 - RESERVE)
+
+
+def gpu_available(gpu_mem_gib: float) -> float:
+    """What a run finds free on a GPU of ``gpu_mem_gib``: the memory beside the CUDA context (1 GiB,
+    capped at 10 % so toy GPUs still plan)."""
     total = gpu_mem_gib * GIB
-    return (total - min(GIB, 0.10 * total)) * (1 - RESERVE)
+    return total - min(GIB, 0.10 * total)
 
 
 def max_batch(profile: ModelProfile, setting: Setting, capacity: float, limit: int = 2**40) -> int:

@@ -31,7 +31,6 @@ from clip_train.model.text import build_text_tower
 from clip_train.optim import build_optimizer
 from clip_train.plan.architecture import find_text_architecture
 from clip_train.plan.estimate import (
-    FP32,
     Envelope,
     Line,
     ModelProfile,
@@ -141,20 +140,23 @@ def profile_model(
     """Build the model and measure each tower at two chunk sizes; the rest is counted from shapes."""
     if not 0 < chunks[0] < chunks[1]:
         raise UserError(f"--measure-chunks {chunks[0]} {chunks[1]}: need two sizes 0 < a < b")
-    with _planning_model(model_cfg, device, step) as (model, notes):
+    with _planning_model(model_cfg, precision, device, step) as (model, notes):
         return profile_built_model(model, model_cfg, precision, chunks, notes, step)
 
 
 @contextlib.contextmanager
-def _planning_model(model_cfg: ModelConfig, device: str, step: Step) -> Iterator[tuple[nn.Module, list[str]]]:
-    """The planning model on ``device``. On the CPU its tensors are fake (shape, dtype and device, no
-    data) while the context is open: a pass allocates exactly what a real one would, without the
-    arithmetic, seconds where ViT-L's real passes take minutes. CUDA runs real passes quickly, and
-    its allocator cross-checks the tracker's count."""
+def _planning_model(
+    model_cfg: ModelConfig, precision: str, device: str, step: Step
+) -> Iterator[tuple[nn.Module, list[str]]]:
+    """The planning model on ``device``, in the run's ``weight_dtype``. On the CPU its tensors are
+    fake (shape, dtype and device, no data) while the context is open: a pass allocates exactly
+    what a real one would, without the arithmetic, seconds where ViT-L's real passes take minutes.
+    CUDA runs real passes quickly, and its allocator cross-checks the tracker's count."""
     towers = f"{model_cfg.image.timm} and {_text_label(model_cfg)}"
     if device == "cpu":
         with step(f"building {towers} as fake tensors (shapes only)"), torch.device("meta"):
             model, notes = build_planning_model(model_cfg)
+            model = model.to(weight_dtype(precision))
         notes.append("cpu passes on fake tensors: the allocations of real ones, without the arithmetic")
         with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors' shapes
             yield model.to_empty(device=device).train(), notes
@@ -162,7 +164,13 @@ def _planning_model(model_cfg: ModelConfig, device: str, step: Step) -> Iterator
         with step(f"building {towers} with random weights on {device}"):
             torch.manual_seed(0)
             model, notes = build_planning_model(model_cfg)
-        yield model.to(device).train(), notes
+        yield model.to(device, weight_dtype(precision)).train(), notes
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype a run keeps its weights in: fp64 runs train a double model (the trainer converts
+    it), every other precision fp32 weights."""
+    return torch.float64 if precision == "fp64" else torch.float32
 
 
 def _text_label(model_cfg: ModelConfig) -> str:
@@ -188,7 +196,8 @@ def profile_built_model(
         _profile_tower(model, model_cfg, name, chunks, precision, notes, step) for name in ("image", "text")
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
-    trainable_bytes = sum(p.numel() * FP32 for p in trainable)
+    trainable_bytes = tensor_bytes(trainable)  # in the parameters' dtype, as their gradients and states
+    itemsize = model.logit_scale.element_size()
     return ModelProfile(
         image=image,
         text=text,
@@ -196,7 +205,8 @@ def profile_built_model(
         weight_bytes=tensor_bytes((*model.parameters(), *model.buffers())),
         trainable_bytes=trainable_bytes,
         adamw_bytes=2 * trainable_bytes,
-        adafactor_bytes=sum(adafactor_state_numel(tuple(p.shape)) * FP32 for p in trainable),
+        adafactor_bytes=sum(adafactor_state_numel(tuple(p.shape)) * itemsize for p in trainable),
+        itemsize=itemsize,
         device=_describe_device(device),
         precision=precision,
         measured_chunks=chunks,
@@ -274,7 +284,7 @@ def measure_cpu_step(model_cfg: ModelConfig, setting: Setting, precision: str, s
         libc.mallopt(parameter, value)
     torch.manual_seed(0)
     model, _ = build_planning_model(model_cfg)
-    model.train()
+    model = model.to(weight_dtype(precision)).train()
     length = model_cfg.text.context_length
     with torch.no_grad():
         model(*_random_inputs(model, "image", 1, length), *_random_inputs(model, "text", 1, length))

@@ -14,7 +14,15 @@ from clip_train.distributed import resolve_device
 from clip_train.loss.tiles_torch import default_tile
 from clip_train.memory import format_bytes
 from clip_train.plan.auto_chunks import largest_fitting_chunks, run_setting
-from clip_train.plan.estimate import GIB, ModelProfile, Setting, breakdown, max_batch, usable_bytes
+from clip_train.plan.estimate import (
+    GIB,
+    ModelProfile,
+    Setting,
+    breakdown,
+    gpu_available,
+    max_batch,
+    usable_bytes,
+)
 from clip_train.plan.profile import profile_model
 from clip_train.plan.progress import announce
 
@@ -25,7 +33,7 @@ def make_plan(
     """The plan for ``cfg`` (its batch and world size already checked) on ``gpus`` GPUs of ``gpu_mem``
     GiB, activations measured on ``device`` at ``chunks``: its text under ``title``, and its record."""
     profile = profile_model(cfg.model, cfg.train.precision, chunks, resolve_device(device).type, announce)
-    capacity = usable_bytes(gpu_mem)
+    capacity = usable_bytes(gpu_available(gpu_mem), cfg.batch.memory_budget)
     rows = [_row(profile, setting, capacity, cfg.batch.auto_towers) for setting in _settings(cfg, gpus)]
     record = {
         "gpu_mem_gib": gpu_mem,
@@ -100,8 +108,8 @@ def _report(
     )
     lines = [
         title,
-        f"  {gpus} GPU(s) x {gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU after a "
-        f"{format_bytes(gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)",
+        f"  {gpus} GPU(s) x {gpu_mem:g} GiB; usable {format_bytes(capacity)} per GPU "
+        + _usable_source(cfg, gpu_mem, capacity),
         f"  precision {profile.precision}, optimizer {cfg.optim.name}, embed_dim {profile.embed_dim}, "
         f"chunks {chunks}, inf tile {first['tile']}",
         f"  activations measured on {profile.device} as new storages' peak (fwd+bwd at chunks "
@@ -159,6 +167,13 @@ def _report(
         for r in table
     ]
     return "\n".join(lines)
+
+
+def _usable_source(cfg: Config, gpu_mem: float, capacity: float) -> str:
+    """Where the usable bytes come from: ``batch.memory_budget`` as a run takes it, or the GPU."""
+    if cfg.batch.memory_budget:
+        return f"(batch.memory_budget={cfg.batch.memory_budget:g} GiB less the run's 10 % reserve)"
+    return f"after a {format_bytes(gpu_mem * GIB - capacity)} reserve (CUDA context, allocator fragmentation)"
 
 
 def _static_lines(row: dict[str, Any]) -> list[str]:
