@@ -255,14 +255,19 @@ class Update:
     def _step_unless_read_bad(
         self, finite: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor, step: int
     ) -> None:
-        """The guard with the flags read on the host. An fp16 overflow (a finite loss, an infinite
-        gradient) is not a bad step: the scaler only lowers the scale."""
+        """The guard with the flags read on the host. An fp16 overflow (a finite loss, a gradient
+        that is not finite) is not a bad step while the scale it ran at is above 1: the scaler is
+        still searching, and halves it. At 1 or below the gradient is not finite unscaled either, and
+        the step is bad as any other: halved on without a floor, the scale would reach 0 (166 steps
+        from the initial 2^16), after which no step could run, and ``train.max_bad_steps`` would
+        never stop the run."""
         loss_ok, norm_ok = finite.tolist()
         if loss_ok and norm_ok:
             self.scaler.step(self.optimizer)  # a plain optimizer.step() when the scaler is off
             self._clamp_logit_scale()
-        bad = not loss_ok or not (norm_ok or self.scaler.is_enabled())
-        self.skipped_steps.count(bad, step, loss, grad_norm)
+        overflow = loss_ok and not norm_ok and self.scaler.is_enabled()
+        searching = overflow and self.scaler.get_scale() > 1.0  # the host has waited for the flags already
+        self.skipped_steps.count(not ((loss_ok and norm_ok) or searching), step, loss, grad_norm)
 
     @torch.no_grad()
     def _clamp_logit_scale(self) -> None:

@@ -11,7 +11,8 @@
 #                   port and RDZV_ID, or they meet at one rendezvous and one's end crashes the other
 #   NPROC_PER_NODE  processes per node (default: number of GPUs, or 1 without GPUs)
 #   RDZV_ID         a job id shared by all nodes (default: clip_train)
-#   MAX_RESTARTS    group restarts torchrun may do after a failure (default 0)
+#   MAX_RESTARTS    group restarts torchrun may do after a failure (default 0); a restart goes on
+#                   from the run's newest checkpoint whatever checkpoint.resume says
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the workers get to checkpoint after SIGTERM/SIGUSR1 (600)
 #   PYTHON          interpreter (default python3)
 set -euo pipefail

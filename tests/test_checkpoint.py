@@ -30,6 +30,7 @@ from clip_train.checkpoint import (
     remove_stale_temp_dirs,
     replace_folder,
     resolve_resume,
+    resume_at_restart,
     run_config_file,
     save_checkpoint,
     saved_step,
@@ -268,3 +269,29 @@ def test_a_checkpoints_run_config_is_the_one_of_its_run_directory_only(tmp_path)
         (checkpoint.parent.parent / "config.yaml").write_text("train: {}\n")
     assert run_config_file(in_run) == tmp_path / "run" / "config.yaml"
     assert run_config_file(copied) is None
+
+
+@pytest.mark.parametrize("restart", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_a_restart_goes_on_from_its_own_newest_checkpoint_whatever_checkpoint_resume_says(
+    tmp_path, model, restart
+):
+    """torchrun's restart of a failed group, or a Slurm requeue: ``checkpoint.resume`` (unset, or a
+    PATH since pruned or older than the run's saves) applies only until the run has saved one."""
+    started_from = str(tmp_path / "elsewhere" / "checkpoints" / "step_00000002")  # gone by now
+    before_a_save = {"": "it starts afresh", "auto": "checkpoint.resume=auto applies"}
+    before_a_save[started_from] = f"checkpoint.resume={started_from} applies"
+    for resume, start in before_a_save.items():
+        assert resume_at_restart(resume, tmp_path, {restart: "0"}) == (resume, None)  # a first start
+        assert resume_at_restart(resume, tmp_path, {restart: "1"}) == (
+            resume,
+            f"{restart}=1, a restart: no checkpoint in {tmp_path} yet; {start}, as at the first start",
+        )
+    save_checkpoint(tmp_path, 4, model, MODEL_CFG, _state(4), keep=2)
+    for resume in before_a_save:
+        assert resume_at_restart(resume, tmp_path, {restart: "0"}) == (resume, None)
+        instead = "" if resume == "auto" else f", in place of checkpoint.resume={resume}"
+        assert resume_at_restart(resume, tmp_path, {restart: "2"}) == (
+            "auto",
+            f"{restart}=2, a restart: it goes on from the newest checkpoint in {tmp_path / 'checkpoints'} "
+            f"(checkpoint.resume=auto{instead})",
+        )

@@ -21,6 +21,7 @@ from clip_train.optim import (
     lr_factor,
     parameter_groups,
 )
+from clip_train.skipped_steps import TrainingAborted
 
 
 class Toy(nn.Module):
@@ -412,3 +413,25 @@ def test_the_update_keeps_the_logit_scale_between_0_and_log_100_as_openclip_does
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         update(torch.tensor(1.0), step + 1)
         assert model.logit_scale.item() == float(torch.tensor(clamped, dtype=torch.float32)), start
+
+
+def test_fp16_overflows_are_bad_steps_once_the_scale_is_down_to_1(tmp_path):
+    """A gradient that is not finite unscaled overflows at every scale: GradScaler halved the scale
+    each step, with no floor, to exactly 0 after 166 steps (after which no step could run), and the
+    guard never counted one. Above 1 the scaler is still searching; at 1 and below each such step is
+    bad, and train.max_bad_steps stops the run."""
+    model = tiny_model()
+    precision = ["train.precision=fp16", "train.max_bad_steps=5", f"train.out_dir={tmp_path}"]
+    cfg = load_config(TINY_MODEL_CONFIG, ["train.max_steps=100", "train.device=cpu", *precision])
+    update = Update(model, cfg, torch.device("cpu"))
+    update.scaler.scale(torch.tensor(1.0))  # the scaler makes its scale at the first loss it scales
+    scales = []
+    with pytest.raises(TrainingAborted, match=r"^5 consecutive steps had a non-finite loss or gradient norm"):
+        for step in range(1, 100):
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            model.logit_scale.grad.fill_(math.inf)
+            scales.append(update.scaler.get_scale())
+            update(torch.tensor(1.0), step)
+    assert scales == [2.0**power for power in range(16, -5, -1)]  # 16 overflows searched, 5 bad steps
+    assert (update.skipped_steps.total, update.skipped_steps.in_a_row) == (5, 5)

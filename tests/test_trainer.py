@@ -28,7 +28,7 @@ import pytest
 import torch
 from processes import Watched, run_to_end
 from safetensors.torch import load_file
-from small_runs import DEMO_CONFIG, run_overrides, slow_zeroshot
+from small_runs import DEMO_CONFIG, DIGITS_VOCAB, run_overrides, slow_zeroshot
 from test_loss_tiles import _CountOps, _host_read
 
 import clip_train.loss
@@ -39,6 +39,7 @@ from clip_train.cli import main as cli_main
 from clip_train.data import SKIP_REASONS
 from clip_train.distributed import DistEnv
 from clip_train.ema import WeightsEMA
+from clip_train.errors import UserError
 from clip_train.logs import get_logger
 from clip_train.optim import Update
 from clip_train.preemption import EXIT_PREEMPTED
@@ -361,13 +362,41 @@ def test_a_periodic_evaluation_stopped_by_a_signal_runs_first_when_the_run_resum
 
 
 def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference, tmp_path):
+    """The run is started without checkpoint.resume=auto: the restart goes on from its checkpoint all
+    the same, where it refused the folder's checkpoints as another run's."""
     out = tmp_path / "killed"
-    output = finish_with_a_worker_killed(
-        torchrun(*overrides(digits, out, "checkpoint.resume=auto"), restarts=1), out
-    )
-    assert "resumed from" in output, output[-3000:]
+    output = finish_with_a_worker_killed(torchrun(*overrides(digits, out), restarts=1), out)
+    restarted = "TORCHELASTIC_RESTART_COUNT=1, a restart: it goes on from the newest checkpoint in "
+    assert f"{restarted}{out / 'checkpoints'}" in output and "resumed from" in output, output[-3000:]
     assert logged_steps(out) == list(range(1, STEPS + 1))  # the steps after the checkpoint logged once
     assert_bit_identical(weights(out), weights(reference))
+
+
+def test_a_requeue_of_a_run_started_from_a_path_goes_on_from_its_own_newest_checkpoint(
+    digits, demo_run, tmp_path, monkeypatch, capsys
+):
+    """A Slurm requeue (SLURM_RESTART_COUNT) passes the user's checkpoint.resume=PATH again: going back
+    to it moved the run's newer checkpoints aside and redid their steps, and once PATH was gone
+    (pruned, or another run's since deleted) the start failed."""
+    step_20 = demo_run / "checkpoints" / "step_00000020"
+    started_from = shutil.copytree(step_20, tmp_path / "from" / step_20.name)
+    out = tmp_path / "run"
+
+    def train(steps: int) -> int:
+        resume = f"checkpoint.resume={started_from}"
+        args = run_overrides(digits, out, steps, "checkpoint.every_steps=1", "data.workers=0", resume)
+        return cli_main(["train", str(DEMO_CONFIG), *args])
+
+    assert train(21) == 0  # the first start, from PATH
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert train(22) == 0
+    said = f"SLURM_RESTART_COUNT=1, a restart: it goes on from the newest checkpoint in {out / 'checkpoints'}"
+    assert said in capsys.readouterr().err
+    shutil.rmtree(started_from)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert train(23) == 0
+    assert logged_steps(out) == [21, 22, 23] and not (out / "checkpoints" / "superseded").exists()
+    assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [22, 23]  # checkpoint.keep=2
 
 
 # -- in-process: the NaN guard --------------------------------------------------------------------
@@ -508,8 +537,8 @@ def test_a_non_finite_last_step_still_saves_the_last_good_weights_as_the_final_s
 
 def test_an_fp16_overflow_moves_neither_the_weights_nor_the_ema_and_is_not_a_bad_step(digits, tmp_path):
     """GradScaler's overflow skips the step and halves the scale; the EMA skips it too (it would be
-    pulled toward the unchanged weights), and the guard does not count it: in fp16 only a
-    non-finite loss is a bad step."""
+    pulled toward the unchanged weights), and the guard does not count it: above a scale of 1 the
+    scaler is still searching (test_optim has the overflows at 1 and below, which are bad steps)."""
     trainer = in_process_trainer(
         digits, tmp_path, "train.precision=fp16", "train.ema_decay=0.5", "checkpoint.every_steps=100"
     )
@@ -635,6 +664,42 @@ def test_max_steps_below_the_checkpoints_step_is_an_error(digits, demo_run, tmp_
     assert result.returncode == 2
     assert "train.max_steps=30 is below step 40 of the checkpoint" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_resume_with_other_model_settings_is_refused_naming_each_and_changes_nothing(digits, tmp_path):
+    """Weights of fitting shapes would otherwise train on as another model (CLS pooling over 8 tokens
+    where they learnt mean pooling over 12), config.yaml recording only the new settings."""
+    in_process_trainer(digits, tmp_path, "train.max_steps=2", "checkpoint.every_steps=2").run()
+    config, [checkpoint] = (tmp_path / "config.yaml").read_text(), complete_checkpoints(tmp_path)
+    changed = [
+        "model.text.pooling=cls",
+        "model.text.context_length=8",
+        "model.image.timm_kwargs.drop_path_rate=0.5",
+    ]
+    with pytest.raises(UserError) as refused:
+        in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.resume=auto", *changed)
+    assert str(refused.value) == (
+        f"checkpoint {checkpoint} was saved with other model settings: "
+        "model.image.timm_kwargs.drop_path_rate=0.5 (saved: 0.1); model.text.pooling=cls (saved: mean); "
+        "model.text.context_length=8 (saved: 12); resume it with its settings, or start a new run from its "
+        f"weights with model.init_from={checkpoint} (fine-tuning: a new train.out_dir, a fresh optimizer)"
+    )
+    assert (tmp_path / "config.yaml").read_text() == config and complete_checkpoints(tmp_path) == [checkpoint]
+
+
+def test_a_resume_may_move_the_weights_sources_and_change_how_the_towers_train(digits, tmp_path):
+    """Where the first weights and the tokenizer's files came from, and gradient checkpointing, are
+    not the model's settings: the checkpoint holds every weight, and the towers compute the same."""
+    in_process_trainer(digits, tmp_path, "train.max_steps=2", "checkpoint.every_steps=2").run()
+    vocab = shutil.copytree(DIGITS_VOCAB, tmp_path / "vocab-moved")
+    moved = [
+        f"model.text.tokenizer={vocab}",
+        "model.init_logit_scale=1.0",
+        "model.image.grad_checkpointing=true",
+    ]
+    resumed = in_process_trainer(digits, tmp_path, "train.max_steps=3", "checkpoint.resume=auto", *moved)
+    resumed.run()
+    assert resumed.resumed_from == complete_checkpoints(tmp_path)[0] and logged_steps(tmp_path) == [1, 2, 3]
 
 
 def test_saves_and_evaluations_between_logs_are_left_out_of_the_logged_rate(digits, tmp_path, monkeypatch):

@@ -18,9 +18,9 @@ from clip_train.checkpoint.layout import (
     saved_step,
     step_dirs,
 )
-from clip_train.checkpoint.reading import load_train_state, load_weights_file
+from clip_train.checkpoint.reading import load_train_state, load_weights_file, saved_model_config
 from clip_train.checkpoint.writing import remove_stale_temp_dirs, save_checkpoint, set_aside_newer
-from clip_train.config import CheckpointConfig, ModelConfig
+from clip_train.config import CheckpointConfig, ModelConfig, TowerConfig
 from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
@@ -29,6 +29,39 @@ from clip_train.model import CLIP
 if TYPE_CHECKING:
     from clip_train.ema import WeightsEMA
     from clip_train.remote import RemoteMirror
+
+
+# The model.* settings a resume may change: where the first weights came from (the checkpoint holds
+# every weight, and a file or hub name may have moved), and how a tower trains rather than what it
+# computes (a changed locking is said by the optimizer's groups; gradient checkpointing saves memory).
+RESUMES_WITH_ANY = frozenset(
+    {"init_from", "init_logit_scale", "init_logit_bias", "image.pretrained", "text.hf", "text.tokenizer"}
+    | {f"{tower}.{field.name}" for tower in ("image", "text") for field in dataclasses.fields(TowerConfig)}
+)
+
+_UNSET = object()  # a dict's key that one config lacks
+
+
+def _leaves(value: Any, key: str) -> dict[str, Any]:
+    """A config's values by dotted key, its dicts (``timm_kwargs``, ``hf_config``) opened too."""
+    if not isinstance(value, dict):
+        return {key: value}
+    return {
+        name: leaf for part, item in value.items() for name, leaf in _leaves(item, f"{key}.{part}").items()
+    }
+
+
+def model_changes(saved: ModelConfig, now: ModelConfig) -> list[str]:
+    """Each ``model.*`` key whose value differs from the ``saved`` one, as ``key=now (saved: value)``,
+    but for those a resume may change (``RESUMES_WITH_ANY``)."""
+    before, after = (_leaves(dataclasses.asdict(cfg), "model") for cfg in (saved, now))
+    may_change = {f"model.{key}" for key in RESUMES_WITH_ANY}
+    changed = [
+        key
+        for key in dict.fromkeys([*before, *after])
+        if key not in may_change and before.get(key, _UNSET) != after.get(key, _UNSET)
+    ]
+    return [f"{key}={after.get(key, 'unset')} (saved: {before.get(key, 'unset')})" for key in changed]
 
 
 class Stateful(Protocol):
@@ -130,8 +163,8 @@ class Checkpointer:
     def _resume_point(self) -> Path | None:
         """At start-up, on rank 0: remove dead saves' temporary folders, then pick the checkpoint to
         resume and verify its checksums (``resume=auto`` pulls a newer one from ``checkpoint.remote``);
-        refuse to write over another run's or over damaged ones, and set aside the newer ones the run
-        goes on without, on the disk and on the remote."""
+        refuse to write over another run's or over damaged ones, or to go on with other model settings,
+        and set aside the newer ones the run goes on without, on the disk and on the remote."""
         for stale in remove_stale_temp_dirs(self.run_dir):
             get_logger().warning(f"removed {stale}, left by a save that did not finish")
         path = resolve_resume(self.cfg.resume, self.run_dir, verify=True)
@@ -153,6 +186,8 @@ class Checkpointer:
                 f"checkpoint.remote={self.remote.url} already holds checkpoints of another run (newest "
                 f"{newest}); continue it with checkpoint.resume=auto or pick a new checkpoint.remote"
             )
+        if path is not None:
+            self._check_same_model(path)
         step = saved_step(path) if path is not None else None
         if step is not None:
             for moved in set_aside_newer(self.run_dir, step):
@@ -165,6 +200,18 @@ class Checkpointer:
         if self.remote is not None and path is not None:
             self._mirror_if_missing(path)
         return path
+
+    def _check_same_model(self, checkpoint: Path) -> None:
+        """A resume goes on training the checkpoint's model: weights that fit this run's shapes would
+        otherwise train on under other settings (another pooling, context length, dropout), with no
+        word and config.yaml recording only the new ones. Refused before anything is moved aside."""
+        saved = saved_model_config(checkpoint)
+        if saved is not None and (changed := model_changes(saved, self.model_cfg)):
+            raise UserError(
+                f"checkpoint {checkpoint} was saved with other model settings: {'; '.join(changed)}; "
+                "resume it with its settings, or start a new run from its weights with "
+                f"model.init_from={checkpoint} (fine-tuning: a new train.out_dir, a fresh optimizer)"
+            )
 
     def _mirror_if_missing(self, checkpoint: Path) -> None:
         """Upload the run's resumed checkpoint if the remote lacks it whole: an upload cut short by the

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -30,6 +31,9 @@ PRUNED_SUFFIX = "_pruned"  # on a temporary folder: a checkpoint being deleted
 SUPERSEDED_DIR = "superseded"  # checkpoints newer than a resume's, moved aside (never deleted)
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config the trainer writes into the run directory
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more from step 10^8
+# What says a launch is a restart: torchrun's count of its worker group's restarts, Slurm's of a job's
+# requeues.
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -172,3 +176,34 @@ def resolve_resume(resume: str, out_dir: str | os.PathLike, *, verify: bool = Fa
     if problem := checkpoint_problem(path, checksums=verify):
         raise UserError(f"checkpoint.resume={resume}: not a complete checkpoint: {problem}")
     return path
+
+
+def _restart_of(environ: Mapping[str, str]) -> str | None:
+    """``NAME=N``, the first of ``RESTART_COUNTS`` that says this launch is a restart; None at a
+    first start."""
+    for name in RESTART_COUNTS:
+        if (count := environ.get(name, "").strip()).isdigit() and int(count) > 0:
+            return f"{name}={count}"
+    return None
+
+
+def resume_at_restart(
+    resume: str, out_dir: str | os.PathLike, environ: Mapping[str, str]
+) -> tuple[str, str | None]:
+    """``checkpoint.resume`` for this launch, and at a restart the line that says what it resumes. A
+    restarted launch (``_restart_of``) goes on from the newest checkpoint in its own ``out_dir``
+    whatever ``resume`` says: a torchrun restart of a run started without ``resume=auto`` would refuse
+    the folder's checkpoints as another run's, and each requeue of one started from ``PATH`` would go
+    back to ``PATH`` (moving the newer ones aside), or fail once pruning removed it. Until the run has
+    saved a checkpoint, ``resume`` applies as at the first start."""
+    restart = _restart_of(environ)
+    if restart is None:
+        return resume, None
+    if latest_checkpoint(out_dir) is None:
+        start = f"checkpoint.resume={resume} applies" if resume else "it starts afresh"
+        return resume, f"{restart}, a restart: no checkpoint in {out_dir} yet; {start}, as at the first start"
+    instead = "" if resume == "auto" else f", in place of checkpoint.resume={resume}"
+    return "auto", (
+        f"{restart}, a restart: it goes on from the newest checkpoint in {checkpoint_root(out_dir)} "
+        f"(checkpoint.resume=auto{instead})"
+    )

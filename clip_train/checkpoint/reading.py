@@ -50,11 +50,18 @@ def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     return cfg
 
 
-def checkpoint_init_from(checkpoint: Path) -> str:
-    """The ``model.init_from`` of the run that wrote the checkpoint: "" for a run from scratch."""
+def saved_model_config(checkpoint: Path) -> ModelConfig | None:
+    """The model config the checkpoint was saved with, as its run set it: its ``model.yaml``, or an
+    older checkpoint's run's ``config.yaml``; None when neither is there."""
     own = checkpoint / MODEL_CONFIG_FILE
     config = own if own.is_file() else run_config_file(checkpoint)
-    return "" if config is None else load_config(config, saved=True).model.init_from
+    return None if config is None else load_config(config, saved=True).model
+
+
+def checkpoint_init_from(checkpoint: Path) -> str:
+    """The ``model.init_from`` of the run that wrote the checkpoint: "" for a run from scratch."""
+    saved = saved_model_config(checkpoint)
+    return "" if saved is None else saved.init_from
 
 
 def find_weights(path: str | os.PathLike, *, verify: bool = False) -> Path:
