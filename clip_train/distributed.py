@@ -49,8 +49,12 @@ def wait_for_device(device: torch.device) -> None:
 
 
 def local_gpu(local_rank: int, visible: int) -> torch.device:
-    """This rank's GPU, ``cuda:LOCAL_RANK``; one line, not "invalid device ordinal", when the node
-    started more ranks than CUDA_VISIBLE_DEVICES leaves GPUs."""
+    """This rank's GPU, ``cuda:LOCAL_RANK``, or ``cuda:0`` where the process sees one GPU alone: a
+    per-task binding (srun's ``--gpus-per-task=1``, ``--gpu-bind=single:1``) gives each process its
+    own, as its ``cuda:0``. One line, not "invalid device ordinal", when the node started more ranks
+    than CUDA_VISIBLE_DEVICES leaves GPUs."""
+    if visible == 1:
+        return torch.device("cuda", 0)
     if local_rank >= visible:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise UserError(
@@ -265,7 +269,8 @@ def main_done() -> None:
 
 
 def set_main_only_timeout(seconds: float) -> None:
-    """How long the other ranks wait for a phase rank 0 runs alone (``train.io_timeout_s``)."""
+    """How long the other ranks wait for a phase rank 0 runs alone, and the collectives of the groups
+    ``new_io_group`` makes from now on for the slowest rank's files (``train.io_timeout_s``)."""
     _main_only_timeout_s[0] = float(seconds)
 
 
@@ -320,13 +325,22 @@ def store_flag(key: str) -> bool:
         return False
 
 
-def new_group_of_all(timeout_s: float) -> dist.ProcessGroup | None:
+def new_group_of_all(timeout_s: float, backend: str | None = None) -> dist.ProcessGroup | None:
     """A process group of every rank beside the default one (None without torch.distributed), its
     collectives bounded by ``timeout_s`` as the default group's are: a new group does not inherit
-    that bound but takes torch's default (30 minutes). A collective."""
+    that bound but takes torch's default (30 minutes). ``backend`` as the default group's unless
+    named. A collective."""
     if rank_and_world()[1] == 1:
         return None
-    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+
+
+def new_io_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank whose collectives wait up to ``train.io_timeout_s``, for ranks that
+    wait while the slowest writes or reads its own files (a sharded checkpoint's): storage may take
+    longer than a collective may wait (``train.dist_timeout_s``). Host collectives only, so no NCCL
+    communicator is made for it. A collective."""
+    return new_group_of_all(_main_only_timeout_s[0], backend="gloo")
 
 
 def abort_distributed() -> None:

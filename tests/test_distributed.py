@@ -118,6 +118,12 @@ def test_a_gpu_per_local_rank_or_one_line_naming_the_visible_devices(monkeypatch
         local_gpu(2, visible=2)
 
 
+def test_a_process_bound_to_one_gpu_takes_it_whatever_its_local_rank(monkeypatch):
+    """srun --gpus-per-task=1: local rank 3 sees only its own GPU, as cuda:0."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert local_gpu(3, visible=1) == torch.device("cuda", 0)
+
+
 CPU = torch.device("cpu")
 NCCL_STAND_IN = "nccl_stand_in"  # a backend for CUDA tensors only, as NCCL is; no GPU here to run NCCL
 

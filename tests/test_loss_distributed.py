@@ -15,9 +15,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gradcache import make_model
+from test_gradcache_distributed import SIGMOID, rank_batch
+from test_loss_tiles import _CountOps, _host_read
 
 import clip_train.loss.sigmoid
+from clip_train.engine import GradCache
 from clip_train.loss import contrastive_loss, ring
+from clip_train.loss.sigmoid import SigmoidLoss
 from tests.dist_utils import run_distributed
 
 IMPLS_AND_TILES = [("vanilla", None), ("local", None), ("inf", 3), ("inf", 64)]
@@ -187,6 +192,61 @@ def test_ranks_match_full_batch(world: int) -> None:
         for result in results:
             assert "same number of rows" in result["mismatch"]
             assert "rank 0: n=3" in result["mismatch"] and "rank 1: n=4" in result["mismatch"]
+
+
+@contextlib.contextmanager
+def _host_reads_in_sigmoid_backward() -> Iterator[list[int]]:
+    """How many host reads each sigmoid loss's backward run inside it makes, one count a backward."""
+    counts: list[int] = []
+    backward = SigmoidLoss.backward
+
+    def counted(ctx, grad_loss):
+        with _CountOps(_host_read) as reads:
+            grads = backward(ctx, grad_loss)
+        counts.append(reads.count)
+        return grads
+
+    SigmoidLoss.backward = staticmethod(counted)
+    try:
+        yield counts
+    finally:
+        SigmoidLoss.backward = staticmethod(backward)
+
+
+def _sigmoid_backward_reads(rank: int, world: int) -> dict:
+    """The sigmoid loss's gradients and backward host reads, with and without ``same_upstream``;
+    the backward host reads of a training step of the engine."""
+    data = _global_batch(world)
+    own = slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK)
+    results = {}
+    for same_upstream in (False, True):
+        with _host_reads_in_sigmoid_backward() as reads:
+            grads = _loss_and_grads(
+                data["images"][own],
+                data["texts"][own],
+                SCALE,
+                kind="sigmoid",
+                tile_size=3,
+                same_upstream=same_upstream,
+            )
+        results[same_upstream] = (grads, reads)
+    engine = GradCache(make_model(*SIGMOID), image_chunk=2, text_chunk=4, precision="fp64")
+    with _host_reads_in_sigmoid_backward() as reads:
+        engine.step(*rank_batch(rank))
+    results["engine"] = reads
+    return results
+
+
+def test_the_sigmoid_backward_of_ranks_known_to_agree_reads_nothing_on_the_host() -> None:
+    """On several ranks the sigmoid backward compares the ranks' upstream gradients on the host, a
+    read that on a GPU waits for the whole forward ring, unless its caller says they agree
+    (``same_upstream``): then it reads nothing and gives the same gradients, bit for bit (the
+    comparing path's are checked against the full batch above). The trainer's engine says so."""
+    for result in run_distributed(_sigmoid_backward_reads, 2):
+        (compared, compared_reads), (trusted, trusted_reads) = result[False], result[True]
+        assert compared_reads == [1] and trusted_reads == [0]
+        assert all(torch.equal(a, b) for a, b in zip(compared, trusted, strict=True))
+        assert result["engine"] == [0]
 
 
 BAD_ON_ONE_RANK = {  # what rank 1 passes while rank 0's inputs are fine

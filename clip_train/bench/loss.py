@@ -404,7 +404,13 @@ def _loss_fn(spec: dict[str, Any], rank: int, world: int) -> Any:
         return lambda images, texts, scale, bias: (
             (cal_inf_loss(images, texts, scale=scale) + cal_inf_loss(texts, images, scale=scale)) / 2
         )
-    options = {"kind": spec["kind"], "impl": spec["impl"], "tile_size": spec["tile"] or None}
+    # same_upstream: every rank backpropagates 1, as the trainer's ranks do (no host read in the backward)
+    options = {
+        "kind": spec["kind"],
+        "impl": spec["impl"],
+        "tile_size": spec["tile"] or None,
+        "same_upstream": True,
+    }
 
     def loss(images: Any, texts: Any, scale: Any, bias: Any) -> Any:
         return contrastive_loss(

@@ -417,6 +417,7 @@ class GradCache:
                 impl=self.loss_impl,
                 group=self.group,
                 tile_size=self.tile_size,
+                same_upstream=True,  # 1, or the loss scale, on every rank (backward just below)
             )
         if loss.requires_grad:
             (scale_loss(loss) if scale_loss is not None else loss).backward()

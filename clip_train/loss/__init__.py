@@ -37,6 +37,7 @@ def contrastive_loss(
     impl: LossImpl = "auto",
     group: dist.ProcessGroup | None = None,
     tile_size: int | None = None,
+    same_upstream: bool = False,
 ) -> torch.Tensor:
     """The mean loss of this rank's rows against the whole (all-rank) batch, a 0-dim tensor.
 
@@ -53,6 +54,10 @@ def contrastive_loss(
         impl: ``"inf"`` (= ``"auto"``), ``"vanilla"`` or ``"local"`` (softmax only).
         group: process group; ``None`` is the default group, or a single process without one.
         tile_size: rows/columns per tile of the PyTorch tiles; ``None`` or 0 picks one per device.
+        same_upstream: the caller promises that every rank backpropagates the same gradient into
+            its loss (a trainer's 1, or its loss scale). The sigmoid loss's backward then scales
+            its forward's gradients at once; otherwise, with several ranks, it compares the ranks'
+            gradients, which waits for the device.
     """
     for name, value, choices in (("impl", impl, LOSS_IMPLS), ("kind", kind, LOSS_KINDS)):
         if value not in choices:
@@ -82,7 +87,9 @@ def contrastive_loss(
         return local_loss(image_features, text_features, logit_scale, batch)
     tile = tile_size or default_tile(image_features.device)
     if kind == "sigmoid":
-        return SigmoidLoss.apply(image_features, text_features, logit_scale, logit_bias, batch, tile)
+        return SigmoidLoss.apply(
+            image_features, text_features, logit_scale, logit_bias, batch, tile, same_upstream
+        )
     return SoftmaxLoss.apply(image_features, text_features, logit_scale, batch, tile)
 
 

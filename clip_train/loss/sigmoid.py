@@ -4,7 +4,9 @@
 ``(1/n) [Σ_{i∈r, all j} softplus(X_ij) - Σ_{i∈r} X_ii]``, as open_clip's ``SigLipLoss``. With no
 normaliser, ``G = (w_r / n)·(sigmoid(X) - I)`` depends on each element alone, so the forward
 computes loss and unit-coefficient gradients in one ring pass and the backward only scales them;
-it repeats the pass only when ranks backpropagate different coefficients. Gradients follow the
+it repeats the pass only when ranks backpropagate different coefficients. A caller whose ranks
+all backpropagate the same gradient says so (``same_upstream``: the trainer's engine); otherwise
+the ranks compare theirs, a host read that waits for the whole forward ring. Gradients follow the
 softmax loss's convention (see ``clip_train.loss``).
 """
 
@@ -60,9 +62,10 @@ class SigmoidLoss(torch.autograd.Function):
         logit_bias: torch.Tensor,
         batch: Batch,
         tile: int,
+        same_upstream: bool,
     ) -> torch.Tensor:
         images, texts = tile_operands(image_features, text_features)
-        ctx.batch, ctx.tile = batch, tile
+        ctx.batch, ctx.tile, ctx.same_upstream = batch, tile, same_upstream
         acc_dtype = torch.promote_types(images.dtype, torch.float32)
         # Tensors: the tiles apply them on the device and never read them on the host.
         ctx.scale, ctx.bias = (value.detach().to(acc_dtype) for value in (logit_scale, logit_bias))
@@ -80,11 +83,13 @@ class SigmoidLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         images, texts, grad_images, grad_texts, g_sum = ctx.saved_tensors
         coef = grad_loss.to(grad_images.dtype) / images.shape[0]
-        # One process scales its forward's gradients without asking; ranks read whether they agree.
-        if ctx.batch.world == 1 or bool((rank_coefficients(coef, ctx.batch) == coef).all()):
+        # One process, or ranks whose caller knows they agree, scale the forward's gradients without
+        # asking; other ranks read whether they agree.
+        agree = ctx.batch.world == 1 or ctx.same_upstream
+        if agree or bool((rank_coefficients(coef, ctx.batch) == coef).all()):
             grad_images, grad_texts, grad_bias = grad_images * coef, grad_texts * coef, g_sum * coef
         else:
             *_, grad_bias, grad_images, grad_texts = _ring_pass(images, texts, ctx, coef)
         grad_scale = row_dots(images, grad_images, grad_images.dtype).sum()
         grads = (grad_images * ctx.scale, grad_texts * ctx.scale, grad_scale, grad_bias)
-        return (*grads_like(grads, ctx.input_meta), None, None)
+        return (*grads_like(grads, ctx.input_meta), None, None, None)

@@ -51,7 +51,7 @@ from clip_train.checkpoint import (
     write_checkpoint_files,
     write_failure,
 )
-from clip_train.distributed import all_ranks_true, decided_by_main, rank_and_world
+from clip_train.distributed import all_ranks_true, decided_by_main, new_io_group, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import without_warning
 from clip_train.memory import tensor_bytes
@@ -151,9 +151,17 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
 
 @dataclasses.dataclass(eq=False)
 class ShardedCheckpointer(Checkpointer):
-    """``Checkpointer`` for a model whose towers are sharded with FSDP2 and its ``optimizer``."""
+    """``Checkpointer`` for a model whose towers are sharded with FSDP2 and its ``optimizer``.
+
+    Making one is a collective: DCP's ranks meet in a group of their own (``new_io_group``), where
+    those done with their shards wait for the slowest up to ``train.io_timeout_s``, as they wait for
+    rank 0's files; in the default group they would fail after ``train.dist_timeout_s``."""
 
     optimizer: torch.optim.Optimizer
+    io_group: dist.ProcessGroup | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.io_group = new_io_group()
 
     def save(self, step: int) -> None:
         """A collective: each rank writes its shards, rank 0 the rest; a failure on any rank removes
@@ -172,7 +180,12 @@ class ShardedCheckpointer(Checkpointer):
             if self.ema is not None:
                 shards[EMA_KEY] = self.ema.state_dict()
             with without_warning(_ASSUMED_ONE_PROCESS):
-                dcp.save(shards, checkpoint_id=str(tmp / SHARDS_DIR), no_dist=_one_process())
+                dcp.save(
+                    shards,
+                    checkpoint_id=str(tmp / SHARDS_DIR),
+                    process_group=self.io_group,
+                    no_dist=_one_process(),
+                )
         except (*WRITE_ERRORS, dcp.api.CheckpointException) as err:
             failure = write_failure(err)
         (written,) = all_ranks_true([not failure])
@@ -232,7 +245,13 @@ class ShardedCheckpointer(Checkpointer):
             state[EMA_KEY] = self.ema.state_dict()
         try:
             with without_warning(_ASSUMED_ONE_PROCESS):
-                dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=_one_process())
+                dcp.load(
+                    state,
+                    storage_reader=reader,
+                    planner=_WeightsOnlyPlanner(),
+                    process_group=self.io_group,
+                    no_dist=_one_process(),
+                )
         except dcp.api.CheckpointException as err:  # a BaseException: past the CLI's one-line ending
             failures = [failure for failure, _ in err.failures.values()]
             if untrusted := [failure for failure in failures if isinstance(failure, _UntrustedShards)]:
