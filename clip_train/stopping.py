@@ -112,26 +112,35 @@ def waiting_for_own_work() -> contextlib.AbstractContextManager[None]:
 
 
 class StoppableEvaluation:
-    """A periodic evaluation that a SIGTERM or SIGUSR1 on any rank stops on every rank, so that the
-    step it follows is saved within Slurm's notice, not after minutes of evaluation. It runs on a
-    process group of its own: a rank that stops flags it in the store and breaks that group, which
+    """Periodic evaluations that a SIGTERM or SIGUSR1 on any rank stops on every rank, so that the
+    step one follows is saved within Slurm's notice, not after minutes of evaluation. They run on a
+    process group of their own: a rank that stops flags it in the store and breaks that group, which
     ends the others' collectives in it, and their watches interrupt those still computing. The
     training group stays as it was: the ranks then meet at the step's vote, which saves and stops.
-    Creating one is a collective; its collectives wait up to ``timeout_s`` (``train.dist_timeout_s``)."""
 
-    def __init__(self, signals: SignalFlag, timeout_s: float) -> None:
-        self.signals = signals
-        self.key = f"clip_train/evaluation_{next(_evaluations)}_stopped"
+    The group is made once, with the run (a collective; its collectives wait up to ``timeout_s``,
+    ``train.dist_timeout_s``): under NCCL a group is a communicator with device buffers of its own,
+    which made at each evaluation would come mid-run from a cache the steps have filled, and at
+    scale would cost a rendezvous every time. A stop ends the evaluations, as it ends the run."""
+
+    def __init__(self, timeout_s: float) -> None:
         self.group = new_group_of_all(timeout_s)
+        self.stopped = False  # once: the ranks broke the group (or the one process was signalled)
+        self.signals: SignalFlag | None = None  # the run's, while one runs
+        self.key = ""  # the store flag of the evaluation running
         self.relayed = False  # the watch has interrupted the main thread for it
 
-    def run(self, evaluate: Callable[[dist.ProcessGroup | None], T]) -> T | None:
-        """``evaluate(group)``, or None once a signal on any rank stopped it."""
-        stopped, result = self.signals.received is not None, None
+    def run(self, signals: SignalFlag, evaluate: Callable[[dist.ProcessGroup | None], T]) -> T | None:
+        """``evaluate(group)``, or None once a signal on any rank stopped it (this one or an earlier)."""
+        if self.stopped:
+            return None
+        self.signals, self.relayed = signals, False
+        self.key = f"clip_train/evaluation_{next(_evaluations)}_stopped"
+        stopped, result = signals.received is not None, None
         if not stopped:
             _evaluating[0] = self
             try:
-                with self.signals.raising():
+                with signals.raising():
                     result = evaluate(self.group)
             except (Preempted, RuntimeError) as err:  # a signal here, or a peer that broke the group
                 stopped = isinstance(err, Preempted) or store_flag(self.key)
@@ -139,17 +148,17 @@ class StoppableEvaluation:
                     raise
             finally:
                 _evaluating[0] = None
-        if stopped and self.group is not None:
-            raise_store_flag(self.key)
-        self._close(broken=stopped)  # out of the except clause: nothing else holds the group now
+        if stopped:
+            self.stopped = True
+            self._break()  # out of the except clause: nothing else holds the group now
         return None if stopped else result
 
-    def _close(self, broken: bool) -> None:
+    def _break(self) -> None:
         group, self.group = self.group, None
         if group is None:
             return
-        if broken:
-            abort_collectives(group)
+        raise_store_flag(self.key)
+        abort_collectives(group)
         dist.destroy_process_group(group)  # gloo closes its connections once the group is gone
         del group
 
@@ -307,7 +316,7 @@ class StopWatch:
             if (group := evaluation.group) is not None:
                 abort_collectives(group)
             del group
-            if not signalled:
+            if not signalled and evaluation.signals is not None:
                 evaluation.signals.relay()
 
     def _main_position(self) -> tuple[int, int, int] | None:

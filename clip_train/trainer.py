@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from clip_train.checkpoint import (
     RUN_CONFIG_FILE,
     Checkpointer,
     latest_checkpoint,
+    record_launch,
     resolve_resume,
     run_config_file,
 )
@@ -159,6 +161,9 @@ class Trainer:
         before each step and each save."""
         self.cfg, self.env, self.out_dir_lock = cfg, env, out_dir_lock
         require_host_collectives()
+        # Every rank makes the periodic evaluations' group, before the model: see StoppableEvaluation
+        periodic = evaluates_anything(cfg.eval, cfg.data) and 0 < cfg.eval.every_steps < cfg.train.max_steps
+        self.evaluations = StoppableEvaluation(cfg.train.dist_timeout_s) if periodic else None
         clock = StartupClock(settle=lambda: wait_for_device(env.device), ended=startup_ended)
         self.startup: StartupClock | None = clock  # None once this process's first step ended
         clock.lap("launch")  # since those stages (or the process's start): logging, the folder's lock
@@ -406,6 +411,7 @@ class Trainer:
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / RUN_CONFIG_FILE)
+            record_launch(self.run_dir, os.environ)  # its restarts go on from the folder's checkpoints
             monitor = RunMonitor(cfg, self.run_dir, self.step)
             monitor.message(self.summary())
             if self.chunk_note:
@@ -514,7 +520,7 @@ class Trainer:
         if saves:
             self._save()
         if evaluates:  # a signal on any rank stops it on every rank
-            self._evaluate(monitor, StoppableEvaluation(self.signals, cfg.train.dist_timeout_s).run)
+            self._evaluate(monitor, self._stoppable())
         if not at_log:  # the window goes on after them (at a log step the next one starts then)
             window.leave_out(time.perf_counter() - aside)
 
@@ -528,9 +534,15 @@ class Trainer:
             return
         if monitor is not None:
             monitor.message(f"step {self.step}: {METRICS_FILE} holds no evaluation of it; evaluating it now")
-        self._evaluate(monitor, StoppableEvaluation(self.signals, self.cfg.train.dist_timeout_s).run)
+        self._evaluate(monitor, self._stoppable())
         if self.startup is not None:
             self.startup.lap("evaluation")
+
+    def _stoppable(self) -> EvaluationRun | None:
+        """A periodic evaluation's run: one that a signal on any rank stops on every rank."""
+        if self.evaluations is None:
+            return None
+        return functools.partial(self.evaluations.run, self.signals)
 
     def _evaluates_at(self, step: int) -> bool:
         """Whether ``step`` has a periodic evaluation (the last step's is the final evaluation)."""

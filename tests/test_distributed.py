@@ -6,7 +6,9 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -36,8 +38,8 @@ from clip_train.distributed import (
 from clip_train.errors import UserError
 from clip_train.eval import evaluate
 from clip_train.loss.checks import check_inputs
-from clip_train.preemption import Preempted
-from clip_train.stopping import Ending, exit_code
+from clip_train.preemption import Preempted, SignalFlag
+from clip_train.stopping import Ending, StoppableEvaluation, exit_code
 
 KEYS = ("bad_image", "bad_json", "truncated_tar")
 
@@ -333,3 +335,35 @@ def test_a_new_group_of_all_ranks_bounds_its_collectives_as_the_default_group_do
     rank_zero, rank_one = run_distributed(collective_rank_one_skips, 2, 1.0, 300.0, timeout_s=300)
     assert rank_one == "rank 0 came back"
     assert "timed out" in rank_zero.lower() or "timeout" in rank_zero.lower(), rank_zero
+
+
+def evaluations_on_one_group(rank: int, world_size: int) -> tuple[list[float | None], list[bool], int]:
+    """Four periodic evaluations, each an all-reduce on the evaluations' group; before the third,
+    rank 0 has been signalled. Returns the sums, whether each ran on the group the first did, and the
+    groups made."""
+    with mock.patch.object(dist, "new_group", wraps=dist.new_group) as new_group:
+        evaluations = StoppableEvaluation(timeout_s=60)
+        first_group, sums, same_group = evaluations.group, [], []
+
+        def evaluate(group: dist.ProcessGroup | None) -> float:
+            same_group.append(group is first_group)
+            total = torch.tensor([rank + 1.0])
+            dist.all_reduce(total, group=group)
+            return total.item()
+
+        for index in range(4):
+            signals = SignalFlag(received=signal.SIGUSR1 if rank == 0 and index == 2 else None)
+            sums.append(evaluations.run(signals, evaluate))
+        return sums, same_group, new_group.call_count
+
+
+def test_periodic_evaluations_share_one_group_made_with_the_run_until_a_stop_breaks_it():
+    """Under NCCL a group is a communicator with device buffers: made at each evaluation, it took
+    them mid-run from a cache the training had filled. A stop (rank 0's signal) breaks it on every
+    rank, and ends the evaluations as it ends the run."""
+    (sums_0, same_0, made_0), (sums_1, same_1, made_1) = run_distributed(
+        evaluations_on_one_group, 2, timeout_s=60
+    )
+    assert sums_0 == sums_1 == [3.0, 3.0, None, None]
+    assert same_0 == [True, True] and same_1 == [True, True, True]  # rank 0 ran no 3rd: it was signalled
+    assert made_0 == made_1 == 1
