@@ -6,9 +6,9 @@
 #
 # PYTHON picks the interpreter (default: python3); MAX_RESTARTS lets torchrun restart a failed
 # group, which goes on from the run's newest checkpoint whatever checkpoint.resume says (until the
-# run has saved one, checkpoint.resume applies as at the start). SIGTERM or SIGUSR1 to this process
-# makes the run save a checkpoint after its current step and stop (TORCH_ELASTIC_SHUTDOWN_TIMEOUT:
-# see common.sh).
+# launch has one there, checkpoint.resume applies as at the start: docs/training.md, Restarts).
+# SIGTERM or SIGUSR1 to this process makes the run save a checkpoint after its current step and stop
+# (TORCH_ELASTIC_SHUTDOWN_TIMEOUT: see common.sh).
 set -euo pipefail
 
 if [ $# -lt 1 ]; then

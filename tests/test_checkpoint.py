@@ -27,6 +27,7 @@ from clip_train.checkpoint import (
     find_weights,
     load_train_state,
     load_weights,
+    record_launch,
     remove_stale_temp_dirs,
     replace_folder,
     resolve_resume,
@@ -271,26 +272,41 @@ def test_a_checkpoints_run_config_is_the_one_of_its_run_directory_only(tmp_path)
     assert run_config_file(copied) is None
 
 
-@pytest.mark.parametrize("restart", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
-def test_a_restart_goes_on_from_its_own_newest_checkpoint_whatever_checkpoint_resume_says(
-    tmp_path, model, restart
+@pytest.mark.parametrize(
+    ("restart", "launch"),
+    [("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"), ("SLURM_RESTART_COUNT", "SLURM_JOB_ID")],
+)
+def test_a_restart_goes_on_from_its_launchs_newest_checkpoint_whatever_checkpoint_resume_says(
+    tmp_path, model, restart, launch
 ):
-    """torchrun's restart of a failed group, or a Slurm requeue: ``checkpoint.resume`` (unset, or a
-    PATH since pruned or older than the run's saves) applies only until the run has saved one."""
+    """torchrun's restart of a failed group, or a Slurm requeue: once the launch took the folder as
+    its run (``record_launch``) and a checkpoint is there, ``checkpoint.resume`` (unset, or a PATH
+    since pruned or older than the run's saves) gives way to ``auto``. Before that the checkpoints
+    there are not the launch's own: another run's (whose refusal the restart must repeat), or newer
+    ones than the PATH a launch goes back to, which its resume had yet to set aside."""
     started_from = str(tmp_path / "elsewhere" / "checkpoints" / "step_00000002")  # gone by now
-    before_a_save = {"": "it starts afresh", "auto": "checkpoint.resume=auto applies"}
-    before_a_save[started_from] = f"checkpoint.resume={started_from} applies"
-    for resume, start in before_a_save.items():
-        assert resume_at_restart(resume, tmp_path, {restart: "0"}) == (resume, None)  # a first start
-        assert resume_at_restart(resume, tmp_path, {restart: "1"}) == (
-            resume,
-            f"{restart}=1, a restart: no checkpoint in {tmp_path} yet; {start}, as at the first start",
-        )
+    settings = {"": "it starts afresh", "auto": "checkpoint.resume=auto applies"}
+    settings[started_from] = f"checkpoint.resume={started_from} applies"
+
+    def as_at_the_first_start(environ: dict[str, str]) -> None:
+        for resume, start in settings.items():
+            assert resume_at_restart(resume, tmp_path, {**environ, restart: "0"}) == (resume, None)
+            said = f"{restart}=1, a restart: no checkpoint of this launch's in {tmp_path}; {start}"
+            assert resume_at_restart(resume, tmp_path, {**environ, restart: "1"}) == (resume, said)
+
+    this_launch, other_launch = {launch: "job-7"}, {launch: "job-6"}
+    record_launch(tmp_path, this_launch)
+    as_at_the_first_start(this_launch)  # taken, no checkpoint yet
     save_checkpoint(tmp_path, 4, model, MODEL_CFG, _state(4), keep=2)
-    for resume in before_a_save:
-        assert resume_at_restart(resume, tmp_path, {restart: "0"}) == (resume, None)
+    record_launch(tmp_path, other_launch)
+    as_at_the_first_start(this_launch)  # another launch's checkpoint
+    (tmp_path / "launch.json").unlink()
+    as_at_the_first_start(this_launch)  # a launch that never took it (a run before launches were recorded)
+    record_launch(tmp_path, this_launch)
+    for resume in settings:
+        assert resume_at_restart(resume, tmp_path, {**this_launch, restart: "0"}) == (resume, None)
         instead = "" if resume == "auto" else f", in place of checkpoint.resume={resume}"
-        assert resume_at_restart(resume, tmp_path, {restart: "2"}) == (
+        assert resume_at_restart(resume, tmp_path, {**this_launch, restart: "2"}) == (
             "auto",
             f"{restart}=2, a restart: it goes on from the newest checkpoint in {tmp_path / 'checkpoints'} "
             f"(checkpoint.resume=auto{instead})",

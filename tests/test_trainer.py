@@ -375,9 +375,9 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted_run(digits, reference
 def test_a_requeue_of_a_run_started_from_a_path_goes_on_from_its_own_newest_checkpoint(
     digits, demo_run, tmp_path, monkeypatch, capsys
 ):
-    """A Slurm requeue (SLURM_RESTART_COUNT) passes the user's checkpoint.resume=PATH again: going back
-    to it moved the run's newer checkpoints aside and redid their steps, and once PATH was gone
-    (pruned, or another run's since deleted) the start failed."""
+    """A Slurm requeue (SLURM_RESTART_COUNT, the same SLURM_JOB_ID) passes the user's
+    checkpoint.resume=PATH again: going back to it moved the run's newer checkpoints aside and redid
+    their steps, and once PATH was gone (pruned, or another run's since deleted) the start failed."""
     step_20 = demo_run / "checkpoints" / "step_00000020"
     started_from = shutil.copytree(step_20, tmp_path / "from" / step_20.name)
     out = tmp_path / "run"
@@ -387,6 +387,7 @@ def test_a_requeue_of_a_run_started_from_a_path_goes_on_from_its_own_newest_chec
         args = run_overrides(digits, out, steps, "checkpoint.every_steps=1", "data.workers=0", resume)
         return cli_main(["train", str(DEMO_CONFIG), *args])
 
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
     assert train(21) == 0  # the first start, from PATH
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert train(22) == 0

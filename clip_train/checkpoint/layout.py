@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from clip_train.errors import UserError
+from clip_train.files import replace_text
 from clip_train.logs import get_logger
 
 MODEL_FILE = "model.safetensors"
@@ -34,6 +35,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more from step 10^8
 # What says a launch is a restart: torchrun's count of its worker group's restarts, Slurm's of a job's
 # requeues.
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+LAUNCH_FILE = "launch.json"  # in the run folder: the launch that took it as its run
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -187,21 +189,46 @@ def _restart_of(environ: Mapping[str, str]) -> str | None:
     return None
 
 
+def launch_id(environ: Mapping[str, str]) -> str | None:
+    """What a launch's restarts keep and other launches differ in: its Slurm job (requeues keep the
+    id), else torchrun's run id (``--standalone`` draws one per torchrun; a rendezvous takes its
+    ``--rdzv_id``). None outside both."""
+    return environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+def record_launch(out_dir: str | os.PathLike, environ: Mapping[str, str]) -> None:
+    """Rank 0, once this launch took ``out_dir`` as its run (its resume checked, the checkpoints newer
+    than it set aside): which launch did, for its restarts (``resume_at_restart``)."""
+    if (launch := launch_id(environ)) is not None:
+        replace_text(Path(out_dir) / LAUNCH_FILE, json.dumps({"launch": launch}) + "\n")
+
+
+def _taken_by(out_dir: str | os.PathLike, launch: str | None) -> bool:
+    """Whether ``launch`` took ``out_dir`` as its run (``record_launch``)."""
+    try:
+        recorded = json.loads((Path(out_dir) / LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return launch is not None and isinstance(recorded, dict) and recorded.get("launch") == launch
+
+
 def resume_at_restart(
     resume: str, out_dir: str | os.PathLike, environ: Mapping[str, str]
 ) -> tuple[str, str | None]:
     """``checkpoint.resume`` for this launch, and at a restart the line that says what it resumes. A
-    restarted launch (``_restart_of``) goes on from the newest checkpoint in its own ``out_dir``
-    whatever ``resume`` says: a torchrun restart of a run started without ``resume=auto`` would refuse
-    the folder's checkpoints as another run's, and each requeue of one started from ``PATH`` would go
-    back to ``PATH`` (moving the newer ones aside), or fail once pruning removed it. Until the run has
-    saved a checkpoint, ``resume`` applies as at the first start."""
+    restarted launch (``_restart_of``) that had taken ``out_dir`` as its run goes on from the newest
+    checkpoint there whatever ``resume`` says: a torchrun restart of a run started without
+    ``resume=auto`` would refuse the folder's checkpoints as another run's, and each requeue of one
+    started from ``PATH`` would go back to ``PATH`` (moving the newer ones aside), or fail once
+    pruning removed it. Before it took the folder (a start refused, or one that failed before its
+    resume set aside the checkpoints it goes back from) or saved a checkpoint, ``resume`` applies as
+    at the first start."""
     restart = _restart_of(environ)
     if restart is None:
         return resume, None
-    if latest_checkpoint(out_dir) is None:
+    if not _taken_by(out_dir, launch_id(environ)) or latest_checkpoint(out_dir) is None:
         start = f"checkpoint.resume={resume} applies" if resume else "it starts afresh"
-        return resume, f"{restart}, a restart: no checkpoint in {out_dir} yet; {start}, as at the first start"
+        return resume, f"{restart}, a restart: no checkpoint of this launch's in {out_dir}; {start}"
     instead = "" if resume == "auto" else f", in place of checkpoint.resume={resume}"
     return "auto", (
         f"{restart}, a restart: it goes on from the newest checkpoint in {checkpoint_root(out_dir)} "
