@@ -179,6 +179,11 @@ def data(tmp_path_factory) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
+def perfect_zeroshot(n: int, skipped: int = 0) -> dict[str, float]:
+    """The metrics of a zero-shot pass that classifies each of its ``n`` images right."""
+    return {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": n, "zeroshot/skipped": skipped}
+
+
 def test_zeroshot_perfect_model_scores_one_and_permuted_zero(data):
     classnames, templates = zeroshot_metadata(data["zeroshot"])
     assert classnames == CLASSNAMES and [t("x") for t in templates] == [t.format("x") for t in TEMPLATES]
@@ -241,12 +246,7 @@ def test_zeroshot_shards_count_whatever_caption_key_the_training_shards_use(data
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["exact"], retrieval=False)
     data_cfg = DataConfig(caption_key="json:caption", workers=0)
     metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, data_cfg, device=CPU, precision="fp32")
-    assert metrics == {
-        "zeroshot/top1": 1.0,
-        "zeroshot/top5": 1.0,
-        "zeroshot/n": NUM_SAMPLES,
-        "zeroshot/skipped": 0,
-    }
+    assert metrics == perfect_zeroshot(NUM_SAMPLES)
 
 
 def test_zeroshot_shards_need_no_caption(tmp_path, data):
@@ -255,12 +255,7 @@ def test_zeroshot_shards_need_no_caption(tmp_path, data):
     labelled_only = write_shards(tmp_path / "labels", captions=None)
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=labelled_only, retrieval=False)
     metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {
-        "zeroshot/top1": 1.0,
-        "zeroshot/top5": 1.0,
-        "zeroshot/n": NUM_SAMPLES,
-        "zeroshot/skipped": 0,
-    }
+    assert metrics == perfect_zeroshot(NUM_SAMPLES)
 
 
 def test_retrieval_reads_no_label_so_a_broken_json_beside_a_caption_costs_no_sample(tmp_path):
@@ -294,12 +289,7 @@ def test_retrieval_on_a_table_with_named_columns_equals_its_shards(data, tmp_pat
 def test_zeroshot_on_an_image_folder(data):
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_data=data["folder"], retrieval=False)
     metrics = evaluate(ToyCLIP(PERFECT), eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {
-        "zeroshot/top1": 1.0,
-        "zeroshot/top5": 1.0,
-        "zeroshot/n": NUM_SAMPLES,
-        "zeroshot/skipped": 0,
-    }
+    assert metrics == perfect_zeroshot(NUM_SAMPLES)
 
 
 class NamedToy(ToyCLIP):
@@ -347,7 +337,7 @@ def test_zeroshot_on_a_subset_of_imagenet_scores_among_its_classes(tmp_path, cap
     eval_cfg = EvalConfig(zeroshot="imagenet-simple", zeroshot_data=folder, retrieval=False)
     setup_logging()
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0}
+    assert metrics == perfect_zeroshot(6)
     assert f"eval: {folder} holds 3 of the 1000 classes" in capsys.readouterr().err
 
     model.eval()
@@ -372,7 +362,7 @@ def test_more_zeroshot_sets_are_scored_each_under_its_name(tmp_path):
     model = NamedToy(classnames, templates, decoy=500)
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
     assert metrics == {
-        **{"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0},
+        **perfect_zeroshot(6),
         **{"zeroshot/v2/top1": 0.0, "zeroshot/v2/top5": 1.0, "zeroshot/v2/n": 3, "zeroshot/v2/skipped": 0},
     }
 
@@ -406,7 +396,7 @@ def test_zeroshot_folders_named_by_number_take_the_number_as_label(tmp_path):
     model = NamedToy(classnames, [t.format for t in templates])
     eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=folder, retrieval=False)
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 24, "zeroshot/skipped": 0}
+    assert metrics == perfect_zeroshot(24)
     class_folders(tmp_path / "v2", {"12": 0})
     with pytest.raises(
         EvalError, match=re.escape(f"eval.zeroshot_data={folder}: class folder 12 names no class of 12")
@@ -423,7 +413,7 @@ def test_zeroshot_folders_named_by_class_name_take_their_names_place_in_the_list
     model = NamedToy(classnames, [t.format for t in templates])
     eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=folder, retrieval=False)
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 6, "zeroshot/skipped": 0}
+    assert metrics == perfect_zeroshot(6)
 
 
 def test_a_folder_is_read_in_every_image_format_and_its_undecodable_files_are_skipped_and_counted(tmp_path):
@@ -442,7 +432,7 @@ def test_a_folder_is_read_in_every_image_format_and_its_undecodable_files_are_sk
     model = NamedToy(classnames, [t.format for t in templates])
     eval_cfg = EvalConfig(zeroshot=str(tmp_path / "names.json"), zeroshot_data=str(folder), retrieval=False)
     metrics = evaluate(model, eval_cfg, DataConfig(workers=0), device=CPU, precision="fp32")
-    assert metrics == {"zeroshot/top1": 1.0, "zeroshot/top5": 1.0, "zeroshot/n": 8, "zeroshot/skipped": 2}
+    assert metrics == perfect_zeroshot(8, skipped=2)
     share = dict(labels=None, image_size=16, batch_size=3, workers=2)
     running = set(multiprocessing.active_children())
     loaders = [image_folder_batches(str(folder), rank=r, world_size=2, **share) for r in range(2)]

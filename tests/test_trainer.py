@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import forked_cli
 import psutil
@@ -28,9 +29,10 @@ import pytest
 import torch
 from processes import Watched, run_to_end
 from safetensors.torch import load_file
-from small_runs import DEMO_CONFIG, DIGITS_VOCAB, run_overrides, slow_zeroshot
+from small_runs import DEMO_CONFIG, DIGITS_VOCAB, run_overrides
 from test_loss_tiles import _CountOps, _host_read
 
+import clip_train.eval
 import clip_train.loss
 import clip_train.trainer
 from clip_train import load_config
@@ -299,9 +301,12 @@ def test_sigusr1_saves_the_step_and_exits_75(digits, tmp_path, capsys, every):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the trainer's handler is gone again
 
 
-def cli_signalled_in_evaluation(args: list[str], step: int, sig: signal.Signals) -> int:
-    """``clip-train ARGS`` in this process, sent ``sig`` once step ``step``'s evaluation has said it
-    started: the exit code."""
+def cli_signalled_in_evaluation(
+    args: list[str], step: int, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """``clip-train ARGS`` in this process, sent ``sig`` from inside step ``step``'s evaluation, as
+    its first split is encoded: the exit code. (Sent by a thread once the evaluation had said it
+    started, it could come after a short evaluation ended, on a busy machine.)"""
     evaluation_started = threading.Event()
 
     def watch(record: logging.LogRecord) -> bool:  # a filter: train's logging setup keeps it
@@ -309,11 +314,24 @@ def cli_signalled_in_evaluation(args: list[str], step: int, sig: signal.Signals)
             evaluation_started.set()
         return True
 
+    encode_split = clip_train.eval.encode_split
+
+    def signalled_once_started(*args: Any, **kwargs: Any) -> Any:
+        if evaluation_started.is_set():
+            evaluation_started.clear()
+            os.kill(os.getpid(), sig)
+        return encode_split(*args, **kwargs)
+
+    monkeypatch.setattr(clip_train.eval, "encode_split", signalled_once_started)
     get_logger().addFilter(watch)
     try:
-        return cli_in_thread_signalled(args, evaluation_started.is_set, sig)
+        return cli_main(args)
     finally:
         get_logger().removeFilter(watch)
+
+
+def zeroshot_on(digits: Path) -> list[str]:
+    return [f"eval.zeroshot={digits}/zeroshot.json", f"eval.zeroshot_data={digits}/val"]
 
 
 def evaluated_steps(out_dir: Path) -> list[int]:
@@ -321,7 +339,9 @@ def evaluated_steps(out_dir: Path) -> list[int]:
     return [record["step"] for record in logged(out_dir) if "train/loss" not in record]
 
 
-def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digits, tmp_path, capsys):
+def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(
+    digits, tmp_path, capsys, monkeypatch
+):
     """The last step is saved before the evaluation: the signal, sent once the evaluation has said
     it started, stops it at once, with a line."""
     out = tmp_path / "run"
@@ -329,9 +349,9 @@ def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digi
         "train",
         str(DEMO_CONFIG),
         *overrides(digits, out, "data.workers=0", "train.precision=fp32", "train.max_steps=4"),
-        *slow_zeroshot(digits, tmp_path),
+        *zeroshot_on(digits),
     ]
-    assert cli_signalled_in_evaluation(args, 4, signal.SIGTERM) == EXIT_PREEMPTED
+    assert cli_signalled_in_evaluation(args, 4, signal.SIGTERM, monkeypatch) == EXIT_PREEMPTED
     assert [checkpoint_step(c) for c in complete_checkpoints(out)] == [4]
     assert evaluated_steps(out) == []  # the evaluation did not finish
     errors = capsys.readouterr().err.splitlines()
@@ -341,17 +361,19 @@ def test_sigterm_during_the_final_evaluation_exits_75_and_saves_nothing_new(digi
     ) in errors
 
 
-def test_a_periodic_evaluation_stopped_by_a_signal_runs_first_when_the_run_resumes(digits, tmp_path, capsys):
+def test_a_periodic_evaluation_stopped_by_a_signal_runs_first_when_the_run_resumes(
+    digits, tmp_path, capsys, monkeypatch
+):
     """SIGUSR1 in step 2's evaluation: step 2 is saved, with no evaluation on record. The resumed run
     evaluates step 2 before step 3; resumed from step 2 once more, it finds that record and goes on;
     started again when finished, it evaluates its last step once, as the end of a run does."""
     out = tmp_path / "run"
     schedule = ["data.workers=0", "train.precision=fp32", "train.max_steps=4", "eval.every_steps=2"]
-    args = ["train", str(DEMO_CONFIG), *overrides(digits, out, *schedule), *slow_zeroshot(digits, tmp_path)]
-    assert cli_signalled_in_evaluation(args, 2, signal.SIGUSR1) == EXIT_PREEMPTED
+    args = ["train", str(DEMO_CONFIG), *overrides(digits, out, *schedule), *zeroshot_on(digits)]
+    assert cli_signalled_in_evaluation(args, 2, signal.SIGUSR1, monkeypatch) == EXIT_PREEMPTED
     (step_2,) = complete_checkpoints(out)
     assert checkpoint_step(step_2) == 2 and evaluated_steps(out) == []
-    zeroshot = [f"eval.zeroshot={digits}/zeroshot.json", f"eval.zeroshot_data={digits}/val"]
+    zeroshot = zeroshot_on(digits)
     in_process_trainer(digits, out, *schedule, *zeroshot, "checkpoint.resume=auto").run()
     assert logged_steps(out) == [1, 2, 2, 3, 4, 4] and evaluated_steps(out) == [2, 4]
     assert "step 2: metrics.jsonl holds no evaluation of it; evaluating it now" in capsys.readouterr().err
