@@ -33,16 +33,14 @@ from clip_train.model.tokenizer import OPEN_CLIP
 def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     """The checkpoint's ``model.yaml``, pointed at its own ``text/`` and at no pretrained weights, so
     nothing outside it is needed; an older checkpoint without one falls back to the run's config."""
-    own = checkpoint / MODEL_CONFIG_FILE
-    if not own.is_file():
-        run_config = run_config_file(checkpoint)
-        if run_config is None:
-            raise UserError(
-                f"{checkpoint} has no {MODEL_CONFIG_FILE} and is not inside a run directory with a "
-                f"{RUN_CONFIG_FILE}; give the config the model was trained with"
-            )
-        return load_config(run_config, saved=True).model
-    cfg = load_config(own, saved=True).model
+    cfg = saved_model_config(checkpoint)
+    if cfg is None:
+        raise UserError(
+            f"{checkpoint} has no {MODEL_CONFIG_FILE} and is not inside a run directory with a "
+            f"{RUN_CONFIG_FILE}; give the config the model was trained with"
+        )
+    if not (checkpoint / MODEL_CONFIG_FILE).is_file():  # the run's config: its own files, as they were
+        return cfg
     cfg.init_from = cfg.image.pretrained = ""
     cfg.text.hf, cfg.text.hf_config = str(checkpoint / TEXT_DIR), {}
     if cfg.text.tokenizer != OPEN_CLIP:

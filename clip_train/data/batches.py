@@ -76,10 +76,11 @@ class BatchBuilder:
         assert self.images is not None, "an empty batch"
         samples, images = self.samples, self.images if self.full() else self.images[: len(self)].clone()
         self.images, self.samples = None, []
-        no_tokens = torch.zeros((len(samples), 0), dtype=torch.long)
-        tokens = {"input_ids": no_tokens, "attention_mask": no_tokens}
         if tokenizer is not None:
             tokens = tokenizer([sample.caption for sample in samples])
+        else:
+            no_tokens = torch.zeros((len(samples), 0), dtype=torch.long)
+            tokens = {"input_ids": no_tokens, "attention_mask": no_tokens}
         labels = [sample.meta.get("label") for sample in samples]
         has_labels = all(isinstance(label, int) and not isinstance(label, bool) for label in labels)
         return Batch(
