@@ -57,9 +57,11 @@ class SkippedSteps:
     def record(self, skipped: torch.Tensor, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A step skipped or not on the device (``skipped``, a bool tensor there): a few kernels on
         six numbers, and no read."""
-        if self._unread is None:  # filled on the device: a host list would be a synchronous copy
+        if self._unread is None:  # filled on the device: a host list, or a number assigned into a
+            # CUDA tensor (a CPU scalar copied in), would be a synchronous copy
             self._unread = torch.full((6,), math.nan, dtype=torch.float64, device=loss.device)
-            self._unread[:2], self._unread[2] = self.in_a_row, 0
+            self._unread[:2].fill_(self.in_a_row)
+            self._unread[2:3].fill_(0)
         run, longest, skips, *latest = self._unread.unbind()
         run = (run + 1) * skipped
         counts = torch.stack([run, longest.maximum(run), skips + skipped])

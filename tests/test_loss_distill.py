@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from open_clip.loss import DistillClipLoss
+from test_loss_tiles import numbers_assigned_into_tensors
 
 from clip_train.loss import contrastive_loss
 from clip_train.loss.distill import contrastive_and_distillation_loss
@@ -74,6 +75,14 @@ def test_the_contrastive_term_is_the_clip_loss_and_fp32_is_close_to_fp64() -> No
     _close((contrastive, *grads), (expected.detach(), images.grad, texts.grad, scale.grad))
     fp32 = _ours({key: value.float() for key, value in data.items()}, tile_size=4)
     _close(fp32, tuple(value.float() for value in _ours(data, tile_size=4)), rtol=1e-5, atol=1e-6)
+
+
+def test_neither_direction_assigns_a_number_into_a_tensor() -> None:
+    """The tiles' running states start filled on the device: on CUDA, ``state[:2] = -inf`` is a copy
+    from the host that waits for the device, at every block of every step."""
+    with numbers_assigned_into_tensors() as assigned:
+        _ours(_batch(13), tile_size=4)
+    assert assigned == []
 
 
 def test_a_teacher_equal_to_the_student_gives_the_softmaxes_entropy() -> None:

@@ -7,6 +7,12 @@ its last tile are checked directly.
 
 from __future__ import annotations
 
+import contextlib
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,6 +52,23 @@ def _host_read(op, kwargs) -> bool:
     """An op that hands tensor values to the host (``.item()``, ``bool()``, ``float()``,
     ``nonzero``); ``.tolist()`` bypasses the dispatcher, so ``tiles_torch._read`` is counted apart."""
     return op in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
+
+
+@contextlib.contextmanager
+def numbers_assigned_into_tensors() -> Iterator[list[str]]:
+    """Where ``tensor[index] = number`` runs inside (file:line of each). On CUDA the number goes in
+    as a copy of a CPU scalar, which waits for the device (one wait each, seen on an H200), so a step
+    fills instead: on the CPU the two look the same to the host-read count above."""
+    assigned, setitem = [], torch.Tensor.__setitem__
+
+    def recorded(tensor: torch.Tensor, index, value) -> None:
+        if isinstance(value, int | float):  # bool is an int
+            caller = traceback.extract_stack(limit=2)[0]
+            assigned.append(f"{Path(caller.filename).name}:{caller.lineno}")
+        setitem(tensor, index, value)
+
+    with mock.patch.object(torch.Tensor, "__setitem__", recorded):
+        yield assigned
 
 
 def _block(n: int, m: int, dim: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

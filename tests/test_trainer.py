@@ -30,7 +30,7 @@ import torch
 from processes import Watched, run_to_end
 from safetensors.torch import load_file
 from small_runs import DEMO_CONFIG, DIGITS_VOCAB, run_overrides
-from test_loss_tiles import _CountOps, _host_read
+from test_loss_tiles import _CountOps, _host_read, numbers_assigned_into_tensors
 
 import clip_train.eval
 import clip_train.loss
@@ -596,6 +596,7 @@ def test_an_unlogged_step_reads_nothing_from_the_device_and_a_logged_step_three_
     )
     assert trainer.update.skips_on_device
     reads, tolist_reads = {}, [0]  # host reads by step; .tolist() calls (they bypass the dispatcher)
+    assigned = []  # numbers put into tensors, which on CUDA are copies that wait for the device
 
     def outside_the_loss() -> bool:
         return not any(frame.filename.startswith(LOSS_CODE) for frame in traceback.extract_stack())
@@ -603,9 +604,13 @@ def test_an_unlogged_step_reads_nothing_from_the_device_and_a_logged_step_three_
     def counted(real):
         def run(*args, **kwargs):
             before = tolist_reads[0]
-            with _CountOps(lambda op, kwargs: _host_read(op, kwargs) and outside_the_loss()) as ops:
+            with (
+                _CountOps(lambda op, kwargs: _host_read(op, kwargs) and outside_the_loss()) as ops,
+                numbers_assigned_into_tensors() as numbers,
+            ):
                 out = real(*args, **kwargs)
             reads[trainer.step] = reads.get(trainer.step, 0) + ops.count + tolist_reads[0] - before
+            assigned.extend(numbers)
             return out
 
         return run
@@ -620,6 +625,7 @@ def test_an_unlogged_step_reads_nothing_from_the_device_and_a_logged_step_three_
     trainer.train_step, trainer._after_step = counted(trainer.train_step), counted(trainer._after_step)
     trainer.run()
     assert {step: reads[step] for step in (1, 2, 3, 4)} == {1: 0, 2: 3, 3: 0, 4: 3}
+    assert assigned == []
 
 
 def test_a_logged_step_waits_for_the_device_before_and_after_it_and_no_other_step_does(

@@ -175,5 +175,5 @@ class _Loss(torch.autograd.Function):
 def _empty_state(like: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
     """(3, size): both LSEs at -inf (nothing seen) and Σ p·S at 0."""
     state = like.new_zeros((3, size), dtype=dtype)
-    state[:2] = -math.inf
+    state[:2].fill_(-math.inf)  # a number assigned into a CUDA tensor would be a synchronous copy
     return state
