@@ -169,8 +169,8 @@ def check(results: list[dict], want: dict, world: int) -> None:
 
 
 TWO_RANK_CASES = [
-    Case((2, 4)),  # images in 2 chunks, text in 1 chunk that keeps its graph
-    Case((1, 2), count_reductions=True),  # both towers replayed, 4 and 2 chunks
+    Case((2, 4)),  # images in 2 chunks, text in 1: each tower's last chunk keeps its graph
+    Case((1, 2), count_reductions=True),  # 4 and 2 chunks: all but each tower's last replayed
     Case((0, 0)),  # one chunk per tower: plain backpropagation
     Case((1, 2), SIGMOID),
     Case((1, 2), LIT, count_reductions=True),  # locked image trunk: only the projection trains
@@ -229,7 +229,7 @@ BF16_INPUT_CASES = [
 
 def trunk_inputs_in_bf16_steps(rank: int, world: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """One step over sharded towers per case of ``BF16_INPUT_CASES``: what the image trunk gets in
-    stage 1 (no grad) and in replay (grad), chunk by chunk."""
+    stage 1 and in replay, chunk by chunk (1-row chunks: stage 1 is the first ``ROWS_PER_RANK``)."""
     steps = []
     for case in BF16_INPUT_CASES:
         model = make_model(*DROPOUT, *case.extra, dtype=torch.float32)
@@ -237,13 +237,13 @@ def trunk_inputs_in_bf16_steps(rank: int, world: int) -> list[tuple[list[torch.T
         engine = GradCache(
             model, image_chunk=case.chunks[0], text_chunk=case.chunks[1], precision=case.precision
         )
-        seen: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        seen: list[torch.Tensor] = []
         model.visual.trunk.register_forward_pre_hook(
-            lambda module, args, seen=seen: seen[torch.is_grad_enabled()].append(args[0].detach().clone())
+            lambda module, args, seen=seen: seen.append(args[0].detach().clone())
         )
         torch.manual_seed(SEED + rank)
         engine.step(*rank_batch(rank, world))
-        steps.append((seen[False], seen[True]))
+        steps.append((seen[:ROWS_PER_RANK], seen[ROWS_PER_RANK:]))
     return steps
 
 
@@ -252,10 +252,12 @@ def test_bf16_replay_gets_the_inputs_stage_one_encoded(bf16_and_timing_ranks):
     tower root's weights are fp32 shards or, gathered (kept so with reshard_after_forward=false),
     bf16 copies: inputs prepared in the weights' dtype would differ between stage 1 and replay.
     They are prepared in fp32 and handed on in the gathered weights' dtype, also to a frozen trunk
-    (encoded once, never replayed)."""
+    (encoded once, never replayed). The last chunk keeps its graph: it is not replayed."""
     for steps in (rank["bf16_inputs"] for rank in bf16_and_timing_ranks):
         (encoded, replayed), (encoded_kept, replayed_kept), (encoded_lit, replayed_lit) = steps
-        for stage_one, replay in zip([*encoded, *encoded_kept], [*replayed, *replayed_kept], strict=True):
+        assert all(x.dtype == torch.bfloat16 for x in [*encoded, *encoded_kept])
+        pairs = zip([*encoded[:-1], *encoded_kept[:-1]], [*replayed, *replayed_kept], strict=True)
+        for stage_one, replay in pairs:
             assert stage_one.dtype == replay.dtype == torch.bfloat16
             assert torch.equal(stage_one, replay)
         assert len(encoded) == len(encoded_kept) == len(encoded_lit) == ROWS_PER_RANK and not replayed_lit
@@ -272,7 +274,7 @@ def test_each_unit_reduce_scatters_once_per_step_or_once_per_chunk(two_rank_step
     assert results[0]["reductions"] == [image_units + text_units] * STEPS
     # LiT: of the image tower only the root holds a trainable weight (the projection)
     assert results[1]["reductions"] == [1 + text_units] * STEPS
-    # every chunk: 4 image replays, and the text tower's kept chunk plus 1 replay
+    # every chunk: each tower's kept last chunk, then 3 image and 1 text replays
     image_chunks, text_chunks = ROWS_PER_RANK // plain.chunks[0], ROWS_PER_RANK // plain.chunks[1]
     assert results[2]["reductions"] == [image_units * image_chunks + text_units * text_chunks] * STEPS
 

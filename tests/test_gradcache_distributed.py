@@ -98,9 +98,9 @@ def single_process_reference(chunks: tuple[int, int], extra: tuple[str, ...]) ->
     return loss.item(), reference_grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-# Images in 3 chunks; text in 2, or in 1: then the chunk that keeps its graph is the tower's only
-# backward; both towers in 1: no replay at all. The sigmoid loss: its bias and scale gradients are
-# averaged over ranks like the softmax scale's.
+# Images in 3 chunks; text in 2, or in 1: each tower's last chunk keeps its graph (the text tower's
+# is then its only backward); both towers in 1: no replay at all. The sigmoid loss: its bias and
+# scale gradients are averaged over ranks like the softmax scale's.
 CASES = [((2, 4), ()), ((2, 0), ()), ((0, 0), ()), ((2, 4), SIGMOID)]
 
 

@@ -211,11 +211,15 @@ def test_lit_drops_exactly_the_frozen_parameters_from_grads_and_optimizer(tiny_p
     assert lit_profile.image.replay.per_sample < tiny_profile.image.replay.per_sample / 10
 
 
-def test_kept_graph_is_the_last_training_towers_forward_beside_the_loss(tiny_profile):
+def test_kept_graphs_are_each_training_towers_last_chunk_beside_the_loss(tiny_profile):
     part = breakdown(tiny_profile, setting())
-    assert 0 < part.kept_graph == tiny_profile.text.graph.at(128) <= tiny_profile.text.replay.at(128)
+    image_graph, text_graph = tiny_profile.image.graph.at(64), tiny_profile.text.graph.at(128)
+    assert image_graph > 0 and 0 < text_graph <= tiny_profile.text.replay.at(128)
+    assert part.kept_graph == image_graph + text_graph
     assert breakdown(tiny_profile, setting(batch=8192)).kept_graph == part.kept_graph
     assert part.transient >= part.loss + part.kept_graph
+    # the image tower's kept graph lives on while the text tower encodes and replays
+    assert part.backbone >= image_graph + tiny_profile.text.replay.at(128)
     assert breakdown(tiny_profile, setting(impl="vanilla")).kept_graph == 0  # b×b loss: every chunk replays
     assert breakdown(tiny_profile, setting(keep_last_graph=False)).kept_graph == 0
     cap = usable_bytes(gpu_available(0.5))

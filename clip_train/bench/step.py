@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-last-graph",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="batch.keep_last_graph: the last chunk keeps its graph instead of being replayed",
+        help="batch.keep_last_graph: each tower's last chunk keeps its graph instead of being replayed",
     )
     parser.add_argument("--no-direct", action="store_true", help="skip the direct full-batch baseline")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (after one warm-up)")

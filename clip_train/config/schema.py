@@ -130,7 +130,7 @@ class BatchConfig:
     text_chunk: int | Literal["auto"] = "auto"  # the same for the text tower (text chunks can be much larger)
     memory_budget: float = 0.0  # GiB per rank that auto chunks plan for; 0 = what the device has free
     offload: bool = False  # keep the raw batch in pinned host memory, one chunk on device
-    keep_last_graph: bool = True  # inf loss: the last chunk keeps its graph, not replayed; off for max batch
+    keep_last_graph: bool = True  # inf: each tower's last chunk keeps its graph, no replay; off for max batch
 
     @property
     def chunks(self) -> tuple[int | str, int | str]:

@@ -2,9 +2,9 @@
 chunk sizes, not the batch size, and exactly the full-batch gradients of the global contrastive loss.
 
 1. encode every chunk without a graph, keeping the (B, d) features and the RNG state each chunk
-   started from (with ``keep_last_graph``, the last chunk of the last trained tower keeps its graph,
-   and every trained tower does when each is one chunk: then nothing is encoded twice); a
-   distillation teacher encodes every chunk too, never with a graph;
+   started from (with ``keep_last_graph``, each trained tower's last chunk keeps its graph instead,
+   so a tower of one chunk is never encoded twice); a distillation teacher encodes every chunk
+   too, never with a graph;
 2. one loss call on detached leaf features (across ranks) gives the feature-gradient cache; with a
    teacher, it adds the distillation term towards the teacher's features (``clip_train.loss.distill``);
 3. replay each chunk under its RNG state (same dropout and drop-path masks) and backprop its
@@ -242,7 +242,7 @@ class GradCache:
 
         if self.gather_waits is not None:
             self.gather_waits.forget()  # waits outside timed steps (evaluation, untimed steps)
-        image_keeps, text_keeps = self._graph_keepers(len(image_bounds), len(text_bounds))
+        image_keeps, text_keeps = self._graph_keepers()
         with phase("encode"):
             image = self._encode(self.image, image_inputs, image_bounds, keep_graph=image_keeps)
             text = self._encode(self.text, text_inputs, text_bounds, keep_graph=text_keeps)
@@ -281,22 +281,17 @@ class GradCache:
         update too); 0 on the CPU, whose peak is the process's resident one."""
         return self._peak_of(self.device) if self.device.type == "cuda" else 0
 
-    def _graph_keepers(self, image_chunks: int, text_chunks: int) -> tuple[bool, bool]:
-        """Whether the image and the text tower keep their last chunk's graph (see ``_encode``): the
-        last tower encoded does; when every trained tower is one chunk, all do, and the step is
+    def _graph_keepers(self) -> tuple[bool, bool]:
+        """Whether the image and the text tower keep their last chunk's graph (see ``_encode``):
+        every trained tower does with ``keep_last_graph``, so when each is one chunk the step is
         plain backpropagation, with no tower encoded twice."""
-        if not self.keep_last_graph:
-            return False, False
-        if (image_chunks == 1 or not self.image.replays) and (text_chunks == 1 or not self.text.replays):
-            return self.image.replays, self.text.replays
-        last = self.text if self.text.replays else self.image  # the last trained tower encoded
-        return self.image is last, self.text is last
+        return self.image.replays and self.keep_last_graph, self.text.replays and self.keep_last_graph
 
     def trains_and_replays(self, rows: int) -> tuple[tuple[bool, bool], tuple[float, float]]:
         """Whether the image and the text tower train, and the share of a ``rows``-sample batch each
         encodes a second time in replay (all but a kept last chunk): what the model FLOPs count."""
         bounds = [chunk_bounds(rows, tower.chunk) for tower in (self.image, self.text)]
-        keeps = self._graph_keepers(len(bounds[0]), len(bounds[1]))
+        keeps = self._graph_keepers()
         shares = []
         for tower, keep, tower_bounds in zip((self.image, self.text), keeps, bounds, strict=True):
             kept = tower_bounds[-1][1] - tower_bounds[-1][0] if keep else 0
@@ -309,8 +304,10 @@ class GradCache:
         """Stage 1: graph-less features, each chunk's RNG state and the frozen-trunk cache for replay.
 
         With ``keep_graph`` the last chunk keeps its graph: replay backpropagates it first instead of
-        encoding it again, so it never meets another chunk's graph. It does live through the loss,
-        whose workspace can outweigh it at the largest batches: ``batch.keep_last_graph: false``.
+        encoding it again. The image tower's lives on while the text tower encodes (and keeps its own
+        last chunk's graph), through the loss and the text tower's replay, so a step's peak holds one
+        chunk graph of each tower beside the loss's workspace; at the largest batches that can cost
+        more than the forward it saves: ``batch.keep_last_graph: false``.
         """
         out, rows = _Encoded(bounds), len(inputs[0])
         keep_trunk_on_host = self.offload and self.device.type == "cuda"

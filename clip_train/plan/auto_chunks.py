@@ -36,7 +36,7 @@ class ChunkChoice:
     peak: float  # estimated bytes per rank
     usable: float  # the bytes it had to fit
     fits: bool
-    keeps_graphs: bool  # a whole tower keeps its graph through the loss (inf loss, batch.keep_last_graph)
+    keeps_graphs: bool  # every trained tower's last chunk keeps its graph (inf, batch.keep_last_graph)
 
     def describe(self) -> str:
         whole = "the whole per-rank batch fits: one chunk per tower"
@@ -192,7 +192,7 @@ def largest_fitting_chunks(
         larger = [size for size in sizes if size > chunks[tower] and peak(**{tower: size}) <= usable]
         chunks[tower] = max(larger, default=chunks[tower])
     estimate = peak()
-    keeps_graphs = setting.impl == "inf" and setting.keep_last_graph  # the engine's rule (graph_keepers)
+    keeps_graphs = setting.impl == "inf" and setting.keep_last_graph  # every trained tower's (graph_keepers)
     return ChunkChoice(
         chunks["image"], chunks["text"], per_rank, estimate, usable, estimate <= usable, keeps_graphs
     )

@@ -156,7 +156,7 @@ class Breakdown:
 
     @property
     def transient(self) -> float:
-        """Eq. 10's largest alternative: the loss beside the kept graph, a chunk's encode or replay,
+        """Eq. 10's largest alternative: the loss beside the kept graphs, a chunk's encode or replay,
         or the optimizer step."""
         return max(self.loss + self.kept_graph, self.backbone, self.optimizer_step)
 
@@ -228,7 +228,7 @@ def breakdown(profile: ModelProfile, setting: Setting) -> Breakdown:
     )
     keepers = graph_keepers(replaying, setting)
     kept_graph = sum(t.graph.at(setting.chunk(t.name)) for t in keepers)
-    backbone = max(backbone, _encode_beside_kept_graphs(profile, setting, keepers))
+    backbone = max(backbone, _beside_kept_graphs(profile, setting, keepers))
     loss = loss_workspace(
         setting.impl,
         setting.batch,
@@ -296,26 +296,24 @@ def accumulated_grads(profile: ModelProfile, setting: Setting) -> float:
     return max(chunked, default=0) * setting.accumulate_itemsize
 
 
-def _encode_beside_kept_graphs(profile: ModelProfile, setting: Setting, keepers: list[TowerProfile]) -> float:
-    """A tower encoded after one that keeps its graph (a frozen text tower after the image tower's
-    kept last chunk) encodes beside that graph: the two add up."""
+def _beside_kept_graphs(profile: ModelProfile, setting: Setting, keepers: list[TowerProfile]) -> float:
+    """A kept graph lives from its tower's encode until that tower's replay begins. The step encodes
+    the image tower first and replays it last, so the text tower encodes and replays (a frozen one
+    only encodes) beside the image tower's kept graph: the two add up."""
     kept, peak = 0.0, 0.0
     for tower in profile.towers:  # in the order the step encodes them
+        chunk = setting.chunk(tower.name)
+        if kept:
+            peak = max(peak, kept + tower.encode.at(chunk), kept + tower.replay.at(chunk))
         if any(tower is keeper for keeper in keepers):
-            kept += tower.graph.at(setting.chunk(tower.name))
-        elif kept:
-            peak = max(peak, kept + tower.encode.at(setting.chunk(tower.name)))
+            kept += tower.graph.at(chunk)
     return peak
 
 
 def graph_keepers(replaying: list[TowerProfile], setting: Setting) -> list[TowerProfile]:
     """The towers whose last chunk keeps its graph through the loss (``GradCache._graph_keepers``):
-    the last trained one, or every trained one when each is a single chunk."""
-    if not (replaying and setting.impl == "inf" and setting.keep_last_graph):
-        return []
-    if all(setting.chunk(t.name) == setting.per_rank for t in replaying):
-        return replaying
-    return replaying[-1:]
+    every trained one, with the inf loss and ``batch.keep_last_graph``."""
+    return replaying if setting.impl == "inf" and setting.keep_last_graph else []
 
 
 def usable_bytes(available: float, memory_budget_gib: float = 0.0) -> float:
