@@ -10,9 +10,11 @@
 #   MASTER_PORT     its TCP port (default 29500): give concurrent jobs on one MASTER_ADDR their own
 #                   port and RDZV_ID, or they meet at one rendezvous and one's end crashes the other
 #   NPROC_PER_NODE  processes per node (default: number of GPUs, or 1 without GPUs)
-#   RDZV_ID         a job id shared by all nodes (default: clip_train)
+#   RDZV_ID         a job id shared by all nodes (default: clip_train), its own for each launch
+#                   (a date, a job id): required with MAX_RESTARTS
 #   MAX_RESTARTS    group restarts torchrun may do after a failure (default 0); a restart goes on
-#                   from the run's newest checkpoint whatever checkpoint.resume says
+#                   from the newest checkpoint of the run its launch took (recorded by RDZV_ID, which
+#                   a default shared by every launch would not tell apart) whatever checkpoint.resume says
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the workers get to checkpoint after SIGTERM/SIGUSR1 (600)
 #   PYTHON          interpreter (default python3)
 set -euo pipefail
@@ -26,6 +28,10 @@ if [ $# -lt 1 ]; then
 fi
 config=$1
 shift
+if [ "${MAX_RESTARTS:-0}" != 0 ] && [ -z "${RDZV_ID:-}" ]; then
+  echo "$0: MAX_RESTARTS needs RDZV_ID, an id all nodes share and no other launch used (a date, a job id)" >&2
+  exit 2
+fi
 
 # shellcheck source=launch/common.sh
 source "$(dirname "$0")/common.sh"

@@ -159,6 +159,19 @@ def test_scripts_start_one_process_per_gpu_that_cuda_visible_devices_leaves(
     assert f"--nproc_per_node {processes} " in result.stdout, result.stdout
 
 
+def test_multinode_restarts_need_a_rendezvous_id_of_the_launchs_own(tmp_path):
+    """A restart resumes the run its launch took, recorded by torchrun's run id (the rendezvous id):
+    the default one, shared by every launch, would let a restart take over another launch's run."""
+    env = gpu_node_env(tmp_path, "0", NNODES="2", NODE_RANK="0", MASTER_ADDR="localhost", MAX_RESTARTS="3")
+    env.pop("RDZV_ID", None)
+    command = ["bash", str(ROOT / "launch/multinode.sh"), str(DEMO_CONFIG)]
+    refused = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "MAX_RESTARTS needs RDZV_ID" in refused.stderr
+    env["RDZV_ID"] = "job-7"
+    started = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    assert "--rdzv_id job-7 --max-restarts 3 " in started.stdout, started.stdout
+
+
 def test_nproc_per_node_overrides_the_count(tmp_path):
     env = gpu_node_env(tmp_path, "0,1", NPROC_PER_NODE="3")
     command = ["bash", str(ROOT / "launch/train.sh"), str(DEMO_CONFIG)]
