@@ -731,6 +731,44 @@ def test_a_resume_may_move_the_weights_sources_and_change_how_the_towers_train(d
     assert resumed.resumed_from == complete_checkpoints(tmp_path)[0] and logged_steps(tmp_path) == [1, 2, 3]
 
 
+def swap_two_tokens(tokenizer: Path) -> None:
+    vocab = (tokenizer / "vocab.txt").read_text().splitlines()
+    vocab[5], vocab[6] = vocab[6], vocab[5]
+    (tokenizer / "vocab.txt").write_text("\n".join(vocab) + "\n")
+
+
+def keep_capitals(tokenizer: Path) -> None:
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": False}
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("edit", "difference"),
+    [
+        (swap_two_tokens, "2 of its 139 vocabulary entries differ from the 139 expected"),
+        (keep_capitals, "it makes 'A Photo of the Number 7.' the ids [2, "),
+    ],
+)
+def test_a_resume_with_another_tokenizer_of_the_same_size_is_refused(digits, tmp_path, edit, difference):
+    """A tokenizer's folder may move, its tokens may not: the text embeddings are rows of the saved
+    ids, and a vocabulary of the same size (or one that keeps capitals) loads without complaint."""
+    in_process_trainer(digits, tmp_path, "train.max_steps=2", "checkpoint.every_steps=2").run()
+    [checkpoint] = complete_checkpoints(tmp_path)
+    other = shutil.copytree(DIGITS_VOCAB, tmp_path / "other-vocab")
+    edit(other)
+    with pytest.raises(UserError) as refused:
+        resume = ["train.max_steps=3", "checkpoint.resume=auto", f"model.text.tokenizer={other}"]
+        in_process_trainer(digits, tmp_path, *resume)
+    message = str(refused.value)
+    refusal = f"checkpoint {checkpoint} was trained with another tokenizer than model.text.tokenizer={other}"
+    assert message.startswith(f"{refusal}: {difference}"), message
+    assert message.endswith(
+        f"resume it with model.text.tokenizer={checkpoint / 'text'}, or start a new run from its weights "
+        f"with model.init_from={checkpoint}"
+    ), message
+    assert complete_checkpoints(tmp_path) == [checkpoint]
+
+
 def test_saves_and_evaluations_between_logs_are_left_out_of_the_logged_rate(digits, tmp_path, monkeypatch):
     """Logs at steps 2 and 4, a checkpoint and an evaluation at step 3, which take 1000 s here (the
     trainer's clock is moved on by them): the window of steps 3-4 counted them as training time."""

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from clip_train.checkpoint.layout import (
     EMA_FILE,
+    MODEL_CONFIG_FILE,
     MODEL_FILE,
     SHARDS_DIR,
     checkpoint_root,
@@ -18,13 +19,19 @@ from clip_train.checkpoint.layout import (
     saved_step,
     step_dirs,
 )
-from clip_train.checkpoint.reading import load_train_state, load_weights_file, saved_model_config
+from clip_train.checkpoint.reading import (
+    checkpoint_model_config,
+    load_train_state,
+    load_weights_file,
+    saved_model_config,
+)
 from clip_train.checkpoint.writing import remove_stale_temp_dirs, save_checkpoint, set_aside_newer
 from clip_train.config import CheckpointConfig, ModelConfig, TowerConfig
 from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
 from clip_train.model import CLIP
+from clip_train.model.tokenizer import build_tokenizer, how_tokens_differ
 
 if TYPE_CHECKING:
     from clip_train.ema import WeightsEMA
@@ -211,6 +218,22 @@ class Checkpointer:
                 f"checkpoint {checkpoint} was saved with other model settings: {'; '.join(changed)}; "
                 "resume it with its settings, or start a new run from its weights with "
                 f"model.init_from={checkpoint} (fine-tuning: a new train.out_dir, a fresh optimizer)"
+            )
+        if (checkpoint / MODEL_CONFIG_FILE).is_file():  # it holds its tokenizer (older ones only a path)
+            self._check_same_tokenizer(checkpoint)
+
+    def _check_same_tokenizer(self, checkpoint: Path) -> None:
+        """The tokenizer's path may change (a moved copy), its tokens may not: the text tower's
+        embeddings are rows of the checkpoint's ids, which another vocabulary of the same size
+        would reuse for other words without an error."""
+        saved = checkpoint_model_config(checkpoint).text
+        saved_source, source = (text.tokenizer or text.hf for text in (saved, self.model_cfg.text))
+        saved_tokenizer = build_tokenizer(saved_source, saved.context_length)
+        if difference := how_tokens_differ(saved_tokenizer, self.model.tokenizer):
+            raise UserError(
+                f"checkpoint {checkpoint} was trained with another tokenizer than model.text.tokenizer="
+                f"{source}: {difference}; resume it with model.text.tokenizer={saved_source}, or start a new "
+                f"run from its weights with model.init_from={checkpoint}"
             )
 
     def _mirror_if_missing(self, checkpoint: Path) -> None:

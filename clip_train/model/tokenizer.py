@@ -40,6 +40,9 @@ class OpenCLIPTokenizer:
         eot = (input_ids == self._bpe.eot_token_id).int().argmax(dim=1, keepdim=True)
         return (torch.arange(input_ids.shape[1], device=input_ids.device) <= eot).long()
 
+    def vocabulary(self) -> dict[str, int]:
+        return self._bpe.encoder
+
     def save_pretrained(self, directory: Path) -> None:
         """Nothing to write: the vocabulary ships with open_clip."""
 
@@ -83,6 +86,9 @@ class HFTokenizer:
             )
         return (input_ids != self.pad_token_id).long()
 
+    def vocabulary(self) -> dict[str, int]:
+        return self._tok.get_vocab()
+
     def save_pretrained(self, directory: Path) -> None:
         self._tok.save_pretrained(directory)
 
@@ -113,6 +119,25 @@ def build_tokenizer(name: str, context_length: int, key: str = "model.text.token
     if name == OPEN_CLIP:
         return OpenCLIPTokenizer(context_length)
     return HFTokenizer(name, context_length, key)
+
+
+# Captions with capitals, accents, punctuation and digits: two tokenizers with one vocabulary that
+# give these the same ids also clean, case and split text alike.
+PROBE_CAPTIONS = ("A Photo of the Number 7.", "zwei Kätzchen, naïve café!", "digits 0123456789 (on a sign)")
+
+
+def how_tokens_differ(expected: Tokenizer, other: Tokenizer) -> str | None:
+    """How ``other`` tokenizes otherwise than ``expected``, in words; None when they agree on the
+    vocabulary and on ``PROBE_CAPTIONS``. Weights trained on one tokenizer's ids are meaningless
+    under another's, and a same-sized vocabulary would load without complaint."""
+    ours, theirs = expected.vocabulary(), other.vocabulary()
+    if moved := {token for token, _ in ours.items() ^ theirs.items()}:  # another id, or in one only
+        return f"{len(moved)} of its {len(theirs)} vocabulary entries differ from the {len(ours)} expected"
+    for caption in PROBE_CAPTIONS:
+        want, got = (tokenizer(caption)["input_ids"][0].tolist() for tokenizer in (expected, other))
+        if got != want:
+            return f"it makes {caption!r} the ids {got} instead of {want}"
+    return None
 
 
 def _text_list(texts: str | Sequence[str]) -> list[str]:
