@@ -1,5 +1,6 @@
 """Every local path a training run will read, checked at start-up rather than where it is first read
-(a zero-shot file after the last step): each check is the reader's own, so the message is the same.
+(a zero-shot file after the last step), and those of ``clip-train eval`` before it reads the
+checkpoint: each check is the reader's own, so the message is the same.
 Remote sources (``pipe:`` and URL shards, hub names) cannot be checked offline and pass. wandb is
 checked too: rank 0 imports it only once the model, the loader and a resume are built.
 """
@@ -24,18 +25,8 @@ def check_paths(cfg: Config) -> None:
     """Raise a one-line ``UserError`` naming the key of the first path the run could not read."""
     train = expand_urls(cfg.data.train, what="data.train")
     check_readable(train, what="data.train")
-    val: list[str] = []
-    if cfg.data.val:  # a table's header is checked as it is split (tiny next to a training table)
-        val = source_urls(cfg.data.val, cfg.data, what="data.val")
-        check_readable(val, what="data.val")
+    val = check_eval_paths(cfg)
     check_source_options(cfg.data, train + val)
-    if cfg.eval.zeroshot:  # the zero-shot sets are read only then
-        classnames, _ = zeroshot_metadata(cfg.eval.zeroshot)
-        synsets = synsets_of(cfg.eval.zeroshot)
-        for key, source in zeroshot_sources(cfg.eval, cfg.data).values():
-            if class_map(source, classnames, synsets, key) is None:  # shards or tables
-                urls = val if source == cfg.data.val else expand_urls(source, what=key)
-                _check_labelled(key, source, urls)
     # A resumed run reads neither init_from nor the pretrained weights; with checkpoint.remote, auto
     # may find its checkpoint there (on a fresh disk): the trainer then reads what it needs.
     may_resume = resolve_resume(cfg.checkpoint.resume, cfg.train.out_dir) is not None or (
@@ -50,6 +41,23 @@ def check_paths(cfg: Config) -> None:
             check_init_from(cfg.distill.teacher)
         if cfg.distill.teacher_model:
             load_model_config(cfg.distill.teacher_model, "distill.teacher_model")
+
+
+def check_eval_paths(cfg: Config) -> list[str]:
+    """What an evaluation reads, in training and in ``clip-train eval``: ``data.val`` (its URLs are
+    returned) and the zero-shot sets, which must carry labels."""
+    val: list[str] = []
+    if cfg.data.val:  # a table's header is checked as it is split (tiny next to a training table)
+        val = source_urls(cfg.data.val, cfg.data, what="data.val")
+        check_readable(val, what="data.val")
+    if cfg.eval.zeroshot:  # the zero-shot sets are read only then
+        classnames, _ = zeroshot_metadata(cfg.eval.zeroshot)
+        synsets = synsets_of(cfg.eval.zeroshot)
+        for key, source in zeroshot_sources(cfg.eval, cfg.data).values():
+            if class_map(source, classnames, synsets, key) is None:  # shards or tables
+                urls = val if source == cfg.data.val else expand_urls(source, what=key)
+                _check_labelled(key, source, urls)
+    return val
 
 
 def _check_labelled(key: str, source: str, urls: list[str]) -> None:

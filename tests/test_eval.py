@@ -368,7 +368,7 @@ def test_more_zeroshot_sets_are_scored_each_under_its_name(tmp_path):
 
 
 def test_a_missing_set_is_named_by_its_key(data, tmp_path):
-    """``clip-train eval`` runs no start-up checks: the evaluation names the key itself."""
+    """``evaluate`` names the key itself too, for callers without the start-up checks."""
     eval_cfg = EvalConfig(zeroshot=data["zeroshot"], zeroshot_sets={"v2": str(tmp_path / "nope")})
     with pytest.raises(
         UserError, match=re.escape(f"eval.zeroshot_sets.v2: no such file or directory: {tmp_path}")
@@ -742,13 +742,24 @@ def test_eval_cli_without_a_config_keeps_the_checkpoints_model(demo_run, capsys)
             "a field of their json",
         ),
         (["eval.batch_size=0"], "eval.batch_size=0 must be > 0"),
+        (
+            ["eval.zeroshot_data=TABLE"],
+            "eval.zeroshot_data=TABLE: a table's rows carry no labels, which eval.zeroshot needs; give "
+            "labelled shards or an image folder",
+        ),
     ],
 )
-def test_eval_cli_refuses_the_eval_settings_training_refuses(demo_run, overrides, error, capsys):
-    """Rather than evaluate without what was asked for (zero-shot data with no class names)."""
-    overrides = [item.replace("VAL", str(demo_run)) for item in overrides]
-    assert cli_main(["eval", str(demo_run), *overrides]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"clip-train: error: {error}"]
+def test_eval_cli_refuses_the_eval_settings_training_refuses(demo_run, tmp_path, overrides, error, capsys):
+    """Rather than evaluate without what was asked for (zero-shot data with no class names), or fail
+    once the model is built and the checkpoint read."""
+    table = tmp_path / "val.tsv"
+    table.write_text("filepath\ttitle\nimages/1.png\ta caption\n")
+
+    def placed(text: str) -> str:
+        return text.replace("VAL", str(demo_run)).replace("TABLE", str(table))
+
+    assert cli_main(["eval", str(demo_run), *map(placed, overrides)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"clip-train: error: {placed(error)}"]
 
 
 def test_eval_cli_rejects_missing_and_mismatched_checkpoints(tmp_path, tiny_config, tiny_model, capsys):

@@ -21,6 +21,7 @@ from clip_train.errors import UserError
 from clip_train.eval import eval_config, evaluate
 from clip_train.model import build_model
 from clip_train.precision import use_tf32
+from clip_train.startup_checks import check_eval_paths
 from clip_train.wise_ft import mixtures, parse_alphas, start_of
 
 
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         config, overrides = None, [config, *overrides]
     file = find_weights(args.checkpoint, verify=True)  # its checksums, before any of it is read
     cfg = eval_config(file, config, overrides)
+    check_eval_paths(cfg)  # before the model is built and the checkpoint read
     env = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     use_tf32(env.device, cfg.train.precision)
     try:
