@@ -20,13 +20,13 @@ from clip_train.checkpoint.layout import (
     step_dirs,
 )
 from clip_train.checkpoint.reading import (
-    checkpoint_model_config,
     load_train_state,
     load_weights_file,
     saved_model_config,
+    self_contained,
 )
 from clip_train.checkpoint.writing import remove_stale_temp_dirs, save_checkpoint, set_aside_newer
-from clip_train.config import CheckpointConfig, ModelConfig, TowerConfig
+from clip_train.config import CheckpointConfig, ModelConfig, TextTowerConfig, TowerConfig
 from clip_train.distributed import decided_by_main, gather_to_main, rank_and_world
 from clip_train.errors import UserError
 from clip_train.logs import get_logger
@@ -219,14 +219,14 @@ class Checkpointer:
                 "resume it with its settings, or start a new run from its weights with "
                 f"model.init_from={checkpoint} (fine-tuning: a new train.out_dir, a fresh optimizer)"
             )
-        if (checkpoint / MODEL_CONFIG_FILE).is_file():  # it holds its tokenizer (older ones only a path)
-            self._check_same_tokenizer(checkpoint)
+        if saved is not None and (checkpoint / MODEL_CONFIG_FILE).is_file():  # older ones: only a path
+            self._check_same_tokenizer(checkpoint, self_contained(saved, checkpoint).text)
 
-    def _check_same_tokenizer(self, checkpoint: Path) -> None:
+    def _check_same_tokenizer(self, checkpoint: Path, saved: TextTowerConfig) -> None:
         """The tokenizer's path may change (a moved copy), its tokens may not: the text tower's
         embeddings are rows of the checkpoint's ids, which another vocabulary of the same size
-        would reuse for other words without an error."""
-        saved = checkpoint_model_config(checkpoint).text
+        would reuse for other words without an error. ``saved``: the checkpoint's text tower,
+        pointed at its own copy of the tokenizer."""
         saved_source, source = (text.tokenizer or text.hf for text in (saved, self.model_cfg.text))
         saved_tokenizer = build_tokenizer(saved_source, saved.context_length)
         if difference := how_tokens_differ(saved_tokenizer, self.model.tokenizer):

@@ -41,6 +41,12 @@ def checkpoint_model_config(checkpoint: Path) -> ModelConfig:
         )
     if not (checkpoint / MODEL_CONFIG_FILE).is_file():  # the run's config: its own files, as they were
         return cfg
+    return self_contained(cfg, checkpoint)
+
+
+def self_contained(cfg: ModelConfig, checkpoint: Path) -> ModelConfig:
+    """``cfg``, the ``model.yaml`` of ``checkpoint``, pointed in place at the checkpoint's own
+    ``text/`` (the tokenizer too, unless open_clip's) and at no pretrained weights."""
     cfg.init_from = cfg.image.pretrained = ""
     cfg.text.hf, cfg.text.hf_config = str(checkpoint / TEXT_DIR), {}
     if cfg.text.tokenizer != OPEN_CLIP:
