@@ -298,8 +298,11 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     world = spec["world"] if spec["impl"] != "floor" else 1
     if world == 1:
         return _time_and_memory(spec, rank=0, world=1)
+    # On the CPU this is a measurement's own process, which has only imported: its ranks are forked
+    # from it. On CUDA it is the command's, which holds the device: they start fresh.
+    start_method = "fork" if spec["device"] == "cpu" else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank_main, args=(world, spec, tmp), nprocs=world, join=True)
+        mp.start_processes(_rank_main, (world, spec, tmp), nprocs=world, start_method=start_method)
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     return {
         "time_s": max(r["time_s"] for r in per_rank),

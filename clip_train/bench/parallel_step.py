@@ -67,7 +67,8 @@ def run_parallel(args: Any, sizes: list[int]) -> list[dict[str, Any]]:
 def measure_ranks(spec: dict[str, Any]) -> dict[str, Any]:
     """One point: ``spec['world']`` gloo ranks, each reporting; summarised over the ranks."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(spec, tmp), nprocs=spec["world"], join=True)
+        # forked: the measurement's own process (in_fresh_process), which has only imported
+        mp.start_processes(_rank, (spec, tmp), nprocs=spec["world"], start_method="fork")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(spec["world"])]
     return {
         "mode": spec["mode"],

@@ -1,8 +1,12 @@
-"""Run one measurement in a fresh Python process, so that its memory peak is its own (the resident
+"""Run one measurement in a process of its own, so that its memory peak is its own (the resident
 set's peak is process-wide: ``memory.peak_bytes``) and nothing it loads or leaks reaches the next one.
 
-The function is named by module and name, its spec and result travel as JSON: the child starts
-from a clean interpreter, not a copy of the parent (fork) or an unpickled one (spawn).
+The process is forked from multiprocessing's fork server, which has imported the measurement's module
+and the libraries measured beside ours and done nothing else: not a copy of the parent (fork), which
+may hold CUDA, threads and earlier results. A new interpreter spent 3-10 s of CPU on those imports
+before each measurement, more than a toy one takes. The server's children have its environment, so
+once this process's environment changes the measurements start new interpreters instead. The
+function is named by module and name, its spec and result travel as JSON.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -86,24 +91,89 @@ def _kill_all(pid: int) -> None:
         descendants = psutil.Process(pid).children(recursive=True)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # a forked measurement killed before it made its group
     for process in descendants:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
 
 
+# Imported by the fork server besides the measurement's module: what the measurements compare with
+# (open_clip's losses and trainer), which brings the towers' libraries (timm, transformers).
+PRELOADED = ("open_clip",)
+_server_environment: dict[str, str] | None = None  # os.environ when the fork server started
+
+
 def in_fresh_process(fn: Callable[[Any], Any], spec: Any, timeout_s: float | None = None) -> Any:
-    """``fn(spec)`` in a new interpreter; ``fn`` is a module-level function. Its stdout passes through;
-    its stderr is replayed after it ends, or carried by :class:`ProcessFailed`. Past ``timeout_s`` it
-    is killed (``subprocess.TimeoutExpired``)."""
+    """``fn(spec)`` in a process of its own; ``fn`` is a module-level function. Its stdout and stderr
+    are replayed after it ends, its stderr carried by :class:`ProcessFailed` if it failed. Past
+    ``timeout_s`` it is killed (``subprocess.TimeoutExpired``)."""
     target = f"{fn.__module__}:{fn.__qualname__}"
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "result.json")
-        command = [sys.executable, "-m", __name__, target, str(out)]
-        proc = run_as_group(command, timeout_s, json.dumps(spec), stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            raise ProcessFailed(target, proc.returncode, proc.stderr)
-        sys.stderr.write(proc.stderr)
-        return json.loads(out.read_text())
+        folder = Path(tmp)
+        try:
+            returncode = _run_measurement(target, json.dumps(spec), folder, timeout_s)
+        finally:
+            sys.stdout.write(_said(folder / "stdout"))
+        stderr = _said(folder / "stderr")
+        if returncode != 0:
+            raise ProcessFailed(target, returncode, stderr)
+        sys.stderr.write(stderr)
+        return json.loads((folder / "result.json").read_text())
+
+
+def _said(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _run_measurement(target: str, spec: str, folder: Path, timeout_s: float | None) -> int:
+    """The measurement's exit code (negative: the signal that ended it); its output in ``folder``.
+    Forked from the fork server, or started as a new interpreter where this process's environment
+    changed since the server started (the server's children have the server's)."""
+    server = _fork_server(target.split(":")[0])
+    if server is None:
+        command = [sys.executable, "-m", __name__, target, str(folder)]
+        with (folder / "stdout").open("w") as stdout, (folder / "stderr").open("w") as stderr:
+            return run_as_group(command, timeout_s, spec, stdout=stdout, stderr=stderr, text=True).returncode
+    process = server.Process(target=_forked, args=(target, spec, folder), name=target)
+    with sigterm_raises():
+        process.start()
+        try:
+            process.join(timeout_s)
+            if process.exitcode is None:
+                raise subprocess.TimeoutExpired(target, timeout_s)
+        except BaseException:
+            _kill_all(process.pid)
+            process.join()
+            raise
+    return process.exitcode
+
+
+def _fork_server(module: str) -> multiprocessing.context.BaseContext | None:
+    """multiprocessing's fork-server context, its server preloading ``module`` (the first
+    measurement's) and :data:`PRELOADED` when it starts; None once os.environ differs from then."""
+    global _server_environment
+    context = multiprocessing.get_context("forkserver")
+    if _server_environment is None:
+        context.set_forkserver_preload([module, *PRELOADED])
+        _server_environment = dict(os.environ)
+    return context if _server_environment == os.environ else None
+
+
+def _forked(target: str, spec: str, folder: Path) -> None:
+    """A forked measurement: in a process group of its own (so that ``_kill_all`` ends what it
+    starts), its output in ``folder``."""
+    os.setpgid(0, 0)
+    for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+        with (folder / name).open("w") as sink:
+            os.dup2(sink.fileno(), stream.fileno())
+    _measure(target, spec, folder)
+
+
+def _measure(target: str, spec: str, folder: Path) -> None:
+    module, name = target.split(":")
+    result = getattr(importlib.import_module(module), name)(json.loads(spec))
+    (folder / "result.json").write_text(json.dumps(result))
 
 
 class RunFailed(UserError):
@@ -137,10 +207,8 @@ def run_logged(
 
 
 def _main() -> None:
-    target, out = sys.argv[1:]
-    module, name = target.split(":")
-    result = getattr(importlib.import_module(module), name)(json.load(sys.stdin))
-    Path(out).write_text(json.dumps(result))
+    target, folder = sys.argv[1:]
+    _measure(target, sys.stdin.read(), Path(folder))
 
 
 if __name__ == "__main__":
