@@ -1,6 +1,6 @@
 """A benchmark's measurements (``in_fresh_process``), each in a process of its own forked from the fork
 server: its result, output and failure come back as from a new interpreter, a timeout or SIGTERM ends
-it with its children, and a changed environment gets a new interpreter.
+it with its children, and a machine with a CUDA device or a changed environment gets a new interpreter.
 
 The benchmark is a Python process of its own (``DRIVER``), as ``clip-train bench`` is: the test
 worker's environment changes from test to test, which sends its measurements to new interpreters.
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 from processes import Watched, ended, run_to_end
 
@@ -76,9 +77,11 @@ def measures(pids: str) -> None:
         in_fresh_process(hangs_with_a_child, pids, timeout_s=5)
     except subprocess.TimeoutExpired as err:
         timed_out = err.timeout
+    with mock.patch("torch.cuda.is_available", return_value=True):  # a GPU box
+        on_a_gpu_box = in_fresh_process(seen, {"n": 4})
     os.environ["RUNNER_MARK"] = "changed"
-    changed = in_fresh_process(seen, {"n": 4})
-    print(json.dumps({"measured": [first, second, changed], "failed": failed, "died": died,
+    changed = in_fresh_process(seen, {"n": 5})
+    print(json.dumps({"measured": [first, second, on_a_gpu_box, changed], "failed": failed, "died": died,
                       "timed_out": timed_out, "me": os.getpid()}))  # fmt: skip
 
 
@@ -91,7 +94,7 @@ def test_measurements_fork_from_one_server_and_come_back_as_from_a_new_interpret
     result = run_to_end([sys.executable, "-c", DRIVER % "measures", str(pids)], env=driver_env())
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
-    first, second, changed = report["measured"]
+    first, second, on_a_gpu_box, changed = report["measured"]
     # Forked from one server that had imported what is measured; each in a group of its own.
     assert first["parent"] == second["parent"] != report["me"] and first["pid"] != second["pid"]
     assert first["preloaded"] and second["preloaded"] and first["own_group"] and second["own_group"]
@@ -105,7 +108,9 @@ def test_measurements_fork_from_one_server_and_come_back_as_from_a_new_interpret
     # Past its timeout the measurement is killed with its child, and the benchmark goes on.
     assert report["timed_out"] == 5
     assert ended([int(pid) for pid in pids.read_text().split()]), "the hung measurement outlived its timeout"
-    # The server's children would have its environment: a changed one gets a new interpreter.
+    # CUDA would not survive the fork, and the server's children would have its environment: where
+    # there is a CUDA device, and once the environment changed, a measurement is a new interpreter.
+    assert on_a_gpu_box["parent"] == report["me"] and not on_a_gpu_box["preloaded"]
     assert changed["mark"] == "changed" and changed["parent"] == report["me"] and not changed["preloaded"]
 
 

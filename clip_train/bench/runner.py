@@ -5,8 +5,9 @@ The process is forked from multiprocessing's fork server, which has imported the
 and the libraries measured beside ours and done nothing else: not a copy of the parent (fork), which
 may hold CUDA, threads and earlier results. A new interpreter spent 3-10 s of CPU on those imports
 before each measurement, more than a toy one takes. The server's children have its environment, so
-once this process's environment changes the measurements start new interpreters instead. The
-function is named by module and name, its spec and result travel as JSON.
+once this process's environment changes the measurements start new interpreters instead; so they do
+on a machine with a CUDA device. The function is named by module and name, its spec and result
+travel as JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 
 from clip_train.errors import UserError
 
@@ -151,8 +153,11 @@ def _run_measurement(target: str, spec: str, folder: Path, timeout_s: float | No
 
 def _fork_server(module: str) -> multiprocessing.context.BaseContext | None:
     """multiprocessing's fork-server context, its server preloading ``module`` (the first
-    measurement's) and :data:`PRELOADED` when it starts; None once os.environ differs from then."""
+    measurement's) and :data:`PRELOADED` when it starts; None once os.environ differs from then, and
+    where there is a CUDA device: CUDA does not survive a fork, and a library's import may start it."""
     global _server_environment
+    if torch.cuda.is_available():
+        return None
     context = multiprocessing.get_context("forkserver")
     if _server_environment is None:
         context.set_forkserver_preload([module, *PRELOADED])

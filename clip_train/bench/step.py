@@ -171,7 +171,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     batch = synthetic_batch(model, spec["batch"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ready_s = time.time() - process_started()  # the model and the batch (the fork server imported)
+    ready_s = time.time() - process_started()  # imports (on a GPU), model and batch
     times, cpu_times, stats = [], [], None
     try:
         for _ in range(spec["repeats"] + 1):
