@@ -130,8 +130,7 @@ def _said(path: Path) -> str:
 
 def _run_measurement(target: str, spec: str, folder: Path, timeout_s: float | None) -> int:
     """The measurement's exit code (negative: the signal that ended it); its output in ``folder``.
-    Forked from the fork server, or started as a new interpreter where this process's environment
-    changed since the server started (the server's children have the server's)."""
+    Forked from the fork server, or a new interpreter where there is none to fork from (``_fork_server``)."""
     server = _fork_server(target.split(":")[0])
     if server is None:
         command = [sys.executable, "-m", __name__, target, str(folder)]
