@@ -74,14 +74,25 @@ def run_as_group(
     measures. Its stdin is empty unless ``input`` is given: in a group of its own, a read from the
     terminal would stop it until its timeout."""
     stdin = subprocess.PIPE if input is not None else subprocess.DEVNULL
-    with sigterm_raises(), subprocess.Popen(command, stdin=stdin, process_group=0, **popen) as proc:
-        try:
-            stdout, stderr = proc.communicate(input, timeout=timeout_s)
-        except BaseException:
-            _kill_all(proc.pid)
-            proc.wait()
-            raise
+    with (
+        sigterm_raises(),
+        subprocess.Popen(command, stdin=stdin, process_group=0, **popen) as proc,
+        _killed_whole_on_error(proc.pid, proc.wait),
+    ):
+        stdout, stderr = proc.communicate(input, timeout=timeout_s)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def _killed_whole_on_error(pid: int, reap: Callable[[], Any]) -> Iterator[None]:
+    """Waiting on process ``pid``: on any exception (a timeout, SIGTERM, an interrupt) it is killed
+    with its processes (``_kill_all``) and reaped (``reap``) before the exception goes on."""
+    try:
+        yield
+    except BaseException:
+        _kill_all(pid)
+        reap()
+        raise
 
 
 def _kill_all(pid: int) -> None:
@@ -139,14 +150,10 @@ def _run_measurement(target: str, spec: str, folder: Path, timeout_s: float | No
     process = server.Process(target=_forked, args=(target, spec, folder), name=target)
     with sigterm_raises():
         process.start()
-        try:
+        with _killed_whole_on_error(process.pid, process.join):
             process.join(timeout_s)
             if process.exitcode is None:
                 raise subprocess.TimeoutExpired(target, timeout_s)
-        except BaseException:
-            _kill_all(process.pid)
-            process.join()
-            raise
     return process.exitcode
 
 
