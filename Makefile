@@ -71,13 +71,14 @@ test: $(VENV)/.installed-dev+demo
 # from .venv, so the two share their wheels (the CUDA libraries torch loads at import included).
 # It runs the tests of the code that leans on torch's version-dependent APIs: the collectives and
 # the store, the loss (its compiled tiles included), Gradient Cache's RNG replay (compiled too), the update,
-# checkpoints (weights_only loads, DCP), the trainer's resume and torchrun restarts, and of FSDP2
+# checkpoints (weights_only loads and refusals, DCP), the trainer's resume and torchrun restarts, and of FSDP2
 # the sharding (from rank 0's weights), its gradient sync and a checkpoint resharded 2 -> 4 -> 1,
 # the NaN guard's skip on sharded parameters (fused AdamW's found_inf) and the EMA of their shards.
 # What is torch-version-neutral (the exit paths, DDP's comm hooks, signals) runs in `make test`.
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests/test_compat.py tests/test_distributed.py tests/test_loss*.py tests/test_gradcache.py \
-	tests/test_optim.py tests/test_skipped_steps.py tests/test_checkpoint*.py tests/test_fsdp_config.py \
+	tests/test_optim.py tests/test_skipped_steps.py tests/test_checkpoint.py tests/test_fsdp_config.py \
+	tests/test_checkpoint_verify.py::test_a_train_state_that_would_run_code_is_refused_in_one_line \
 	tests/test_compile.py::test_compiled_towers_replay_exactly_with_dropout \
 	tests/test_trainer.py::test_resume_from_mid_run_checkpoint_is_bit_identical \
 	tests/test_trainer.py::test_sigkill_worker_restarts_and_matches_uninterrupted_run \
