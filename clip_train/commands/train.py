@@ -20,6 +20,7 @@ from pathlib import Path
 from clip_train.config import load_config
 from clip_train.config.unused import warn_unused_settings
 from clip_train.logs import get_logger, setup_logging
+from clip_train.startup_time import collector_paused_then_frozen
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +35,15 @@ def run(args: argparse.Namespace) -> int:
         # loader workers that share the cores get them (8 % faster CPU steps with one worker on 2).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported only now: torch, timm and transformers take seconds to load.
-    from clip_train.checkpoint import resume_at_restart
-    from clip_train.compat import torchrun_waits_for_its_workers
-    from clip_train.distributed import init_distributed, set_main_only_timeout, shutdown_distributed
-    from clip_train.preemption import Preempted, preemption_signals, torchrun_grace_warning
-    from clip_train.run_lock import hold_out_dir
-    from clip_train.startup_checks import check_paths, check_wandb
-    from clip_train.stopping import StopWatch
-    from clip_train.trainer import Trainer
+    with collector_paused_then_frozen():
+        from clip_train.checkpoint import resume_at_restart
+        from clip_train.compat import torchrun_waits_for_its_workers
+        from clip_train.distributed import init_distributed, set_main_only_timeout, shutdown_distributed
+        from clip_train.preemption import Preempted, preemption_signals, torchrun_grace_warning
+        from clip_train.run_lock import hold_out_dir
+        from clip_train.startup_checks import check_paths, check_wandb
+        from clip_train.stopping import StopWatch
+        from clip_train.trainer import Trainer
 
     # The start-up's first stages, for the trainer's clock: the interpreter, the config and the
     # library (torch, timm, transformers), then the paths, the device's context and the process group.
