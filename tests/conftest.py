@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -67,6 +68,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collecting imported (torch, the library, the test modules) lives as long as the worker:
+    frozen, the collections that the tests' own garbage sets off no longer scan it."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
