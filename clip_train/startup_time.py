@@ -32,7 +32,7 @@ def process_started() -> float:
 def collector_paused_then_frozen() -> Iterator[None]:
     """For the library's imports: torch, timm and transformers make about half a million objects
     that live as long as the process, and the cyclic collector, run every few hundred allocations,
-    scans them again and again (0.6-1.0 s of the 5-6 s of CPU that importing the trainer takes on
+    scans them again and again (0.4-1.1 s of the 5-6 s of CPU that importing the trainer takes on
     a 2-core CPU). Frozen afterwards, they stay out of the training loop's full collections, and
     out of copy-on-write in processes forked from this one."""
     enabled = gc.isenabled()
